@@ -1,0 +1,611 @@
+"""PPO for discrete-action gymnasium environments (CartPole-v1 by default).
+
+    python ppo.py                                  # CartPole-v1, 500k steps, CleanRL settings
+    python ppo.py --env-id Acrobot-v1 --total-timesteps 1e6 --compile
+    python ppo.py --resume runs/<run>/checkpoint.pt --eval-episodes 10
+
+The loop follows the note (shared/seeds/ppo_note.md) step by step; each step is a section comment below:
+Collect rollout -> Compute advantages and returns (GAE) -> Advantage normalisation ->
+Optimise policy & value for E epochs (clipped policy loss + value loss + entropy bonus) -> Update reference policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Annotated, Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+import tyro
+
+
+def die(msg: str) -> None:
+    """Bad input: one line on stderr, exit code 2, no traceback."""
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_count(text: str) -> int:
+    """A count written as 500000, 5e5, 1e7 or 1_000_000; anything that is not a whole number is an error."""
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
+    if not value.is_integer():
+        raise ValueError(f"{text!r} is not a whole number")
+    return int(value)
+
+
+Count = Annotated[
+    int,
+    tyro.constructors.PrimitiveConstructorSpec(
+        nargs=1,
+        metavar="INT",
+        instance_from_str=lambda a: parse_count(a[0]),
+        is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool),
+        str_from_instance=lambda x: [str(x)],
+    ),
+]
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "ppo"
+    """name of this experiment (part of the run name)"""
+    seed: Count = 1
+    """seed of the experiment (python, numpy, torch and the environments)"""
+    torch_deterministic: bool = True
+    """use deterministic torch algorithms"""
+    cuda: bool = False
+    """run the networks on CUDA (tiny MLPs are usually faster on CPU)"""
+    compile: bool = False
+    """torch.compile the action sampling and the update step"""
+    cudagraphs: bool = False
+    """capture the action sampling and the update step in CUDA graphs (needs --cuda)"""
+    torch_threads: Count = 1
+    """torch CPU threads (1 is fastest for small networks)"""
+    track: bool = False
+    """log to Weights & Biases (WANDB_MODE=offline works without network)"""
+    wandb_project_name: str = "ppo-reference"
+    """wandb project name"""
+    wandb_entity: Optional[str] = None
+    """wandb entity (team)"""
+    capture_video: bool = False
+    """record videos of the evaluation episodes under runs/<run>/videos"""
+    save_model: bool = False
+    """write runs/<run>/checkpoint.pt at the end of training"""
+    checkpoint_every: Count = 0
+    """also write the checkpoint every N iterations (0: only at the end with --save-model)"""
+    resume: Optional[str] = None
+    """continue from this checkpoint.pt: same run directory, step count and lr schedule; flags not given on the
+    command line take the checkpoint's values"""
+    stop_after: Count = 0
+    """stop this process after N iterations with a checkpoint (0: run to the end); --resume continues"""
+    eval_episodes: Count = 0
+    """after training (or right away for a finished --resume checkpoint) evaluate N episodes"""
+    runs_dir: str = "runs"
+    """directory that holds the runs"""
+
+    # Algorithm
+    env_id: str = "CartPole-v1"
+    """id of a gymnasium environment with a discrete action space"""
+    total_timesteps: Count = 500_000
+    """total environment steps of the run"""
+    learning_rate: float = 2.5e-4
+    """Adam learning rate"""
+    num_envs: Count = 4
+    """number of parallel environments"""
+    vector_mode: Literal["sync", "async"] = "sync"
+    """gymnasium SyncVectorEnv (one process) or AsyncVectorEnv (one process per env)"""
+    num_steps: Count = 128
+    """steps per environment per rollout (T)"""
+    anneal_lr: bool = True
+    """anneal the learning rate linearly to 0"""
+    gamma: float = 0.99
+    """discount factor"""
+    gae_lambda: float = 0.95
+    """lambda of generalized advantage estimation"""
+    num_minibatches: Count = 4
+    """number of minibatches per epoch"""
+    update_epochs: Count = 4
+    """epochs E over each rollout"""
+    norm_adv: bool = True
+    """standardise advantages per minibatch"""
+    clip_coef: float = 0.2
+    """clip range epsilon of the policy ratio"""
+    clip_vloss: bool = True
+    """clip the value loss as in the original PPO code"""
+    ent_coef: float = 0.01
+    """entropy bonus coefficient c_H"""
+    vf_coef: float = 0.5
+    """value loss coefficient c_v"""
+    max_grad_norm: float = 0.5
+    """global gradient norm clip"""
+    target_kl: Optional[float] = None
+    """stop the epochs of an update early once approx_kl exceeds this"""
+
+
+def parse_args(argv: Optional[list[str]] = None) -> Args:
+    """tyro.cli, with its error boxes condensed to one line (exit code 2)."""
+    argv = sys.argv[1:] if argv is None else argv
+    default = None
+    resume = resume_path(argv)
+    if resume is not None:  # the checkpoint's arguments become the defaults; flags given now override them
+        if not os.path.isfile(resume):
+            die(f"--resume: no such file {resume}")
+        saved = load_checkpoint(resume)["args"]
+        default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = tyro.cli(Args, args=argv, default=default)
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise
+        body = [ln.strip(" │─\t") for ln in err.getvalue().splitlines() if ln.lstrip().startswith("│")]
+        message = []
+        for ln in body:  # the box's first paragraph is the error; a rule line ends it
+            if not ln:
+                break
+            message.append(ln)
+        die(" ".join(message) or "invalid arguments (see --help)")
+    validate(args)
+    return args
+
+
+def resume_path(argv: list[str]) -> Optional[str]:
+    for i, a in enumerate(argv):
+        if a == "--resume" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--resume="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def validate(args: Args) -> None:
+    for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "torch_threads"):
+        if getattr(args, name) <= 0 and not (name == "total_timesteps" and getattr(args, name) == 0):
+            die(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("eval_episodes", "checkpoint_every", "stop_after"):
+        if getattr(args, name) < 0:
+            die(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    batch = args.num_envs * args.num_steps
+    if batch % args.num_minibatches:
+        die(f"num_envs*num_steps = {batch} is not divisible by --num-minibatches {args.num_minibatches}")
+    if not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1):
+        die("--gamma and --gae-lambda must lie in [0, 1]")
+    if args.learning_rate <= 0 or args.clip_coef <= 0 or args.max_grad_norm <= 0:
+        die("--learning-rate, --clip-coef and --max-grad-norm must be positive")
+    if args.cudagraphs and not args.cuda:
+        die("--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
+    if args.cuda and not torch.cuda.is_available():
+        die("--cuda given but torch finds no CUDA device")
+    if args.resume is not None and not os.path.isfile(args.resume):
+        die(f"--resume: no such file {args.resume}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Environments
+# ---------------------------------------------------------------------------------------------------------
+def make_env(env_id: str, idx: int = 0, capture_video: bool = False, video_dir: str = ""):
+    def thunk():
+        import gymnasium as gym
+
+        if capture_video and idx == 0:
+            env = gym.make(env_id, render_mode="rgb_array")
+            env = gym.wrappers.RecordVideo(env, video_dir, episode_trigger=lambda ep: True, disable_logger=True)
+        else:
+            env = gym.make(env_id)
+        return env
+
+    return thunk
+
+
+def make_vector_env(args: Args):
+    """Vector env in SAME_STEP autoreset mode: a finished episode is reset inside the same step() call and its last
+    observation comes back in info["final_obs"], so every stored transition is a real one (no reset transitions)."""
+    import gymnasium as gym
+
+    try:
+        probe = gym.make(args.env_id)
+    except gym.error.Error as e:
+        die(f"unknown or unusable env id {args.env_id!r}: {e}")
+    except Exception as e:  # a missing optional dependency of the env, for instance
+        die(f"cannot make {args.env_id!r}: {type(e).__name__}: {e}")
+    if not isinstance(probe.action_space, gym.spaces.Discrete):
+        die(f"{args.env_id} has a {type(probe.action_space).__name__} action space; ppo.py needs Discrete "
+            "(use ppo_continuous.py for continuous actions)")
+    if not isinstance(probe.observation_space, gym.spaces.Box):
+        die(f"{args.env_id} has a {type(probe.observation_space).__name__} observation space; ppo.py needs a Box")
+    probe.close()
+    fns = [make_env(args.env_id, i) for i in range(args.num_envs)]
+    cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
+    return cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Agent: separate actor and critic MLPs (64x64 tanh), orthogonal init
+# ---------------------------------------------------------------------------------------------------------
+def layer_init(layer: nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
+    torch.nn.init.orthogonal_(layer.weight, std)  # detail: orthogonal init with scaled gains
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class Agent(nn.Module):
+    def __init__(self, obs_dim: int, n_actions: int):
+        super().__init__()
+        self.critic = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, 1), std=1.0),
+        )
+        self.actor = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, n_actions), std=0.01),  # detail: small last-layer gain -> near-uniform start
+        )
+
+    def get_value(self, x: torch.Tensor) -> torch.Tensor:
+        return self.critic(x).squeeze(-1)
+
+    def get_action_and_value(self, x: torch.Tensor, action: Optional[torch.Tensor] = None):
+        """Sample (or score) an action. Returns action, log pi(a|s), entropy, V(s)."""
+        logits = self.actor(x)
+        logp_all = torch.log_softmax(logits, dim=-1)
+        if action is None:  # Gumbel-max sampling: one draw from Categorical(logits), cheap and compilable
+            u = torch.rand_like(logits).clamp_(min=1e-20)
+            action = torch.argmax(logits - torch.log(-torch.log(u)), dim=-1)
+        logprob = logp_all.gather(-1, action.long().unsqueeze(-1)).squeeze(-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return action, logprob, entropy, self.get_value(x)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure functions (imported by the tests)
+# ---------------------------------------------------------------------------------------------------------
+def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, lam: float):
+    """Generalized advantage estimation by the backward recursion of the note.
+
+    rewards, values, dones: (T, N); dones[t] = 1 if obs[t] is the first of a new episode (the transition at t-1
+    ended one). next_value, next_done: (N,) for the observation after the last step. Truncated episodes must
+    already carry gamma * V(final_obs) in their last reward (see main), so a done here always means "no bootstrap".
+    Returns advantages and returns R_t = A_t + V(s_t), both (T, N).
+    """
+    T = rewards.shape[0]
+    advantages = torch.zeros_like(rewards)
+    lastgaelam = torch.zeros_like(next_value)
+    for t in reversed(range(T)):
+        if t == T - 1:
+            nextnonterminal, nextvalues = 1.0 - next_done, next_value
+        else:
+            nextnonterminal, nextvalues = 1.0 - dones[t + 1], values[t + 1]
+        delta = rewards[t] + gamma * nextvalues * nextnonterminal - values[t]  # TD error
+        lastgaelam = delta + gamma * lam * nextnonterminal * lastgaelam
+        advantages[t] = lastgaelam
+    return advantages, advantages + values
+
+
+def normalize_advantages(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(A - mean) / (std + eps), with the unbiased std as in CleanRL and the OpenAI baselines."""
+    return (adv - adv.mean()) / (adv.std() + eps)
+
+
+def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, entropy,
+             clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool):
+    """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync)."""
+    logratio = newlogprob - oldlogprob
+    ratio = logratio.exp()
+    with torch.no_grad():
+        old_approx_kl = (-logratio).mean()
+        approx_kl = ((ratio - 1) - logratio).mean()  # k3 estimator, unbiased and low variance
+        clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
+    if norm_adv:
+        advantages = normalize_advantages(advantages)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
+    pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+    if clip_vloss:  # detail: value clipping around the old prediction
+        v_unclipped = (newvalue - returns) ** 2
+        v_clipped = oldvalue + torch.clamp(newvalue - oldvalue, -clip_coef, clip_coef)
+        v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - returns) ** 2).mean()
+    else:
+        v_loss = 0.5 * ((newvalue - returns) ** 2).mean()
+    entropy_loss = entropy.mean()
+    loss = pg_loss - ent_coef * entropy_loss + v_loss * vf_coef
+    stats = dict(policy_loss=pg_loss.detach(), value_loss=v_loss.detach(), entropy=entropy_loss.detach(),
+                 old_approx_kl=old_approx_kl, approx_kl=approx_kl, clipfrac=clipfrac)
+    return loss, stats
+
+
+def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
+    var_y = np.var(y_true)
+    return float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------------------
+SCRIPT = "ppo.py"
+
+
+def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step: int, iteration: int) -> None:
+    """Atomic write (temporary file, then rename): a kill during the save keeps the previous checkpoint."""
+    state = {
+        "script": SCRIPT,
+        "env_id": args.env_id,
+        "model": agent.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "global_step": global_step,
+        "iteration": iteration,
+        "rng": {"torch": torch.get_rng_state()},  # all of the script's own randomness is torch's
+        "args": dataclasses.asdict(args),
+    }
+    tmp = f"{path}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str, env_id: Optional[str] = None) -> dict:
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        die(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
+        die(f"{path} is not a {SCRIPT} checkpoint (script={ckpt.get('script') if isinstance(ckpt, dict) else None})")
+    if env_id is not None and ckpt["env_id"] != env_id:
+        die(f"{path} was trained on {ckpt['env_id']}, not {env_id} (pass --env-id {ckpt['env_id']})")
+    return ckpt
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------------------
+def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "") -> list[float]:
+    """Run `episodes` full episodes with actions sampled from the policy; return their undiscounted returns."""
+    env = make_env(args.env_id, 0, args.capture_video, video_dir)()
+    returns = []
+    obs, _ = env.reset(seed=args.seed + 10_000)
+    ep_ret = 0.0
+    while len(returns) < episodes:
+        with torch.inference_mode():
+            action, _, _, _ = agent.get_action_and_value(torch.as_tensor(obs, dtype=torch.float32, device=device))
+        obs, r, term, trunc, _ = env.step(int(action))
+        ep_ret += float(r)
+        if term or trunc:
+            returns.append(ep_ret)
+            ep_ret = 0.0
+            obs, _ = env.reset()
+    env.close()
+    return returns
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------
+def main(args: Args) -> dict:
+    batch_size = args.num_envs * args.num_steps
+    minibatch_size = batch_size // args.num_minibatches
+    num_iterations = args.total_timesteps // batch_size
+
+    ckpt = load_checkpoint(args.resume, args.env_id) if args.resume else None
+    if ckpt is not None:
+        run_dir = os.path.dirname(os.path.abspath(args.resume))
+        run_name = os.path.basename(run_dir)
+    else:
+        run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_dir = os.path.join(args.runs_dir, run_name)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as e:
+        die(f"cannot create run directory {run_dir}: {e.strerror}")
+    if not os.access(run_dir, os.W_OK):
+        die(f"run directory {run_dir} is not writable")
+
+    # Seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.torch_threads)
+    device = torch.device("cuda" if args.cuda else "cpu")
+
+    envs = make_vector_env(args)
+    obs_dim = int(np.prod(envs.single_observation_space.shape))
+    agent = Agent(obs_dim, int(envs.single_action_space.n)).to(device)
+    # lr lives in a tensor so that annealing does not recompile the compiled/captured optimizer step
+    optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
+                                 capturable=args.cudagraphs)
+    start_iteration, global_step = 1, 0
+    if ckpt is not None:
+        try:
+            agent.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            die(f"checkpoint {args.resume} does not fit this network: {str(e).splitlines()[0]}")
+        start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        print(f"resumed {args.resume} at iteration {ckpt['iteration']}, global step {global_step}")
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                   config=vars(args), name=run_name, dir=run_dir, resume="allow", id=run_name)
+    writer = SummaryWriter(run_dir)
+    if ckpt is None:
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
+                        "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+
+    # The two hot functions: action sampling during the rollout and one minibatch update.
+    def policy(obs):
+        action, logprob, _, value = agent.get_action_and_value(obs)
+        return action, logprob, value
+
+    def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values):
+        optimizer.zero_grad(set_to_none=False)
+        _, newlogprob, entropy, newvalue = agent.get_action_and_value(mb_obs, mb_actions)
+        loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
+                               args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef, args.norm_adv)
+        loss.backward()
+        stats["grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+        optimizer.step()
+        return stats
+
+    if args.compile:
+        if args.torch_deterministic:  # compiled code draws the same random numbers as eager code
+            import torch._inductor.config as inductor_config
+
+            inductor_config.fallback_random = True
+        policy = torch.compile(policy, mode="reduce-overhead" if args.cudagraphs else None)
+        update = torch.compile(update, mode="reduce-overhead" if args.cudagraphs else None)
+    elif args.cudagraphs:  # CUDA graphs without inductor: dynamo's cudagraphs backend records and replays
+        policy = torch.compile(policy, backend="cudagraphs")
+        update = torch.compile(update, backend="cudagraphs")
+
+    # Rollout storage (T, N, ...)
+    obs = torch.zeros((args.num_steps, args.num_envs, obs_dim), device=device)
+    actions = torch.zeros((args.num_steps, args.num_envs), dtype=torch.long, device=device)
+    logprobs = torch.zeros((args.num_steps, args.num_envs), device=device)
+    rewards = torch.zeros((args.num_steps, args.num_envs), device=device)
+    dones = torch.zeros((args.num_steps, args.num_envs), device=device)
+    values = torch.zeros((args.num_steps, args.num_envs), device=device)
+
+    next_obs_np, _ = envs.reset(seed=[args.seed + global_step + i for i in range(args.num_envs)])
+    next_obs = torch.as_tensor(next_obs_np, dtype=torch.float32, device=device).reshape(args.num_envs, -1)
+    next_done = torch.zeros(args.num_envs, device=device)
+    ep_return = np.zeros(args.num_envs)
+    ep_length = np.zeros(args.num_envs, dtype=np.int64)
+    recent_returns: list[float] = []
+    last_stats: dict = {}
+    start_time, last_print = time.time(), 0.0
+    steps_at_start = global_step
+    finished = True
+
+    for iteration in range(start_iteration, num_iterations + 1):
+        lr_now = args.learning_rate
+        if args.anneal_lr:  # detail: linear annealing to 0 over the whole run
+            lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+        optimizer.param_groups[0]["lr"].fill_(lr_now)
+
+        # Collect rollout
+        for step in range(args.num_steps):
+            global_step += args.num_envs
+            obs[step] = next_obs
+            dones[step] = next_done
+            with torch.inference_mode():
+                action, logprob, value = policy(next_obs)
+            values[step] = value
+            actions[step] = action
+            logprobs[step] = logprob
+
+            next_obs_np, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
+            reward = np.asarray(reward, dtype=np.float32)
+            done = np.logical_or(terminations, truncations)
+            ep_return += reward
+            ep_length += 1
+            # Truncation is not termination: bootstrap r + gamma * V(final obs) for episodes cut by a time limit.
+            trunc_only = np.logical_and(truncations, np.logical_not(terminations))
+            if trunc_only.any():
+                idx = np.nonzero(trunc_only)[0]
+                final = torch.as_tensor(np.stack(infos["final_obs"][idx]), dtype=torch.float32, device=device)
+                with torch.inference_mode():
+                    reward[idx] += args.gamma * agent.get_value(final.reshape(len(idx), -1)).cpu().numpy()
+            for i in np.nonzero(done)[0]:
+                recent_returns.append(float(ep_return[i]))
+                writer.add_scalar("charts/episodic_return", ep_return[i], global_step)
+                writer.add_scalar("charts/episodic_length", ep_length[i], global_step)
+            ep_return[done] = 0.0
+            ep_length[done] = 0
+            rewards[step] = torch.as_tensor(reward, device=device)
+            next_obs = torch.as_tensor(next_obs_np, dtype=torch.float32, device=device).reshape(args.num_envs, -1)
+            next_done = torch.as_tensor(done, dtype=torch.float32, device=device)
+
+        # Compute advantages and returns (GAE)
+        with torch.no_grad():
+            next_value = agent.get_value(next_obs)
+            advantages, returns = compute_gae(rewards, values, dones, next_value, next_done,
+                                              args.gamma, args.gae_lambda)
+
+        b_obs = obs.reshape(batch_size, obs_dim)
+        b_logprobs, b_actions = logprobs.reshape(-1), actions.reshape(-1)
+        b_advantages, b_returns, b_values = advantages.reshape(-1), returns.reshape(-1), values.reshape(-1)
+
+        # Optimise policy & value for E epochs (advantage normalisation happens per minibatch in ppo_loss)
+        stats_sum, n_updates = None, 0
+        for epoch in range(args.update_epochs):
+            b_inds = torch.randperm(batch_size, device=device)
+            for start in range(0, batch_size, minibatch_size):
+                mb = b_inds[start:start + minibatch_size]
+                stats = update(b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb], b_returns[mb],
+                               b_values[mb])
+                stats = {k: v.clone() for k, v in stats.items()}
+                stats_sum = stats if stats_sum is None else {k: stats_sum[k] + v for k, v in stats.items()}
+                n_updates += 1
+            if args.target_kl is not None and float(stats["approx_kl"]) > args.target_kl:
+                break
+        # Update reference policy: theta_old <- theta happens implicitly, the next rollout samples from theta.
+
+        last_stats = {k: float(v) / n_updates for k, v in stats_sum.items()}
+        if not all(np.isfinite(v) for v in last_stats.values()):
+            bad = [k for k, v in last_stats.items() if not np.isfinite(v)]
+            print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
+                  file=sys.stderr)
+            sys.exit(1)
+        last_stats["explained_variance"] = explained_variance(b_values.cpu().numpy(), b_returns.cpu().numpy())
+        sps = int((global_step - steps_at_start) / (time.time() - start_time))
+        writer.add_scalar("charts/learning_rate", lr_now, global_step)
+        for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
+                  "explained_variance"):
+            writer.add_scalar(f"losses/{k}", last_stats[k], global_step)
+        writer.add_scalar("charts/SPS", sps, global_step)
+
+        now = time.time()
+        if now - last_print >= 5.0 or iteration == num_iterations:
+            last_print = now
+            recent = np.mean(recent_returns[-20:]) if recent_returns else float("nan")
+            print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={sps}  "
+                  f"return(last 20)={recent:.1f}  approx_kl={last_stats['approx_kl']:.4f}", flush=True)
+
+        ckpt_path = os.path.join(run_dir, "checkpoint.pt")
+        if args.stop_after and iteration - start_iteration + 1 >= args.stop_after and iteration < num_iterations:
+            save_checkpoint(ckpt_path, agent, optimizer, args, global_step, iteration)
+            print(f"stopped after {args.stop_after} iterations; continue with: python {SCRIPT} --resume {ckpt_path}")
+            finished = False
+            break
+        if args.checkpoint_every and iteration % args.checkpoint_every == 0:
+            save_checkpoint(ckpt_path, agent, optimizer, args, global_step, iteration)
+    if finished and args.save_model:
+        path = os.path.join(run_dir, "checkpoint.pt")
+        save_checkpoint(path, agent, optimizer, args, global_step, max(num_iterations, start_iteration - 1))
+        print(f"checkpoint written to {path}")
+    envs.close()
+
+    result = {"global_step": global_step, "run_dir": run_dir, "stats": last_stats, "returns": recent_returns}
+    if args.eval_episodes and finished:
+        eval_returns = evaluate(agent, args, device, args.eval_episodes, os.path.join(run_dir, "videos"))
+        mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
+        writer.add_scalar("eval/episodic_return", mean, global_step)
+        print(f"eval: {args.eval_episodes} episodes, return {mean:.2f} ± {std:.2f}")
+        result["eval_returns"] = eval_returns
+    writer.close()
+    if args.track:
+        import wandb
+
+        wandb.finish()
+    return result
+
+
+if __name__ == "__main__":
+    main(parse_args())

@@ -1,0 +1,291 @@
+"""Tests for ppo.py: the math against plain reference loops, the CLI, smoke runs, save/resume/evaluate."""
+
+import glob
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import ppo  # noqa: E402
+
+
+def run_script(*argv, cwd=None, timeout=240):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "ppo.py"), *argv], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout)
+
+
+def read_scalars(run_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = []
+    for f in sorted(glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))):
+        acc = EventAccumulator(f)
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            out += [(e.step, e.value) for e in acc.Scalars(tag)]
+    return sorted(out)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GAE
+# --------------------------------------------------------------------------------------------------------------
+def reference_gae(rewards, values, dones, next_value, next_done, gamma, lam):
+    """A_t = sum_l (gamma*lam)^l delta_{t+l}, summed forward until the episode ends (plain Python floats)."""
+    T, N = len(rewards), len(rewards[0])
+    # episode_over[t][i]: the transition at t is the last of its episode
+    over = [[(dones[t + 1][i] if t + 1 < T else next_done[i]) for i in range(N)] for t in range(T)]
+    v_next = [[(values[t + 1][i] if t + 1 < T else next_value[i]) for i in range(N)] for t in range(T)]
+    adv = [[0.0] * N for _ in range(T)]
+    for i in range(N):
+        for t in range(T):
+            total, weight = 0.0, 1.0
+            for k in range(t, T):
+                delta = rewards[k][i] + (0.0 if over[k][i] else gamma * v_next[k][i]) - values[k][i]
+                total += weight * delta
+                if over[k][i]:
+                    break
+                weight *= gamma * lam
+            adv[t][i] = total
+    return adv
+
+
+def test_compute_gae_matches_forward_sum_with_episode_ends():
+    g = torch.Generator().manual_seed(0)
+    T, N = 9, 3
+    rewards = torch.randn(T, N, generator=g)
+    values = torch.randn(T, N, generator=g)
+    dones = torch.zeros(T, N)
+    dones[3, 0] = 1  # env 0: an episode ends after step 2 (termination or, already bootstrapped, truncation)
+    dones[4, 1] = dones[7, 1] = 1  # env 1: two episode ends in the middle
+    next_value = torch.randn(N, generator=g)
+    next_done = torch.tensor([0.0, 0.0, 1.0])  # env 2: episode ends on the last step
+    adv, ret = ppo.compute_gae(rewards, values, dones, next_value, next_done, 0.99, 0.95)
+    ref = reference_gae(rewards.tolist(), values.tolist(), dones.tolist(), next_value.tolist(), next_done.tolist(),
+                        0.99, 0.95)
+    np.testing.assert_allclose(adv.numpy(), np.array(ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ret.numpy(), adv.numpy() + values.numpy(), rtol=1e-6)
+
+
+def test_compute_gae_lambda_one_is_discounted_return_minus_value():
+    rewards = torch.tensor([[1.0], [2.0], [3.0]])
+    values = torch.tensor([[0.5], [0.25], [0.125]])
+    adv, ret = ppo.compute_gae(rewards, values, torch.zeros(3, 1), torch.tensor([10.0]), torch.tensor([0.0]),
+                               0.9, 1.0)
+    expected = [1 + 0.9 * 2 + 0.81 * 3 + 0.729 * 10, 2 + 0.9 * 3 + 0.81 * 10, 3 + 0.9 * 10]
+    np.testing.assert_allclose(ret[:, 0].numpy(), expected, rtol=1e-6)
+
+
+def test_truncated_episode_is_bootstrapped_and_terminated_is_not():
+    """With the reward of a truncated step already holding r + gamma*V(final obs) (as main() does), a done flag
+    cuts the recursion; the terminated episode has only r."""
+    gamma = 0.9
+    v_final = 7.0
+    rewards = torch.tensor([[1.0, 1.0]])
+    rewards[0, 1] += gamma * v_final  # env 1 truncated, env 0 terminated
+    adv, ret = ppo.compute_gae(rewards, torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([100.0, 100.0]),
+                               torch.tensor([1.0, 1.0]), gamma, 0.95)
+    assert ret[0, 0].item() == pytest.approx(1.0)
+    assert ret[0, 1].item() == pytest.approx(1.0 + gamma * v_final)
+
+
+def test_normalize_advantages():
+    a = torch.tensor([1.0, 2.0, 3.0, 10.0])
+    n = ppo.normalize_advantages(a)
+    mean = sum(a.tolist()) / 4
+    std = math.sqrt(sum((x - mean) ** 2 for x in a.tolist()) / 3)
+    np.testing.assert_allclose(n.numpy(), [(x - mean) / (std + 1e-8) for x in a.tolist()], rtol=1e-6)
+    assert abs(n.mean().item()) < 1e-6
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Losses
+# --------------------------------------------------------------------------------------------------------------
+def reference_policy_loss(ratios, advs, eps):
+    terms = []
+    for r, a in zip(ratios, advs):
+        unclipped = r * a
+        clipped = min(max(r, 1 - eps), 1 + eps) * a
+        terms.append(-min(unclipped, clipped))
+    return sum(terms) / len(terms)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_clipped_policy_loss_and_gradient(sign):
+    eps = 0.2
+    ratios = [0.5, 0.85, 1.0, 1.1, 1.3, 2.0]  # inside and outside the clip range on both sides
+    advs = [sign * x for x in [1.0, 2.0, 0.5, 1.5, 3.0, 0.7]]
+    old = torch.zeros(len(ratios))
+    new = torch.tensor([math.log(r) for r in ratios], requires_grad=True)
+    adv_t = torch.tensor(advs)
+    zeros = torch.zeros(len(ratios))
+    loss, stats = ppo.ppo_loss(new, old, adv_t, zeros, zeros, zeros, zeros, eps, False, 0.0, 0.0, False)
+    assert stats["policy_loss"].item() == pytest.approx(reference_policy_loss(ratios, advs, eps), rel=1e-6)
+    loss.backward()
+    # The gradient is zero exactly where the clipped term is the active (smaller) objective.
+    for i, (r, a) in enumerate(zip(ratios, advs)):
+        clipped_active = (a > 0 and r > 1 + eps) or (a < 0 and r < 1 - eps)
+        assert (new.grad[i].item() == 0.0) == clipped_active, (r, a)
+    assert stats["clipfrac"].item() == pytest.approx(sum(abs(r - 1) > eps for r in ratios) / len(ratios))
+    lr = [math.log(r) for r in ratios]
+    assert stats["approx_kl"].item() == pytest.approx(sum((r - 1) - l for r, l in zip(ratios, lr)) / len(lr))
+    assert stats["old_approx_kl"].item() == pytest.approx(-sum(lr) / len(lr))
+
+
+def test_clipped_value_loss():
+    eps = 0.2
+    old_v = [0.0, 0.0, 1.0, 1.0, -1.0]
+    new_v = [0.1, 0.5, 0.5, 1.3, -1.5]
+    ret = [1.0, -1.0, 2.0, 1.25, 0.0]
+    ref = []
+    for o, n, r in zip(old_v, new_v, ret):
+        clipped = o + min(max(n - o, -eps), eps)
+        ref.append(max((n - r) ** 2, (clipped - r) ** 2))
+    z = torch.zeros(5)
+    _, stats = ppo.ppo_loss(z, z, z, torch.tensor(new_v), torch.tensor(old_v), torch.tensor(ret), z,
+                            eps, True, 0.0, 0.5, False)
+    assert stats["value_loss"].item() == pytest.approx(0.5 * sum(ref) / 5, rel=1e-6)
+    _, stats = ppo.ppo_loss(z, z, z, torch.tensor(new_v), torch.tensor(old_v), torch.tensor(ret), z,
+                            eps, False, 0.0, 0.5, False)
+    assert stats["value_loss"].item() == pytest.approx(0.5 * sum((n - r) ** 2 for n, r in zip(new_v, ret)) / 5)
+
+
+def test_total_loss_combines_terms():
+    g = torch.Generator().manual_seed(1)
+    new, old, adv = torch.randn(8, generator=g) * 0.1, torch.randn(8, generator=g) * 0.1, torch.randn(8, generator=g)
+    nv, ov, ret, ent = (torch.randn(8, generator=g) for _ in range(4))
+    loss, s = ppo.ppo_loss(new, old, adv, nv, ov, ret, ent, 0.2, True, 0.01, 0.5, True)
+    assert loss.item() == pytest.approx((s["policy_loss"] - 0.01 * s["entropy"] + 0.5 * s["value_loss"]).item())
+
+
+def test_agent_sampling_matches_categorical_and_entropy():
+    torch.manual_seed(0)
+    agent = ppo.Agent(4, 3)
+    with torch.no_grad():
+        agent.actor[-1].weight.mul_(300)  # make the policy far from uniform
+    x = torch.randn(1, 4).repeat(20000, 1)
+    action, logprob, entropy, value = agent.get_action_and_value(x)
+    dist = torch.distributions.Categorical(logits=agent.actor(x[:1]))
+    freq = torch.bincount(action, minlength=3).float() / len(action)
+    np.testing.assert_allclose(freq.numpy(), dist.probs[0].detach().numpy(), atol=0.015)
+    np.testing.assert_allclose(logprob.detach().numpy(), dist.log_prob(action).detach().numpy(), rtol=1e-5,
+                               atol=1e-6)
+    assert entropy[0].item() == pytest.approx(dist.entropy().item(), rel=1e-5)
+    assert value.shape == (20000,)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text,value", [("1e7", 10_000_000), ("5e5", 500_000), ("1_000_000", 1_000_000),
+                                        ("128", 128)])
+def test_counts_accept_scientific_notation(text, value):
+    args = ppo.parse_args(["--total-timesteps", text, "--num-steps", text])
+    assert args.total_timesteps == value and args.num_steps == value
+
+
+def test_defaults_are_cleanrl_settings():
+    a = ppo.parse_args([])
+    assert (a.env_id, a.total_timesteps, a.learning_rate, a.num_envs, a.num_steps) == ("CartPole-v1", 500_000,
+                                                                                       2.5e-4, 4, 128)
+    assert (a.num_minibatches, a.update_epochs, a.clip_coef, a.ent_coef, a.vf_coef) == (4, 4, 0.2, 0.01, 0.5)
+    assert (a.gamma, a.gae_lambda, a.max_grad_norm, a.anneal_lr, a.clip_vloss) == (0.99, 0.95, 0.5, True, True)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--total-timesteps", "1.5e0"], "not a whole number"),
+    (["--num-envs", "abc"], "not a number"),
+    (["--num-envs", "0"], "must be positive"),
+    (["--num-steps", "-5"], "must be positive"),
+    (["--num-minibatches", "3"], "not divisible"),
+    (["--vector-mode", "fast"], "sync"),
+    (["--cudagraphs"], "needs --cuda"),
+    (["--resume", "/nonexistent/checkpoint.pt"], "no such file"),
+    (["--no-such-flag"], "Unrecognized"),
+    (["--env-id", "NoSuchEnv-v0", "--total-timesteps", "512"], "unknown"),
+    (["--env-id", "Pendulum-v1", "--total-timesteps", "512"], "Discrete"),
+])
+def test_bad_input_one_line_exit_2(tmp_path, argv, needle):
+    r = run_script(*argv, "--runs-dir", str(tmp_path), cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_foreign_and_corrupt_checkpoints_are_rejected(tmp_path):
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"script": "ppo_continuous.py", "env_id": "HalfCheetah-v5", "args": {}}, foreign)
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"not a checkpoint")
+    for path, needle in [(foreign, "not a ppo.py checkpoint"), (corrupt, "cannot read checkpoint")]:
+        r = run_script("--resume", str(path), cwd=tmp_path)
+        assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Runs
+# --------------------------------------------------------------------------------------------------------------
+def small_args(tmp_path, **kw):
+    base = dict(total_timesteps=1024, num_envs=2, num_steps=64, runs_dir=str(tmp_path), exp_name="t")
+    base.update(kw)
+    return ppo.Args(**base)
+
+
+def test_smoke_run_subprocess_logs_metrics(tmp_path):
+    r = run_script("--total-timesteps", "512", "--num-envs", "2", "--num-steps", "64", "--runs-dir",
+                   str(tmp_path), "--vector-mode", "async", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "global_step=512" in r.stdout
+    (run_dir,) = glob.glob(str(tmp_path / "CartPole-v1__ppo__1__*"))
+    for tag in ["charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/SPS",
+                "losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/old_approx_kl",
+                "losses/approx_kl", "losses/clipfrac", "losses/explained_variance"]:
+        assert read_scalars(run_dir, tag), tag
+
+
+def test_same_seed_same_run(tmp_path):
+    a = ppo.main(small_args(tmp_path / "a"))
+    b = ppo.main(small_args(tmp_path / "b"))
+    c = ppo.main(small_args(tmp_path / "c", seed=2))
+    assert a["stats"] == b["stats"] and a["returns"] == b["returns"]
+    assert a["stats"] != c["stats"]
+
+
+def test_save_resume_continues_step_count_and_lr_schedule(tmp_path):
+    full = ppo.main(small_args(tmp_path / "full", total_timesteps=512, num_steps=32))  # 8 iterations
+    first = ppo.main(small_args(tmp_path / "split", total_timesteps=512, num_steps=32, stop_after=3))
+    assert first["global_step"] == 3 * 64
+    ckpt = os.path.join(first["run_dir"], "checkpoint.pt")
+    args = ppo.parse_args(["--resume", ckpt])  # everything else comes from the checkpoint
+    assert args.total_timesteps == 512 and args.num_steps == 32 and args.stop_after == 3
+    args.stop_after = 0
+    second = ppo.main(args)
+    assert second["run_dir"] == first["run_dir"] and second["global_step"] == full["global_step"] == 512
+    lr_full = read_scalars(full["run_dir"], "charts/learning_rate")
+    lr_split = read_scalars(first["run_dir"], "charts/learning_rate")
+    assert [s for s, _ in lr_split] == [s for s, _ in lr_full] == [64 * i for i in range(1, 9)]
+    np.testing.assert_allclose([v for _, v in lr_split], [v for _, v in lr_full], rtol=1e-6)
+
+
+def test_evaluate_a_saved_checkpoint(tmp_path):
+    res = ppo.main(small_args(tmp_path, save_model=True))
+    ckpt = os.path.join(res["run_dir"], "checkpoint.pt")
+    r = run_script("--resume", ckpt, "--eval-episodes", "3", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "eval: 3 episodes, return" in r.stdout and "±" in r.stdout
+    mean = float(r.stdout.split("return")[-1].split("±")[0])
+    assert 8 <= mean <= 500  # a CartPole episode lasts between 8 and 500 steps
+
+
+def test_compile_follows_eager_learning_path(tmp_path):
+    eager = ppo.main(small_args(tmp_path / "e", total_timesteps=256, num_steps=64, update_epochs=2))
+    compiled = ppo.main(small_args(tmp_path / "c", total_timesteps=256, num_steps=64, update_epochs=2, compile=True))
+    assert eager["returns"] == compiled["returns"]  # same actions sampled -> same episodes
+    for k in ("policy_loss", "value_loss", "entropy", "approx_kl"):
+        assert compiled["stats"][k] == pytest.approx(eager["stats"][k], rel=1e-3, abs=1e-5), k
