@@ -227,6 +227,14 @@ def make_vector_env(args: Args):
     if not isinstance(probe.observation_space, gym.spaces.Box):
         die(f"{args.env_id} has a {type(probe.observation_space).__name__} observation space; ppo.py needs a Box")
     probe.close()
+    if args.capture_video:  # fail now, not after training, if this machine cannot render
+        try:
+            env = gym.make(args.env_id, render_mode="rgb_array")
+            env.reset(seed=0)
+            env.render()
+            env.close()
+        except Exception as e:
+            die(f"--capture-video: {args.env_id} cannot render here ({type(e).__name__}: {e})")
     fns = [make_env(args.env_id, i) for i in range(args.num_envs)]
     cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
     return cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
@@ -384,7 +392,8 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, vide
         if term or trunc:
             returns.append(ep_ret)
             ep_ret = 0.0
-            obs, _ = env.reset()
+            if len(returns) < episodes:
+                obs, _ = env.reset()
     env.close()
     return returns
 
@@ -442,7 +451,7 @@ def main(args: Args) -> dict:
         import wandb
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                   config=vars(args), name=run_name, dir=run_dir, resume="allow", id=run_name)
+                   config=vars(args), name=run_name, dir=args.runs_dir, resume="allow", id=run_name)
     writer = SummaryWriter(run_dir)
     if ckpt is None:
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +

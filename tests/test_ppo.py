@@ -289,3 +289,14 @@ def test_compile_follows_eager_learning_path(tmp_path):
     assert eager["returns"] == compiled["returns"]  # same actions sampled -> same episodes
     for k in ("policy_loss", "value_loss", "entropy", "approx_kl"):
         assert compiled["stats"][k] == pytest.approx(eager["stats"][k], rel=1e-3, abs=1e-5), k
+
+
+def test_wandb_offline_and_video_of_evaluation(tmp_path):
+    env = dict(os.environ, WANDB_MODE="offline")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "ppo.py"), "--total-timesteps", "256", "--num-envs", "2",
+                        "--num-steps", "64", "--runs-dir", str(tmp_path), "--track", "--eval-episodes", "2",
+                        "--capture-video"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    videos = glob.glob(str(tmp_path / "CartPole-v1__ppo__1__*" / "videos" / "*.mp4"))
+    assert len(videos) == 2
+    assert glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))
