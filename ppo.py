@@ -16,6 +16,7 @@ import dataclasses
 import io
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -501,6 +502,10 @@ def main(args: Args) -> dict:
     start_time, last_print = time.time(), 0.0
     steps_at_start = global_step
     finished = True
+    # SIGTERM / SIGINT: finish the current iteration, write a checkpoint, say how to resume, exit cleanly.
+    stop_signal: list[int] = []
+    previous_handlers = {sig: signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
+                         for sig in (signal.SIGTERM, signal.SIGINT)}
 
     for iteration in range(start_iteration, num_iterations + 1):
         lr_now = args.learning_rate
@@ -588,9 +593,12 @@ def main(args: Args) -> dict:
                   f"return(last 20)={recent:.1f}  approx_kl={last_stats['approx_kl']:.4f}", flush=True)
 
         ckpt_path = os.path.join(run_dir, "checkpoint.pt")
-        if args.stop_after and iteration - start_iteration + 1 >= args.stop_after and iteration < num_iterations:
+        stop_now = args.stop_after and iteration - start_iteration + 1 >= args.stop_after
+        if (stop_now or stop_signal) and iteration < num_iterations:
             save_checkpoint(ckpt_path, agent, optimizer, args, global_step, iteration)
-            print(f"stopped after {args.stop_after} iterations; continue with: python {SCRIPT} --resume {ckpt_path}")
+            why = signal.Signals(stop_signal[0]).name if stop_signal else f"--stop-after {args.stop_after}"
+            print(f"stopped at iteration {iteration} ({why}); continue with: python {SCRIPT} --resume {ckpt_path}",
+                  flush=True)
             finished = False
             break
         if args.checkpoint_every and iteration % args.checkpoint_every == 0:
@@ -599,6 +607,8 @@ def main(args: Args) -> dict:
         path = os.path.join(run_dir, "checkpoint.pt")
         save_checkpoint(path, agent, optimizer, args, global_step, max(num_iterations, start_iteration - 1))
         print(f"checkpoint written to {path}")
+    for sig, handler in previous_handlers.items():
+        signal.signal(sig, handler)
     envs.close()
 
     result = {"global_step": global_step, "run_dir": run_dir, "stats": last_stats, "returns": recent_returns}

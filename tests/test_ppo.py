@@ -300,3 +300,21 @@ def test_wandb_offline_and_video_of_evaluation(tmp_path):
     videos = glob.glob(str(tmp_path / "CartPole-v1__ppo__1__*" / "videos" / "*.mp4"))
     assert len(videos) == 2
     assert glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))
+
+
+def test_sigterm_writes_checkpoint_and_exits_cleanly(tmp_path):
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "ppo.py"), "--total-timesteps", "1e6", "--runs-dir",
+                          str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    first = p.stdout.readline()  # the first progress line: training is under way
+    assert first.startswith("iter 1/"), first + p.stderr.read()
+    time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "(SIGTERM); continue with: python ppo.py --resume" in out
+    (ckpt,) = glob.glob(str(tmp_path / "CartPole-v1__ppo__1__*" / "checkpoint.pt"))
+    state = torch.load(ckpt, weights_only=True)
+    assert 0 < state["global_step"] < 1_000_000 and state["global_step"] == state["iteration"] * 512
