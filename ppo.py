@@ -347,8 +347,43 @@ def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
 SCRIPT = "ppo.py"
 
 
-def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step: int, iteration: int) -> None:
-    """Atomic write (temporary file, then rename): a kill during the save keeps the previous checkpoint."""
+def env_state(envs) -> Optional[list]:
+    """Snapshot of each sub-environment of a SyncVectorEnv: the plain attributes (numbers, arrays) of the env and
+    of every wrapper (physics state, TimeLimit's step counter, ...) and its random generator. Enough to continue
+    classic-control episodes exactly; None for AsyncVectorEnv, whose envs live in other processes."""
+    if not hasattr(envs, "envs"):
+        return None
+    snapshot = []
+    for env in envs.envs:
+        layers = []
+        while True:
+            plain = {}
+            for k, v in vars(env).items():
+                if isinstance(v, (bool, int, float, str)) or v is None:
+                    plain[k] = v
+                elif isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biuf":
+                    plain[k] = torch.from_numpy(np.array(v, copy=True))
+            layers.append(plain)
+            if not hasattr(env, "env"):
+                break
+            env = env.env
+        snapshot.append({"layers": layers, "np_random": env.np_random.bit_generator.state})
+    return snapshot
+
+
+def load_env_state(envs, snapshot: list) -> None:
+    for env, saved in zip(envs.envs, snapshot):
+        for plain in saved["layers"]:
+            for k, v in plain.items():
+                setattr(env, k, v.numpy() if isinstance(v, torch.Tensor) else v)
+            env = getattr(env, "env", env)
+        env.np_random.bit_generator.state = saved["np_random"]
+
+
+def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step: int, iteration: int,
+                    rollout: Optional[dict] = None) -> None:
+    """Atomic write (temporary file, then rename): a kill during the save keeps the previous checkpoint.
+    `rollout` holds what an exact resume needs besides the networks: env states, next obs, episode counters."""
     state = {
         "script": SCRIPT,
         "env_id": args.env_id,
@@ -358,6 +393,7 @@ def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step:
         "iteration": iteration,
         "rng": {"torch": torch.get_rng_state()},  # all of the script's own randomness is torch's
         "args": dataclasses.asdict(args),
+        "rollout": rollout,
     }
     tmp = f"{path}.tmp"
     torch.save(state, tmp)
@@ -497,6 +533,19 @@ def main(args: Args) -> dict:
     next_done = torch.zeros(args.num_envs, device=device)
     ep_return = np.zeros(args.num_envs)
     ep_length = np.zeros(args.num_envs, dtype=np.int64)
+    saved = ckpt.get("rollout") if ckpt is not None else None
+    if saved is not None and saved["envs"] is not None and args.vector_mode == "sync" and len(saved["envs"]) == \
+            args.num_envs:  # exact resume: the episodes in flight continue where they stopped
+        load_env_state(envs, saved["envs"])
+        next_obs, next_done = saved["next_obs"].to(device), saved["next_done"].to(device)
+        ep_return, ep_length = saved["ep_return"].numpy().copy(), saved["ep_length"].numpy().copy()
+    elif ckpt is not None:
+        print("note: environments start new episodes (their state was not saved: async vector mode)")
+
+    def checkpoint(path: str, iteration: int) -> None:
+        rollout = dict(envs=env_state(envs), next_obs=next_obs.cpu(), next_done=next_done.cpu(),
+                       ep_return=torch.from_numpy(ep_return), ep_length=torch.from_numpy(ep_length))
+        save_checkpoint(path, agent, optimizer, args, global_step, iteration, rollout)
     recent_returns: list[float] = []
     last_stats: dict = {}
     start_time, last_print = time.time(), 0.0
@@ -595,17 +644,17 @@ def main(args: Args) -> dict:
         ckpt_path = os.path.join(run_dir, "checkpoint.pt")
         stop_now = args.stop_after and iteration - start_iteration + 1 >= args.stop_after
         if (stop_now or stop_signal) and iteration < num_iterations:
-            save_checkpoint(ckpt_path, agent, optimizer, args, global_step, iteration)
+            checkpoint(ckpt_path, iteration)
             why = signal.Signals(stop_signal[0]).name if stop_signal else f"--stop-after {args.stop_after}"
             print(f"stopped at iteration {iteration} ({why}); continue with: python {SCRIPT} --resume {ckpt_path}",
                   flush=True)
             finished = False
             break
         if args.checkpoint_every and iteration % args.checkpoint_every == 0:
-            save_checkpoint(ckpt_path, agent, optimizer, args, global_step, iteration)
+            checkpoint(ckpt_path, iteration)
     if finished and args.save_model:
         path = os.path.join(run_dir, "checkpoint.pt")
-        save_checkpoint(path, agent, optimizer, args, global_step, max(num_iterations, start_iteration - 1))
+        checkpoint(path, max(num_iterations, start_iteration - 1))
         print(f"checkpoint written to {path}")
     for sig, handler in previous_handlers.items():
         signal.signal(sig, handler)

@@ -318,3 +318,21 @@ def test_sigterm_writes_checkpoint_and_exits_cleanly(tmp_path):
     (ckpt,) = glob.glob(str(tmp_path / "CartPole-v1__ppo__1__*" / "checkpoint.pt"))
     state = torch.load(ckpt, weights_only=True)
     assert 0 < state["global_step"] < 1_000_000 and state["global_step"] == state["iteration"] * 512
+
+
+def test_exact_resume_equals_uninterrupted_run(tmp_path):
+    """Stopped at an iteration boundary and resumed (sync envs, CPU): same parameters and logged losses."""
+    kw = dict(total_timesteps=1024, num_envs=2, num_steps=64, save_model=True)  # 8 iterations, episodes in flight
+    full = ppo.main(small_args(tmp_path / "full", **kw))
+    part = ppo.main(small_args(tmp_path / "split", stop_after=3, **kw))
+    ckpt = os.path.join(part["run_dir"], "checkpoint.pt")
+    args = ppo.parse_args(["--resume", ckpt, "--stop-after", "0"])
+    rest = ppo.main(args)
+    a = torch.load(os.path.join(full["run_dir"], "checkpoint.pt"), weights_only=True)
+    b = torch.load(ckpt, weights_only=True)
+    assert b["global_step"] == a["global_step"] == 1024
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert full["returns"][-3:] == rest["returns"][-3:]
+    for tag in ("losses/policy_loss", "losses/value_loss", "charts/episodic_return"):
+        assert read_scalars(full["run_dir"], tag) == read_scalars(part["run_dir"], tag), tag
