@@ -336,3 +336,11 @@ def test_exact_resume_equals_uninterrupted_run(tmp_path):
     assert full["returns"][-3:] == rest["returns"][-3:]
     for tag in ("losses/policy_loss", "losses/value_loss", "charts/episodic_return"):
         assert read_scalars(full["run_dir"], tag) == read_scalars(part["run_dir"], tag), tag
+
+
+def test_unwritable_runs_dir_is_one_line_error(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    r = run_script("--total-timesteps", "512", "--runs-dir", str(blocker / "runs"), cwd=tmp_path)
+    assert r.returncode == 2 and "cannot create run directory" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
