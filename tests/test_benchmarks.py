@@ -1,0 +1,268 @@
+"""Tests of the benchmark tools on small synthetic tensorboard event files written here (no RL training)."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import report  # noqa: E402
+import speed  # noqa: E402
+import common  # noqa: E402
+
+# Writes event files with tensorboard's own writer (no torch import: fast in the fake scripts too)
+WRITER = textwrap.dedent("""
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    def write_events(run_dir, scalars):
+        '''scalars: (tag, step, value, wall_time) tuples.'''
+        w = EventFileWriter(run_dir)
+        for tag, step, value, wall in scalars:
+            w.add_event(Event(wall_time=wall, step=step,
+                              summary=Summary(value=[Summary.Value(tag=tag, simple_value=value)])))
+        w.close()
+""")
+exec(WRITER)
+
+
+def make_run(runs_dir, env_id, exp, seed, episodes, total_steps, t0=None, sps_every=100):
+    """A run directory with episodic returns [(step, value)], one SPS event every sps_every steps (1 s apart per
+    100 steps), named as the scripts name them."""
+    t0 = time.time() if t0 is None else t0
+    run_dir = os.path.join(runs_dir, f"{env_id}__{exp}__{seed}__{int(t0)}")
+    scalars = [("charts/episodic_return", s, v, t0 + s / 100) for s, v in episodes]
+    scalars += [("charts/SPS", s, 100.0, t0 + s / 100) for s in range(sps_every, total_steps + 1, sps_every)]
+    write_events(run_dir, sorted(scalars, key=lambda x: x[1]))  # noqa: F821 (defined by exec above)
+    return run_dir
+
+
+def expected_final(episodes, last_step):
+    """The definition, written plainly: mean return of the episodes that end in the last 10% of the steps."""
+    vals = [v for s, v in episodes if s >= 0.9 * last_step]
+    return sum(vals) / len(vals)
+
+
+def seed_episodes(seed, total=1000):
+    rng = np.random.default_rng(seed)
+    return [(s, float(s / 10 + seed * 7 + rng.integers(0, 5))) for s in range(20, total + 1, 20)]
+
+
+def test_parse_run_name():
+    assert report.parse_run_name("HalfCheetah-v5__ppo_continuous__3__1700000000") == (
+        "HalfCheetah-v5", "ppo_continuous", 3, 1700000000)
+    assert report.parse_run_name("Breakout-v5__my__exp__12__5") == ("Breakout-v5", "my__exp", 12, 5)
+    assert report.parse_run_name("videos") is None
+    assert report.parse_run_name("a__b__c__d") is None
+
+
+def test_final_return_window():
+    steps = np.array([100, 850, 900, 950, 1000])
+    rets = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert report.final_return(steps, rets, 1000) == pytest.approx(4.0)  # steps 900, 950, 1000
+    assert report.final_return(steps[:2], rets[:2], 1000) == 2.0  # nothing in the window: the last episode
+    assert np.isnan(report.final_return([], [], 1000))
+
+
+def test_report_tables_csv_and_png(tmp_path):
+    runs_dir = tmp_path / "runs"
+    truth = {}
+    for env_id, scale in (("CartPole-v1", 1.0), ("HalfCheetah-v5", 3.0)):
+        for seed in (1, 2, 3):
+            eps = [(s, v * scale) for s, v in seed_episodes(seed)]
+            make_run(str(runs_dir), env_id, "ppo", seed, eps, total_steps=1000)
+            truth.setdefault(env_id, []).append(expected_final(eps, 1000))
+    out = tmp_path / "out"
+    md, ok = report.build_report([str(runs_dir)], str(out), title="synthetic")
+    assert ok
+    for env_id, finals in truth.items():
+        mean, std = np.mean(finals), np.std(finals)
+        assert f"| ppo | {env_id} | 1, 2, 3 | 1k | {mean:,.2f} ± {std:,.2f} |" in md
+    assert "last 10% of steps" in md
+    assert "490.04 ± 6.12 at 500k (CleanRL ppo.py)" in md
+    assert "1,442.64 ± 46.03 at 1M (CleanRL ppo_continuous_action.py on HalfCheetah-v4)" in md
+    assert "docs.cleanrl.dev" in md
+    with open(out / "runs.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 6 and all(r["problem"] == "" for r in rows)
+    cp = [r for r in rows if r["env_id"] == "CartPole-v1" and r["seed"] == "2"][0]
+    assert float(cp["final_return"]) == pytest.approx(truth["CartPole-v1"][1], abs=1e-3)
+    assert cp["last_step"] == "1000" and cp["episodes"] == "50"
+    with open(out / "summary.csv") as f:
+        summary = list(csv.DictReader(f))
+    assert [s["env_id"] for s in summary] == ["CartPole-v1", "HalfCheetah-v5"]
+    assert summary[1]["reference_mean"] == "1442.64" and summary[1]["reference_env_id"] == "HalfCheetah-v4"
+    for name in ("curves_steps.png", "curves_time.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert (out / "report.md").read_text() == md
+
+
+def test_other_return_tag(tmp_path):
+    run_dir = make_run(str(tmp_path), "addition", "ppo_llm", 1, [(100, 1.0)], total_steps=500)
+    run = report.load_run(run_dir, tag="charts/SPS")  # e.g. rollout/reward_mean for ppo_llm.py
+    assert run.problem is None and run.final_return == 100.0 and len(run.returns) == 5
+    assert report.load_run(run_dir).final_return == 1.0
+
+
+def test_mean_band_resamples_seeds():
+    x1, y1 = np.array([0, 10, 20]), np.array([0.0, 10.0, 20.0])
+    x2, y2 = np.array([0, 10, 20, 30]), np.array([2.0, 12.0, 22.0, 99.0])
+    grid, mean, std = report.mean_band([x1, x2], [y1, y2], points=3)
+    assert list(grid) == [0, 10, 20]  # up to the shortest seed
+    assert mean[0] == pytest.approx(1.0) and std[0] == pytest.approx(1.0)
+
+
+def test_missing_and_empty_runs_are_reported(tmp_path, capsys):
+    runs_dir = tmp_path / "runs"
+    make_run(str(runs_dir), "CartPole-v1", "ppo", 1, seed_episodes(1), 1000)
+    make_run(str(runs_dir), "CartPole-v1", "ppo", 2, [], 1000)  # SPS only: no episode finished
+    os.makedirs(runs_dir / "CartPole-v1__ppo__4__1700000000")  # a directory with no event file
+    expected = [("CartPole-v1", "ppo", s) for s in (1, 2, 3, 4)]
+    md, ok = report.build_report([str(runs_dir)], str(tmp_path / "out"), expected=expected)
+    assert not ok
+    assert "no data: seed 2, 3, 4" in md
+    assert "CartPole-v1 ppo seed 2" in md and "no charts/episodic_return events" in md
+    assert "CartPole-v1 ppo seed 3: no run directory" in md
+    assert "CartPole-v1 ppo seed 4" in md and "no tensorboard event file" in md
+    # the mean covers seed 1 only, and says so
+    assert f"| ppo | CartPole-v1 | 1 (**no data" in md
+    with open(tmp_path / "out" / "runs.csv") as f:
+        rows = {r["seed"]: r for r in csv.DictReader(f)}
+    assert rows["1"]["problem"] == "" and rows["3"]["problem"].startswith("no run directory")
+    # the command line says it too, with exit code 1
+    assert report.main([str(runs_dir), "--out", str(tmp_path / "out2")]) == 1
+    assert "some runs have no data" in capsys.readouterr().err
+    # and an empty runs directory is not a success
+    os.makedirs(tmp_path / "empty")
+    md, ok = report.build_report([str(tmp_path / "empty")], str(tmp_path / "out3"))
+    assert not ok and "No runs found" in md
+
+
+FAKE_SCRIPT = WRITER + textwrap.dedent("""
+    import argparse, dataclasses, os, sys, time
+
+    @dataclasses.dataclass
+    class Args:  # read by speed.py for the default env and number of envs
+        env_id: str = "CartPole-v1"
+        num_envs: int = 4
+
+    def main():
+      p = argparse.ArgumentParser()
+      p.add_argument("--env-id"); p.add_argument("--seed", type=int, default=1); p.add_argument("--exp-name")
+      p.add_argument("--runs-dir"); p.add_argument("--total-timesteps", type=int, default=800)
+      p.add_argument("--fail", action="store_true")
+      for f in ("--compile", "--cudagraphs", "--cuda"):
+          p.add_argument(f, action="store_true")
+      a = p.parse_args()
+      if a.env_id == "Broken-v0":
+          print("error: cannot make 'Broken-v0'", file=sys.stderr); sys.exit(2)
+      run_dir = os.path.join(a.runs_dir, f"{a.env_id}__{a.exp_name}__{a.seed}__{int(time.time())}")
+      t0 = time.time()
+      n_iter = a.total_timesteps // 100
+      scalars = []
+      for i in range(1, n_iter + 1):
+          step = i * 100
+          # iteration 1 "compiles" for 5 s, then 100 steps per 0.1 s: 1000 SPS after warm-up
+          wall = t0 + 5.0 + (i - 1) * 0.1
+          scalars.append(("charts/SPS", step, 1.0, wall))
+          scalars.append(("charts/episodic_return", step, float(a.seed * 10 + i), wall))
+          print(f"iter {i}/{n_iter}  global_step={step}  SPS=1000  return(last 20)=1.0", flush=True)
+          time.sleep(0.05)
+          if a.fail and i == 3:
+              write_events(run_dir, scalars)
+              print("error: non-finite loss", file=sys.stderr); sys.exit(1)
+      write_events(run_dir, scalars)
+
+    if __name__ == '__main__':
+        main()
+""")
+
+
+@pytest.fixture
+def fake_script(tmp_path):
+    path = tmp_path / "fake_ppo.py"
+    path.write_text(FAKE_SCRIPT)
+    return str(path)
+
+
+def test_reproduce_runs_seeds_in_parallel_and_reports(tmp_path, fake_script):
+    out = tmp_path / "res"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "reproduce.py"), "--script", fake_script,
+           "--env-ids", "CartPole-v1", "Broken-v0", "--seeds", "1", "2", "--out", str(out), "--every", "0.1",
+           "--jobs", "2", "--", "--total-timesteps", "800"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stdout + p.stderr  # Broken-v0 failed
+    assert "run Broken-v0 seed 1 failed with exit code 2" in p.stderr
+    assert "error: cannot make 'Broken-v0'" in p.stderr  # the log tail
+    # progress: which run, its step, an ETA
+    assert any("CartPole-v1 seed" in ln and "step " in ln and "/800" in ln and "ETA" in ln
+               for ln in p.stdout.splitlines()), p.stdout
+    md = (out / "report.md").read_text()
+    expected = np.mean([expected_final([(i * 100, s * 10 + i) for i in range(1, 9)], 800) for s in (1, 2)])
+    assert f"| fake_ppo | CartPole-v1 | 1, 2 | 800 | {expected:,.2f} ± 5.00 |" in md
+    assert "Broken-v0 fake_ppo seed 1: process exited with code 2" in md
+    assert "- command: `python benchmarks/reproduce.py --script" in md and "- versions: python" in md
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["seeds"] == [1, 2] and meta["machine"]["cores"] >= 1
+    assert (out / "curves_steps.png").exists() and (out / "logs" / "Broken-v0__2.log").exists()
+
+
+def test_reproduce_flags_partial_run_and_bad_args(tmp_path, fake_script):
+    out = tmp_path / "res"
+    base = [sys.executable, os.path.join(ROOT, "benchmarks", "reproduce.py"), "--script", fake_script,
+            "--env-ids", "CartPole-v1", "--seeds", "1", "--out", str(out)]
+    p = subprocess.run(base + ["--", "--fail"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1
+    assert "process exited with code 1 at step 300" in (out / "report.md").read_text()
+    p = subprocess.run(base + ["--total-timesteps", "1.5"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip().startswith("error: --total-timesteps")
+    p = subprocess.run(base + ["--", "--seed", "3"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--seed is set by reproduce.py" in p.stderr
+
+
+def test_sps_after_warmup():
+    steps = [100, 200, 300, 400, 500]
+    walls = [10.0, 11.0, 11.5, 12.0, 12.5]  # iteration 1 is slow (compilation)
+    assert speed.sps_after_warmup(steps, walls, 1) == pytest.approx(400 / 2.5)  # from the end of iteration 1
+    assert speed.sps_after_warmup(steps, walls, 3) == pytest.approx(200 / 1.0)
+    with pytest.raises(ValueError, match="only 5 iterations"):
+        speed.sps_after_warmup(steps, walls, 5)
+
+
+def test_speed_tool_end_to_end(tmp_path, fake_script):
+    out = tmp_path / "speed"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "speed.py"), "--scripts", fake_script,
+           "--env-ids", "CartPole-v1", "--devices", "cpu", "--paths", "eager", "compile", "cudagraphs",
+           "--total-timesteps", "600", "--raw-seconds", "0.2", "--warmup-iters", "2", "--out", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads((tmp_path / "speed.json").read_text())
+    assert data["raw_env"]["fake_ppo.py"]["sps"] > 1000
+    by_path = {r["path"]: r for r in data["runs"]}
+    assert by_path["eager"]["sps"] == pytest.approx(1000, rel=1e-6)  # the 5 s of "compilation" excluded
+    assert by_path["cudagraphs"]["skipped"] == "CUDA graphs need CUDA"
+    md = (tmp_path / "speed.md").read_text()
+    assert "| fake_ppo.py | CartPole-v1 | 4 | cpu | compile | 1,000 | 1.00× | 1.00× |" in md
+    assert "raw env, random actions (gymnasium SyncVectorEnv)" in md
+    assert "skipped: CUDA graphs need CUDA" in md
+
+
+def test_progress_line_parsing():
+    job = common.Job("x", [], "/dev/null")
+    job.start = time.time() - 10
+    job.feed("iter 5/20  global_step=2560  SPS=1200  return(last 20)=30.1  approx_kl=0.0100\n")
+    assert (job.iteration, job.num_iterations, job.global_step, job.sps) == (5, 20, 2560, 1200)
+    assert job.total_steps == 10240
+    assert "2,560/10,240 (25%)" in job.status()
+    job.feed("iter 3/10  reward=0.5\n")  # ppo_llm.py style: iterations only
+    assert job.global_step == 0 and "iter 3/10" in job.status()
+    assert common.eta([job], 0, 1, time.time()) is not None
