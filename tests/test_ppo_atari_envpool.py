@@ -1,0 +1,262 @@
+"""Tests for ppo_atari_envpool.py (CPU, small): CLI, whole-game episode statistics, envpool observations, the pure
+functions against plain loops, a smoke run, and stop -> resume."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import ppo_atari_envpool as pae  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "ppo_atari_envpool.py")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------
+def test_cli_total_timesteps_1e7_and_cleanrl_defaults():
+    args = pae.parse_args(["--total-timesteps", "1e7"])
+    assert args.total_timesteps == 10_000_000 and isinstance(args.total_timesteps, int)
+    assert (args.env_id, args.num_envs, args.num_steps, args.num_minibatches, args.update_epochs) == (
+        "Breakout-v5", 8, 128, 4, 4)
+    assert (args.learning_rate, args.clip_coef, args.ent_coef, args.vf_coef) == (2.5e-4, 0.1, 0.01, 0.5)
+    assert (args.gamma, args.gae_lambda, args.max_grad_norm, args.anneal_lr) == (0.99, 0.95, 0.5, True)
+    assert not args.sticky_actions and args.num_threads == 0
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--env-id", "Breakot-v5"], "did you mean Breakout-v5"),
+    (["--env-id", "CartPole-v1"], "unknown envpool Atari task"),
+    (["--cudagraphs"], "--cudagraphs needs --cuda"),
+    (["--num-minibatches", "3"], "not divisible"),
+    (["--resume", "/nonexistent/checkpoint.pt"], "no such file"),
+])
+def test_bad_input_one_line_exit_2(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        pae.parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and needle in err
+
+
+def test_tyro_parse_error_one_line_exit_2():  # as a user meets it: tyro's box condensed to one line
+    p = subprocess.run([sys.executable, SCRIPT, "--num-envs", "1.5"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr == "error: Error parsing --num-envs: '1.5' is not a whole number\n"
+
+
+def test_atari_ids_are_atari_only():
+    ids = pae.atari_env_ids()
+    assert {"Breakout-v5", "Pong-v5", "BeamRider-v5"} <= set(ids)
+    assert "CartPole-v1" not in ids and "HalfCheetah-v4" not in ids
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Whole-game episode statistics
+# ---------------------------------------------------------------------------------------------------------
+def reference_games(seq):
+    """Plain loop: seq of (raw reward, terminated, truncated, game_over) for one env in next-step autoreset."""
+    games, ret, length, skip = [], 0.0, 0, False
+    for r, term, trunc, over in seq:
+        if not skip:  # the step after a done is envpool's reset step
+            ret += r
+            length += 1
+        if over or trunc:
+            games.append((ret, length))
+            ret, length = 0.0, 0
+        skip = term or trunc
+    return games
+
+
+def test_episode_stats_scripted_lives_and_truncation():
+    # 3 lives; a life loss is terminated=True but not game over; reset steps come with reward 0 and are not steps
+    seq = [(0, 0, 0, 0), (4, 0, 0, 0), (0, 1, 0, 0),  # life lost (clipped reward would say 1; raw is 4)
+           (0, 0, 0, 0),  # reset step after the life loss (FIRE), action ignored
+           (7, 0, 0, 0), (0, 1, 0, 0), (0, 0, 0, 0),  # second life lost + reset step
+           (1, 0, 0, 0), (0, 1, 0, 1),  # last life: game over -> one game: 4 + 7 + 1 = 12
+           (0, 0, 0, 0),  # reset step of the new game
+           (2, 0, 0, 0), (3, 0, 1, 0),  # truncated by the time limit: a game of return 5, length 2
+           (0, 0, 0, 0), (1, 0, 0, 0)]
+    stats = pae.EpisodeStats(1)
+    got = []
+    for r, term, trunc, over in seq:
+        for i, ret, length in stats.update(np.array([r], np.float32), np.array([term], bool),
+                                           np.array([trunc], bool), np.array([over], np.int32)):
+            assert i == 0
+            got.append((ret, length))
+    assert got == [(12.0, 7), (5.0, 2)] == reference_games(seq)
+
+
+def test_episode_stats_vectorised_matches_reference():
+    rng = np.random.default_rng(0)
+    n, T = 3, 400
+    seqs = []
+    for _ in range(n):
+        seq, lives, after = [], 3, False
+        for _ in range(T):
+            if after:
+                seq.append((0.0, False, False, False))
+                after = False
+                continue
+            trunc = rng.random() < 0.01
+            lost = rng.random() < 0.05
+            over = lost and lives == 1
+            lives = 3 if (over or trunc) else lives - int(lost)
+            seq.append((float(rng.integers(0, 50)), lost, trunc, over))
+            after = lost or trunc
+        seqs.append(seq)
+    stats = pae.EpisodeStats(n)
+    got = [[] for _ in range(n)]
+    for t in range(T):
+        r, term, trunc, over = (np.array([seqs[i][t][k] for i in range(n)]) for k in range(4))
+        for i, ret, length in stats.update(r, term.astype(bool), trunc.astype(bool), over):
+            got[i].append((ret, length))
+    for i in range(n):
+        assert got[i] == reference_games(seqs[i]) and len(got[i]) >= 2
+
+
+def test_episode_stats_on_real_breakout_game():
+    """Random play until a whole game ends: the length equals envpool's elapsed_step, the return the sum of the
+    unclipped rewards, and the game went through several life losses (terminated=True without game over)."""
+    args = pae.Args()
+    env = pae.make_envs(args, 1, seed=3)
+    env.reset()
+    stats, rng = pae.EpisodeStats(1), np.random.default_rng(0)
+    life_losses, raw_sum = 0, 0.0
+    for _ in range(5000):
+        _, r, term, trunc, info = env.step(rng.integers(0, 4, size=1))
+        assert r[0] in (0.0, 1.0, -1.0)  # clipped for training
+        raw_sum += float(info["reward"][0])
+        life_losses += int(term[0] and not info["terminated"][0])
+        finished = stats.update(info["reward"], term, trunc, info["terminated"])
+        if finished:
+            (_, ret, length), = finished
+            assert length == int(info["elapsed_step"][0]) and ret == raw_sum
+            break
+    else:
+        pytest.fail("no game ended")
+    env.close()
+    assert life_losses == 4  # Breakout: 5 lives
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Observations and network
+# ---------------------------------------------------------------------------------------------------------
+def test_observation_shape_dtype_and_agent():
+    env = pae.make_envs(pae.Args(), 2, seed=1)
+    obs, _ = env.reset()
+    assert obs.shape == (2, 4, 84, 84) and obs.dtype == np.uint8 and obs.max() > 0
+    assert env.single_action_space.n == 4
+    env.close()
+    torch.manual_seed(0)
+    agent = pae.Agent(4)
+    action, logprob, entropy, value = agent.get_action_and_value(torch.from_numpy(obs))
+    assert action.shape == logprob.shape == entropy.shape == value.shape == (2,)
+    assert torch.allclose(entropy, torch.full((2,), np.log(4.0)), atol=1e-3)  # std 0.01 head: near uniform
+    assert torch.allclose(agent.get_value(torch.from_numpy(obs)), value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure functions vs plain loops
+# ---------------------------------------------------------------------------------------------------------
+def test_gae_and_truncation_bootstrap_against_loop():
+    torch.manual_seed(0)
+    T, N, gamma, lam = 7, 3, 0.9, 0.8
+    rewards, values = torch.randn(T, N), torch.randn(T, N)
+    dones = (torch.rand(T, N) < 0.3).float()
+    truncs = (torch.rand(T, N) < 0.3).float()
+    next_value, next_done = torch.randn(N), torch.tensor([0.0, 1.0, 0.0])
+    r2 = pae.bootstrap_truncated(rewards, values, next_value, truncs, gamma)
+    adv, ret = pae.compute_gae(r2, values, dones, next_value, next_done, gamma, lam)
+    for n in range(N):
+        vals = values[:, n].tolist() + [next_value[n].item()]
+        d = dones[:, n].tolist() + [next_done[n].item()]
+        a = 0.0
+        for t in reversed(range(T)):
+            r = rewards[t, n].item() + (gamma * vals[t + 1] if truncs[t, n] else 0.0)
+            a = r + gamma * vals[t + 1] * (1 - d[t + 1]) - vals[t] + gamma * lam * (1 - d[t + 1]) * a
+            assert abs(adv[t, n].item() - a) < 1e-5
+            assert abs(ret[t, n].item() - (a + vals[t])) < 1e-5
+
+
+def plain_loss(newlp, oldlp, adv, newv, oldv, ret, ent, clip, ent_coef, vf_coef):
+    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    ratio = (newlp - oldlp).exp()
+    pg = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip)).mean()
+    vclip = oldv + (newv - oldv).clamp(-clip, clip)
+    v = 0.5 * torch.max((newv - ret) ** 2, (vclip - ret) ** 2).mean()
+    return pg - ent_coef * ent.mean() + vf_coef * v
+
+
+def test_ppo_loss_mask_equals_loss_on_real_transitions():
+    torch.manual_seed(0)
+    B = 32
+    newlp, oldlp = torch.randn(B) * 0.1 - 1.3, torch.randn(B) * 0.1 - 1.3
+    adv, newv, oldv, ret, ent = torch.randn(B), torch.randn(B), torch.randn(B), torch.randn(B), torch.rand(B)
+    mask = (torch.rand(B) > 0.25).float()
+    keep = mask.bool()
+    kw = dict(clip_coef=0.1, clip_vloss=True, ent_coef=0.01, vf_coef=0.5, norm_adv=True)
+    full, _ = pae.ppo_loss(newlp, oldlp, adv, newv, oldv, ret, ent, torch.ones(B), **kw)
+    assert torch.allclose(full, plain_loss(newlp, oldlp, adv, newv, oldv, ret, ent, 0.1, 0.01, 0.5), atol=1e-6)
+    masked, stats = pae.ppo_loss(newlp, oldlp, adv, newv, oldv, ret, ent, mask, **kw)
+    sub = [x[keep] for x in (newlp, oldlp, adv, newv, oldv, ret, ent)]
+    assert torch.allclose(masked, plain_loss(*sub, 0.1, 0.01, 0.5), atol=1e-6)
+    assert not torch.allclose(masked, full)
+    ratio = (sub[0] - sub[1]).exp()
+    assert torch.allclose(stats["clipfrac"], ((ratio - 1).abs() > 0.1).float().mean())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# End to end (subprocess, tiny sizes)
+# ---------------------------------------------------------------------------------------------------------
+TINY = ["--num-envs", "2", "--num-steps", "32", "--num-minibatches", "2", "--update-epochs", "1",
+        "--torch-threads", "1", "--num-threads", "1"]
+
+
+def run(argv, cwd):
+    p = subprocess.run([sys.executable, SCRIPT, *argv], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout
+
+
+def scalars(run_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
+
+
+def test_smoke_run_logs_the_shared_tags(tmp_path):
+    out = run(["--total-timesteps", "384", "--runs-dir", str(tmp_path), *TINY], tmp_path)
+    assert "iter 6/6" in out and "global_step=384" in out
+    (run_dir,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path)]
+    for tag in ("charts/learning_rate", "charts/SPS", "losses/value_loss", "losses/policy_loss", "losses/entropy",
+                "losses/approx_kl", "losses/clipfrac", "losses/explained_variance"):
+        values = scalars(run_dir, tag)
+        assert len(values) == 6 and all(np.isfinite(v) for _, v in values), tag
+
+
+def test_stop_then_resume_continues_steps_and_lr_schedule(tmp_path):
+    common = ["--total-timesteps", "512", "--runs-dir", str(tmp_path), *TINY]  # 8 iterations of 64 steps
+    out = run([*common, "--stop-after", "3"], tmp_path)
+    assert "stopped after 3 iterations" in out
+    (run_dir,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path)]
+    ckpt_path = os.path.join(run_dir, "checkpoint.pt")
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    assert (ckpt["iteration"], ckpt["global_step"], ckpt["script"]) == (3, 192, "ppo_atari_envpool.py")
+    # --stop-after is kept from the checkpoint (pieces of equal size); 0 runs to the end
+    out = run(["--resume", ckpt_path, "--stop-after", "0", "--save-model", "--eval-episodes", "1"], tmp_path)
+    assert "resumed" in out and "global step 192" in out and "iter 8/8" in out and "eval: 1 games" in out
+    assert os.listdir(tmp_path) == [os.path.basename(run_dir)]  # same run directory
+    final = torch.load(ckpt_path, weights_only=True)
+    assert (final["iteration"], final["global_step"]) == (8, 512)
+    assert final["args"]["num_envs"] == 2  # flags taken from the checkpoint
+    assert not torch.equal(final["model"]["actor.weight"], ckpt["model"]["actor.weight"])  # it trained on
+    lr = scalars(run_dir, "charts/learning_rate")
+    assert [s for s, _ in lr] == [64 * k for k in range(1, 9)]  # one point per iteration, no gap, no repeat
+    assert np.allclose([v for _, v in lr], [(1 - (k - 1) / 8) * 2.5e-4 for k in range(1, 9)])
