@@ -470,7 +470,7 @@ def main(args: Args) -> dict:
     agent = Agent(obs_dim, int(envs.single_action_space.n)).to(device)
     # lr lives in a tensor so that annealing does not recompile the compiled/captured optimizer step
     optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
-                                 capturable=args.cudagraphs)
+                                 fused=True)  # fused: one kernel per step, works with tensor lr and CUDA graphs
     start_iteration, global_step = 1, 0
     if ckpt is not None:
         try:
