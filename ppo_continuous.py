@@ -1,0 +1,791 @@
+"""PPO for continuous-action gymnasium environments (MuJoCo HalfCheetah-v5 by default).
+
+    python ppo_continuous.py                                   # HalfCheetah-v5, 1M steps, CleanRL settings
+    python ppo_continuous.py --env-id Hopper-v5 --num-envs 4 --vector-mode async
+    python ppo_continuous.py --resume runs/<run>/checkpoint.pt --eval-episodes 10 --capture-video
+
+The loop follows the note (shared/seeds/ppo_note.md) step by step; each step is a section comment below:
+Collect rollout -> Compute advantages and returns (GAE) -> Advantage normalisation ->
+Optimise policy & value for E epochs (clipped policy loss + value loss + entropy bonus) -> Update reference policy.
+Continuous-control details: diagonal Gaussian policy with a state-independent log std, actions clipped for the env
+only, observation normalisation and reward scaling done here in the main loop (their statistics are part of the
+checkpoint and are frozen for evaluation), and truncated episodes bootstrapped from their normalised final observation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Annotated, Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+
+
+def die(msg: str) -> None:
+    """Bad input: one line on stderr, exit code 2, no traceback."""
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_count(text: str) -> int:
+    """A count written as 1000000, 1e6, 5e5 or 1_000_000; anything that is not a whole number is an error."""
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
+    if not value.is_integer():
+        raise ValueError(f"{text!r} is not a whole number")
+    return int(value)
+
+
+Count = Annotated[
+    int,
+    tyro.constructors.PrimitiveConstructorSpec(
+        nargs=1,
+        metavar="INT",
+        instance_from_str=lambda a: parse_count(a[0]),
+        is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool),
+        str_from_instance=lambda x: [str(x)],
+    ),
+]
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "ppo_continuous"
+    """name of this experiment (part of the run name)"""
+    seed: Count = 1
+    """seed of the experiment (python, numpy, torch and the environments)"""
+    torch_deterministic: bool = True
+    """use deterministic torch algorithms"""
+    cuda: bool = False
+    """run the networks on CUDA (tiny MLPs are usually faster on CPU)"""
+    compile: bool = False
+    """torch.compile the action sampling and the update step"""
+    cudagraphs: bool = False
+    """capture the action sampling and the update step in CUDA graphs (needs --cuda)"""
+    torch_threads: Count = 1
+    """torch CPU threads (1 is fastest for small networks)"""
+    track: bool = False
+    """log to Weights & Biases (WANDB_MODE=offline works without network)"""
+    wandb_project_name: str = "ppo-reference"
+    """wandb project name"""
+    wandb_entity: Optional[str] = None
+    """wandb entity (team)"""
+    capture_video: bool = False
+    """record videos of the evaluation episodes under runs/<run>/videos (headless: MUJOCO_GL=egl or osmesa)"""
+    save_model: bool = False
+    """write runs/<run>/checkpoint.pt at the end of training"""
+    checkpoint_every: Count = 0
+    """also write the checkpoint every N iterations (0: only at the end with --save-model)"""
+    resume: Optional[str] = None
+    """continue from this checkpoint.pt: same run directory, step count, lr schedule and normalisation statistics;
+    flags not given on the command line take the checkpoint's values"""
+    stop_after: Count = 0
+    """stop this process after N iterations with a checkpoint (0: run to the end); --resume continues"""
+    eval_episodes: Count = 0
+    """after training (or right away for a finished --resume checkpoint) evaluate N episodes"""
+    runs_dir: str = "runs"
+    """directory that holds the runs"""
+
+    # Algorithm
+    env_id: str = "HalfCheetah-v5"
+    """id of a gymnasium environment with a continuous (Box) action space"""
+    total_timesteps: Count = 1_000_000
+    """total environment steps of the run"""
+    learning_rate: float = 3e-4
+    """Adam learning rate"""
+    num_envs: Count = 1
+    """number of parallel environments"""
+    vector_mode: Literal["sync", "async"] = "sync"
+    """gymnasium SyncVectorEnv (one process) or AsyncVectorEnv (one process per env)"""
+    num_steps: Count = 2048
+    """steps per environment per rollout (T)"""
+    anneal_lr: bool = True
+    """anneal the learning rate linearly to 0"""
+    gamma: float = 0.99
+    """discount factor (also the discount of the reward scaler's running return)"""
+    gae_lambda: float = 0.95
+    """lambda of generalized advantage estimation"""
+    num_minibatches: Count = 32
+    """number of minibatches per epoch"""
+    update_epochs: Count = 10
+    """epochs E over each rollout"""
+    norm_adv: bool = True
+    """standardise advantages per minibatch"""
+    clip_coef: float = 0.2
+    """clip range epsilon of the policy ratio"""
+    clip_vloss: bool = True
+    """clip the value loss as in the original PPO code"""
+    ent_coef: float = 0.0
+    """entropy bonus coefficient c_H"""
+    vf_coef: float = 0.5
+    """value loss coefficient c_v"""
+    max_grad_norm: float = 0.5
+    """global gradient norm clip"""
+    target_kl: Optional[float] = None
+    """stop the epochs of an update early once approx_kl exceeds this"""
+    norm_obs: bool = True
+    """normalise observations by their running mean/std (updated in rollouts, frozen in evaluation)"""
+    obs_clip: float = 10.0
+    """clip normalised observations to [-obs_clip, obs_clip]"""
+    norm_reward: bool = True
+    """scale rewards by the running std of the discounted return"""
+    reward_clip: float = 10.0
+    """clip scaled rewards to [-reward_clip, reward_clip]"""
+
+
+def parse_args(argv: Optional[list[str]] = None) -> Args:
+    """tyro.cli, with its error boxes condensed to one line (exit code 2)."""
+    argv = sys.argv[1:] if argv is None else argv
+    default = None
+    resume = resume_path(argv)
+    if resume is not None:  # the checkpoint's arguments become the defaults; flags given now override them
+        if not os.path.isfile(resume):
+            die(f"--resume: no such file {resume}")
+        saved = load_checkpoint(resume)["args"]
+        default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = tyro.cli(Args, args=argv, default=default)
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise
+        body = [ln.strip(" │─\t") for ln in err.getvalue().splitlines() if ln.lstrip().startswith("│")]
+        message = []
+        for ln in body:  # the box's first paragraph is the error; a rule line ends it
+            if not ln:
+                break
+            message.append(ln)
+        die(" ".join(message) or "invalid arguments (see --help)")
+    validate(args)
+    return args
+
+
+def resume_path(argv: list[str]) -> Optional[str]:
+    for i, a in enumerate(argv):
+        if a == "--resume" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--resume="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def validate(args: Args) -> None:
+    for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "torch_threads"):
+        if getattr(args, name) <= 0 and not (name == "total_timesteps" and getattr(args, name) == 0):
+            die(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("eval_episodes", "checkpoint_every", "stop_after"):
+        if getattr(args, name) < 0:
+            die(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    batch = args.num_envs * args.num_steps
+    if batch % args.num_minibatches:
+        die(f"num_envs*num_steps = {batch} is not divisible by --num-minibatches {args.num_minibatches}")
+    if 0 < args.total_timesteps < batch:
+        die(f"--total-timesteps {args.total_timesteps} is less than one rollout (num_envs*num_steps = {batch})")
+    if not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1):
+        die("--gamma and --gae-lambda must lie in [0, 1]")
+    if args.learning_rate <= 0 or args.clip_coef <= 0 or args.max_grad_norm <= 0:
+        die("--learning-rate, --clip-coef and --max-grad-norm must be positive")
+    if args.obs_clip <= 0 or args.reward_clip <= 0:
+        die("--obs-clip and --reward-clip must be positive")
+    if args.cudagraphs and not args.cuda:
+        die("--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
+    if args.cuda and not torch.cuda.is_available():
+        die("--cuda given but torch finds no CUDA device")
+    if args.resume is not None and not os.path.isfile(args.resume):
+        die(f"--resume: no such file {args.resume}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Environments
+# ---------------------------------------------------------------------------------------------------------
+def make_env(env_id: str, idx: int = 0, capture_video: bool = False, video_dir: str = ""):
+    def thunk():
+        import gymnasium as gym
+
+        if capture_video and idx == 0:
+            env = gym.make(env_id, render_mode="rgb_array")
+            env = gym.wrappers.RecordVideo(env, video_dir, episode_trigger=lambda ep: True, disable_logger=True)
+        else:
+            env = gym.make(env_id)
+        return env
+
+    return thunk
+
+
+def check_env(env_id: str) -> None:
+    """Die with one line unless env_id makes an env with a Box action space and a flat Box observation space."""
+    import gymnasium as gym
+
+    try:
+        probe = gym.make(env_id)
+    except gym.error.Error as e:
+        die(f"unknown or unusable env id {env_id!r}: {e}")
+    except Exception as e:  # a missing optional dependency of the env, for instance
+        die(f"cannot make {env_id!r}: {type(e).__name__}: {e}")
+    if not isinstance(probe.action_space, gym.spaces.Box):
+        die(f"{env_id} has a {type(probe.action_space).__name__} action space; ppo_continuous.py needs a Box "
+            "(use ppo.py for discrete actions)")
+    if not isinstance(probe.observation_space, gym.spaces.Box) or len(probe.observation_space.shape) != 1:
+        die(f"{env_id} has a {probe.observation_space} observation space; ppo_continuous.py needs a flat Box")
+    probe.close()
+
+
+def make_vector_env(args: Args):
+    """Vector env in SAME_STEP autoreset mode: a finished episode is reset inside the same step() call and its last
+    observation comes back in info["final_obs"], so every stored transition is a real one (no reset transitions)."""
+    import gymnasium as gym
+
+    fns = [make_env(args.env_id, i) for i in range(args.num_envs)]
+    cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
+    return cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+
+def setup_rendering(env_id: str) -> str:
+    """Find a GL backend that renders env_id offscreen and export it as MUJOCO_GL (read when the renderer is made).
+
+    MuJoCo renders through GLFW (needs a display), EGL (libEGL: a GPU driver or Mesa) or OSMesa (libOSMesa, software).
+    A headless machine needs MUJOCO_GL=egl or MUJOCO_GL=osmesa. The probe runs in a child process because a broken GL
+    backend can abort the process that tries it."""
+    code = ("import gymnasium as gym, moviepy\n"
+            f"e = gym.make({env_id!r}, render_mode='rgb_array'); e.reset(seed=0); assert e.render().size > 0")
+    if os.environ.get("MUJOCO_GL"):
+        candidates = [os.environ["MUJOCO_GL"]]
+    else:
+        candidates = (["glfw"] if os.environ.get("DISPLAY") else []) + ["egl", "osmesa"]
+    last = ""
+    for gl in candidates:
+        try:
+            r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, MUJOCO_GL=gl),
+                               capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            last = f"MUJOCO_GL={gl}: timed out"
+            continue
+        if r.returncode == 0:
+            os.environ["MUJOCO_GL"] = gl
+            return gl
+        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+        last = f"MUJOCO_GL={gl}: {lines[-1].strip() if lines else f'exit code {r.returncode}'}"
+    die(f"--capture-video: cannot render {env_id} offscreen (tried MUJOCO_GL={'/'.join(candidates)}; last: {last}); "
+        "install EGL (libegl1) or OSMesa (libosmesa6) and set MUJOCO_GL=egl or MUJOCO_GL=osmesa")
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Normalisation: observations by running mean/var, rewards by the running std of the discounted return
+# ---------------------------------------------------------------------------------------------------------
+class RunningMeanStd:
+    """Mean and (population) variance of a stream of vectors, merged batch by batch with Chan et al.'s parallel
+    update, as in OpenAI baselines and gymnasium. count starts at epsilon (mean 0, var 1) as there."""
+
+    def __init__(self, shape: tuple = (), epsilon: float = 1e-4):
+        self.mean = np.zeros(shape, dtype=np.float64)
+        self.var = np.ones(shape, dtype=np.float64)
+        self.count = float(epsilon)
+
+    def update(self, x: np.ndarray) -> None:
+        """x: a batch (B, *shape) of new samples."""
+        x = np.asarray(x, dtype=np.float64)
+        b_count = x.shape[0]
+        b_mean = x.sum(axis=0) / b_count  # = x.mean(0), x.var(0) without numpy's slow wrappers (hot loop)
+        b_var = np.square(x - b_mean).sum(axis=0) / b_count
+        delta = b_mean - self.mean
+        total = self.count + b_count
+        self.mean = self.mean + delta * (b_count / total)
+        m2 = self.var * self.count + b_var * b_count + delta**2 * (self.count * b_count / total)
+        self.var = m2 / total
+        self.count = total
+
+    def state_dict(self) -> dict:
+        return {"mean": torch.tensor(self.mean), "var": torch.tensor(self.var),
+                "count": torch.tensor(self.count, dtype=torch.float64)}
+
+    def load_state_dict(self, state: dict) -> None:
+        mean = state["mean"].numpy().astype(np.float64)
+        if mean.shape != self.mean.shape:
+            raise ValueError(f"normalisation statistics of shape {tuple(mean.shape)}, expected {self.mean.shape}")
+        self.mean, self.var, self.count = mean, state["var"].numpy().astype(np.float64), float(state["count"])
+
+
+def normalize_obs(obs: np.ndarray, rms: RunningMeanStd, clip: float, eps: float = 1e-8) -> np.ndarray:
+    """(obs - mean) / sqrt(var + eps), clipped to [-clip, clip]; uses the statistics as they are (no update)."""
+    return np.clip((obs - rms.mean) / np.sqrt(rms.var + eps), -clip, clip)
+
+
+class RewardScaler:
+    """Divide rewards by the running std of the discounted return G <- gamma * G + r (no mean subtraction), as
+    gymnasium's NormalizeReward; G restarts at 0 after every episode end, termination or truncation."""
+
+    def __init__(self, num_envs: int, gamma: float, clip: float = 10.0, eps: float = 1e-8):
+        self.rms = RunningMeanStd(())
+        self.ret = np.zeros(num_envs, dtype=np.float64)
+        self.gamma, self.clip, self.eps = gamma, clip, eps
+
+    def __call__(self, reward: np.ndarray, done: np.ndarray) -> np.ndarray:
+        self.ret = self.ret * self.gamma + reward
+        self.rms.update(self.ret)
+        scaled = np.clip(reward / np.sqrt(self.rms.var + self.eps), -self.clip, self.clip)
+        self.ret[done] = 0.0
+        return scaled
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Agent: separate actor and critic MLPs (64x64 tanh), orthogonal init, diagonal Gaussian policy
+# ---------------------------------------------------------------------------------------------------------
+def layer_init(layer: nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
+    torch.nn.init.orthogonal_(layer.weight, std)  # detail: orthogonal init with scaled gains
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+def gaussian_logprob_entropy(mean: torch.Tensor, logstd: torch.Tensor, action: torch.Tensor):
+    """log N(action; mean, exp(logstd)^2) and the entropy, summed over action dimensions (the diagonal Gaussian's
+    dimensions are independent). Written out instead of torch.distributions: cheaper in the hot loop, compilable."""
+    z = (action - mean) * torch.exp(-logstd)
+    logprob = (-0.5 * z * z - logstd - LOG_SQRT_2PI).sum(-1)
+    entropy = (0.5 + LOG_SQRT_2PI + logstd).sum(-1)
+    return logprob, entropy
+
+
+class Agent(nn.Module):
+    def __init__(self, obs_dim: int, act_dim: int):
+        super().__init__()
+        self.critic = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, 1), std=1.0),
+        )
+        self.actor_mean = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, act_dim), std=0.01),  # detail: small last-layer gain -> mean near 0 at start
+        )
+        self.actor_logstd = nn.Parameter(torch.zeros(1, act_dim))  # detail: state-independent learnable log std
+
+    def get_value(self, x: torch.Tensor) -> torch.Tensor:
+        return self.critic(x).squeeze(-1)
+
+    def fused_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Actor and critic as one MLP with block-diagonal weights: the same function in half the matmuls. The rollout
+        (one small batch per env step, bound by per-op overhead) uses it; take a fresh copy after each update."""
+        a, c = self.actor_mean, self.critic
+        with torch.no_grad():
+            return [(torch.cat([a[0].weight, c[0].weight]), torch.cat([a[0].bias, c[0].bias])),
+                    (torch.block_diag(a[2].weight, c[2].weight), torch.cat([a[2].bias, c[2].bias])),
+                    (torch.block_diag(a[4].weight, c[4].weight), torch.cat([a[4].bias, c[4].bias]))]
+
+    def get_action_and_value(self, x: torch.Tensor, action: Optional[torch.Tensor] = None, fused=None):
+        """Sample (or score) an unclipped action. Returns action, log pi(a|s), entropy, V(s).
+        fused: fused_weights() of this agent, for a faster forward pass without gradients."""
+        if fused is None:
+            mean, value = self.actor_mean(x), self.get_value(x)
+        else:
+            (w1, b1), (w2, b2), (w3, b3) = fused
+            out = F.linear(torch.tanh(F.linear(torch.tanh(F.linear(x, w1, b1)), w2, b2)), w3, b3)
+            mean, value = out[..., :-1], out[..., -1]
+        logstd = self.actor_logstd.expand_as(mean)
+        if action is None:  # sampling: the log-prob follows from the noise, z = (a - mean) / std = noise
+            noise = torch.randn_like(mean)
+            action = mean + torch.exp(logstd) * noise
+            logprob = (-0.5 * noise * noise - logstd - LOG_SQRT_2PI).sum(-1)
+            entropy = (0.5 + LOG_SQRT_2PI + logstd).sum(-1)
+        else:
+            logprob, entropy = gaussian_logprob_entropy(mean, logstd, action)
+        return action, logprob, entropy, value
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure functions (imported by the tests)
+# ---------------------------------------------------------------------------------------------------------
+def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, lam: float):
+    """Generalized advantage estimation by the backward recursion of the note.
+
+    rewards, values, dones: (T, N) numpy arrays; dones[t] = 1 if obs[t] is the first of a new episode (the transition
+    at t-1 ended one). next_value, next_done: (N,) for the observation after the last step. Truncated episodes must
+    already carry gamma * V(final_obs) in their last reward (see main), so a done here always means "no bootstrap".
+    Returns advantages and returns R_t = A_t + V(s_t), both (T, N). On the host in numpy: the T-step loop over
+    tiny arrays costs a fifth of what it costs in torch.
+    """
+    T = rewards.shape[0]
+    advantages = np.zeros_like(rewards)
+    lastgaelam = np.zeros_like(next_value)
+    for t in reversed(range(T)):
+        if t == T - 1:
+            nextnonterminal, nextvalues = 1.0 - next_done, next_value
+        else:
+            nextnonterminal, nextvalues = 1.0 - dones[t + 1], values[t + 1]
+        delta = rewards[t] + gamma * nextvalues * nextnonterminal - values[t]  # TD error
+        lastgaelam = delta + gamma * lam * nextnonterminal * lastgaelam
+        advantages[t] = lastgaelam
+    return advantages, advantages + values
+
+
+def normalize_advantages(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(A - mean) / (std + eps), with the unbiased std as in CleanRL and the OpenAI baselines."""
+    return (adv - adv.mean()) / (adv.std() + eps)
+
+
+def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, entropy,
+             clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool):
+    """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync)."""
+    logratio = newlogprob - oldlogprob
+    ratio = logratio.exp()
+    with torch.no_grad():
+        old_approx_kl = (-logratio).mean()
+        approx_kl = ((ratio - 1) - logratio).mean()  # k3 estimator, unbiased and low variance
+        clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
+    if norm_adv:
+        advantages = normalize_advantages(advantages)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
+    pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+    if clip_vloss:  # detail: value clipping around the old prediction
+        v_unclipped = (newvalue - returns) ** 2
+        v_clipped = oldvalue + torch.clamp(newvalue - oldvalue, -clip_coef, clip_coef)
+        v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - returns) ** 2).mean()
+    else:
+        v_loss = 0.5 * ((newvalue - returns) ** 2).mean()
+    entropy_loss = entropy.mean()
+    loss = pg_loss - ent_coef * entropy_loss + v_loss * vf_coef
+    stats = dict(policy_loss=pg_loss.detach(), value_loss=v_loss.detach(), entropy=entropy_loss.detach(),
+                 old_approx_kl=old_approx_kl, approx_kl=approx_kl, clipfrac=clipfrac)
+    return loss, stats
+
+
+def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
+    var_y = np.var(y_true)
+    return float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------------------
+SCRIPT = "ppo_continuous.py"
+
+
+def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step: int, iteration: int,
+                    obs_rms: RunningMeanStd, reward_scaler: RewardScaler) -> None:
+    """Atomic write (temporary file, then rename): a kill during the save keeps the previous checkpoint."""
+    state = {
+        "script": SCRIPT,
+        "env_id": args.env_id,
+        "model": agent.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "global_step": global_step,
+        "iteration": iteration,
+        "rng": {"torch": torch.get_rng_state()},  # all of the script's own randomness is torch's
+        "args": dataclasses.asdict(args),
+        "obs_rms": obs_rms.state_dict(),
+        "return_rms": reward_scaler.rms.state_dict(),
+    }
+    tmp = f"{path}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str, env_id: Optional[str] = None) -> dict:
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        die(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
+        die(f"{path} is not a {SCRIPT} checkpoint (script={ckpt.get('script') if isinstance(ckpt, dict) else None})")
+    if env_id is not None and ckpt["env_id"] != env_id:
+        die(f"{path} was trained on {ckpt['env_id']}, not {env_id} (pass --env-id {ckpt['env_id']})")
+    return ckpt
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------------------
+def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_rms: RunningMeanStd,
+             video_dir: str = "") -> list[float]:
+    """Run `episodes` full episodes with actions sampled from the policy and the observation statistics frozen;
+    return their undiscounted (raw) returns."""
+    env = make_env(args.env_id, 0, args.capture_video, video_dir)()
+    low, high = env.action_space.low, env.action_space.high
+    returns = []
+    obs, _ = env.reset(seed=args.seed + 10_000)
+    ep_ret = 0.0
+    while len(returns) < episodes:
+        x = normalize_obs(obs, obs_rms, args.obs_clip) if args.norm_obs else obs
+        with torch.inference_mode():
+            x = torch.as_tensor(x[None], dtype=torch.float32, device=device)
+            action, _, _, _ = agent.get_action_and_value(x)
+        obs, r, term, trunc, _ = env.step(np.clip(action[0].cpu().numpy(), low, high))
+        ep_ret += float(r)
+        if term or trunc:
+            returns.append(ep_ret)
+            ep_ret = 0.0
+            if len(returns) < episodes:  # no reset after the last one: RecordVideo would start an empty video
+                obs, _ = env.reset()
+    env.close()
+    return returns
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------
+def main(args: Args) -> dict:
+    batch_size = args.num_envs * args.num_steps
+    minibatch_size = batch_size // args.num_minibatches
+    num_iterations = args.total_timesteps // batch_size
+
+    check_env(args.env_id)  # before anything is written: bad input leaves no run directory behind
+    ckpt = load_checkpoint(args.resume, args.env_id) if args.resume else None
+    if ckpt is not None:
+        for name in ("norm_obs", "norm_reward"):  # the network was trained on these inputs / value scale
+            if ckpt["args"].get(name) != getattr(args, name):
+                die(f"{args.resume} was trained with {name}={ckpt['args'].get(name)}; "
+                    f"--{name.replace('_', '-')} cannot change on --resume")
+        run_dir = os.path.dirname(os.path.abspath(args.resume))
+        run_name = os.path.basename(run_dir)
+    else:
+        run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_dir = os.path.join(args.runs_dir, run_name)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as e:
+        die(f"cannot create run directory {run_dir}: {e.strerror}")
+    if not os.access(run_dir, os.W_OK):
+        die(f"run directory {run_dir} is not writable")
+
+    # Seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.torch_threads)
+    device = torch.device("cuda" if args.cuda else "cpu")
+
+    envs = make_vector_env(args)
+    if args.capture_video:  # fail before training, not after it
+        backend = setup_rendering(args.env_id)
+        print(f"video: MUJOCO_GL={backend}" + ("" if args.eval_episodes else
+                                                " (videos are recorded of the --eval-episodes only; none asked)"))
+    obs_dim = int(np.prod(envs.single_observation_space.shape))
+    act_dim = int(np.prod(envs.single_action_space.shape))
+    act_low, act_high = envs.single_action_space.low, envs.single_action_space.high
+    agent = Agent(obs_dim, act_dim).to(device)
+    # lr lives in a tensor so that annealing does not recompile the compiled/captured optimizer step;
+    # on CPU the fused Adam is one kernel instead of one per parameter (4x faster step for these small nets)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
+                                 capturable=args.cudagraphs, fused=True if not args.cuda else None)
+    obs_rms = RunningMeanStd((obs_dim,))
+    reward_scaler = RewardScaler(args.num_envs, args.gamma, args.reward_clip)
+    start_iteration, global_step = 1, 0
+    if ckpt is not None:
+        try:
+            agent.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+            obs_rms.load_state_dict(ckpt["obs_rms"])
+            reward_scaler.rms.load_state_dict(ckpt["return_rms"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            die(f"checkpoint {args.resume} does not fit this network: {str(e).splitlines()[0]}")
+        start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        print(f"resumed {args.resume} at iteration {ckpt['iteration']}, global step {global_step}")
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                   config=vars(args), name=run_name, dir=run_dir, resume="allow", id=run_name)
+    writer = SummaryWriter(run_dir)
+    if ckpt is None:
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
+                        "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+
+    # The two hot functions: action sampling during the rollout and one minibatch update.
+    def policy(obs, fused):
+        action, logprob, _, value = agent.get_action_and_value(obs, fused=fused)
+        return action, logprob, value
+
+    def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values):
+        optimizer.zero_grad(set_to_none=False)
+        _, newlogprob, entropy, newvalue = agent.get_action_and_value(mb_obs, mb_actions)
+        loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
+                               args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef, args.norm_adv)
+        loss.backward()
+        stats["grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+        optimizer.step()
+        return stats
+
+    if args.compile:
+        policy = torch.compile(policy, mode="reduce-overhead" if args.cudagraphs else None)
+        update = torch.compile(update, mode="reduce-overhead" if args.cudagraphs else None)
+    elif args.cudagraphs:  # CUDA graphs without inductor: dynamo's cudagraphs backend records and replays
+        policy = torch.compile(policy, backend="cudagraphs")
+        update = torch.compile(update, backend="cudagraphs")
+
+    def prepare_obs(raw: np.ndarray, update_stats: bool) -> np.ndarray:
+        if not args.norm_obs:
+            return raw
+        if update_stats:
+            obs_rms.update(raw)
+        return normalize_obs(raw, obs_rms, args.obs_clip)
+
+    # Rollout storage (T, N, ...): what the envs return stays on the host (numpy), what the policy returns on the device
+    obs = np.zeros((args.num_steps, args.num_envs, obs_dim), dtype=np.float32)
+    rewards = np.zeros((args.num_steps, args.num_envs), dtype=np.float32)
+    dones = np.zeros((args.num_steps, args.num_envs), dtype=np.float32)
+    actions = torch.zeros((args.num_steps, args.num_envs, act_dim), device=device)
+    logprobs = torch.zeros((args.num_steps, args.num_envs), device=device)
+    values = torch.zeros((args.num_steps, args.num_envs), device=device)
+
+    next_obs, _ = envs.reset(seed=[args.seed + global_step + i for i in range(args.num_envs)])
+    next_obs = prepare_obs(next_obs, update_stats=num_iterations >= start_iteration).astype(np.float32)
+    next_done = np.zeros(args.num_envs, dtype=np.float32)
+    ep_return = np.zeros(args.num_envs)
+    ep_length = np.zeros(args.num_envs, dtype=np.int64)
+    recent_returns: list[float] = []
+    last_stats: dict = {}
+    start_time, last_print = time.time(), 0.0
+    steps_at_start = global_step
+    finished = True
+
+    for iteration in range(start_iteration, num_iterations + 1):
+        lr_now = args.learning_rate
+        if args.anneal_lr:  # detail: linear annealing to 0 over the whole run
+            lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+        optimizer.param_groups[0]["lr"].fill_(lr_now)
+        fused = agent.fused_weights()  # the policy of this iteration's rollout (theta_old)
+
+        # Collect rollout
+        for step in range(args.num_steps):
+            global_step += args.num_envs
+            obs[step] = next_obs
+            dones[step] = next_done
+            with torch.inference_mode():
+                action, logprob, value = policy(torch.from_numpy(next_obs).to(device), fused)
+            values[step] = value
+            actions[step] = action
+            logprobs[step] = logprob
+
+            # detail: clip to the action bounds for the env only; the buffer keeps the sample the log-prob is of
+            next_obs_np, raw_reward, terminations, truncations, infos = envs.step(
+                np.clip(action.cpu().numpy(), act_low, act_high))
+            done = np.logical_or(terminations, truncations)
+            ep_return += raw_reward
+            ep_length += 1
+            next_obs = prepare_obs(next_obs_np, update_stats=True).astype(np.float32)  # detail: obs normalisation
+            reward = reward_scaler(raw_reward, done) if args.norm_reward else np.asarray(raw_reward, np.float64)
+            # Truncation is not termination: bootstrap r + gamma * V(final obs) for episodes cut by a time limit,
+            # the final observation normalised with the same statistics as the policy's inputs.
+            trunc_only = np.logical_and(truncations, np.logical_not(terminations))
+            if trunc_only.any():
+                idx = np.nonzero(trunc_only)[0]
+                final = prepare_obs(np.stack(infos["final_obs"][idx]), update_stats=False)
+                with torch.inference_mode():
+                    final_value = agent.get_value(torch.as_tensor(final, dtype=torch.float32, device=device))
+                reward[idx] += args.gamma * final_value.cpu().numpy()
+            for i in np.nonzero(done)[0]:
+                recent_returns.append(float(ep_return[i]))
+                writer.add_scalar("charts/episodic_return", ep_return[i], global_step)
+                writer.add_scalar("charts/episodic_length", ep_length[i], global_step)
+            ep_return[done] = 0.0
+            ep_length[done] = 0
+            rewards[step] = reward
+            next_done = done.astype(np.float32)
+
+        # Compute advantages and returns (GAE)
+        with torch.inference_mode():
+            next_value = agent.get_value(torch.from_numpy(next_obs).to(device)).cpu().numpy()
+        advantages, returns = compute_gae(rewards, values.cpu().numpy(), dones, next_value, next_done,
+                                          args.gamma, args.gae_lambda)
+
+        b_obs = torch.from_numpy(obs).to(device).reshape(batch_size, obs_dim)
+        b_logprobs, b_actions = logprobs.reshape(-1), actions.reshape(batch_size, act_dim)
+        b_advantages = torch.from_numpy(advantages).to(device).reshape(-1)
+        b_returns, b_values = torch.from_numpy(returns).to(device).reshape(-1), values.reshape(-1)
+
+        # Optimise policy & value for E epochs (advantage normalisation happens per minibatch in ppo_loss)
+        stats_sum, n_updates = None, 0
+        for epoch in range(args.update_epochs):
+            b_inds = torch.randperm(batch_size, device=device)
+            for start in range(0, batch_size, minibatch_size):
+                mb = b_inds[start:start + minibatch_size]
+                stats = update(b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb], b_returns[mb],
+                               b_values[mb])
+                stats = {k: v.clone() for k, v in stats.items()}
+                stats_sum = stats if stats_sum is None else {k: stats_sum[k] + v for k, v in stats.items()}
+                n_updates += 1
+            if args.target_kl is not None and float(stats["approx_kl"]) > args.target_kl:
+                break
+        # Update reference policy: theta_old <- theta happens implicitly, the next rollout samples from theta.
+
+        last_stats = {k: float(v) / n_updates for k, v in stats_sum.items()}
+        if not all(np.isfinite(v) for v in last_stats.values()):
+            bad = [k for k, v in last_stats.items() if not np.isfinite(v)]
+            print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
+                  file=sys.stderr)
+            sys.exit(1)
+        last_stats["explained_variance"] = explained_variance(b_values.cpu().numpy(), b_returns.cpu().numpy())
+        sps = int((global_step - steps_at_start) / (time.time() - start_time))
+        writer.add_scalar("charts/learning_rate", lr_now, global_step)
+        for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
+                  "explained_variance"):
+            writer.add_scalar(f"losses/{k}", last_stats[k], global_step)
+        writer.add_scalar("charts/SPS", sps, global_step)
+
+        now = time.time()
+        if now - last_print >= 5.0 or iteration == num_iterations:
+            last_print = now
+            recent = np.mean(recent_returns[-20:]) if recent_returns else float("nan")
+            print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={sps}  "
+                  f"return(last 20)={recent:.1f}  approx_kl={last_stats['approx_kl']:.4f}", flush=True)
+
+        ckpt_path = os.path.join(run_dir, "checkpoint.pt")
+        if args.stop_after and iteration - start_iteration + 1 >= args.stop_after and iteration < num_iterations:
+            save_checkpoint(ckpt_path, agent, optimizer, args, global_step, iteration, obs_rms, reward_scaler)
+            print(f"stopped after {args.stop_after} iterations; continue with: python {SCRIPT} --resume {ckpt_path}")
+            finished = False
+            break
+        if args.checkpoint_every and iteration % args.checkpoint_every == 0:
+            save_checkpoint(ckpt_path, agent, optimizer, args, global_step, iteration, obs_rms, reward_scaler)
+    if finished and args.save_model:
+        path = os.path.join(run_dir, "checkpoint.pt")
+        save_checkpoint(path, agent, optimizer, args, global_step, max(num_iterations, start_iteration - 1),
+                        obs_rms, reward_scaler)
+        print(f"checkpoint written to {path}")
+    envs.close()
+
+    sps = int((global_step - steps_at_start) / (time.time() - start_time))
+    result = {"global_step": global_step, "sps": sps, "run_dir": run_dir, "stats": last_stats,
+              "returns": recent_returns, "agent": agent, "obs_rms": obs_rms, "return_rms": reward_scaler.rms}
+    if args.eval_episodes and finished:
+        eval_returns = evaluate(agent, args, device, args.eval_episodes, obs_rms, os.path.join(run_dir, "videos"))
+        mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
+        writer.add_scalar("eval/episodic_return", mean, global_step)
+        print(f"eval: {args.eval_episodes} episodes, return {mean:.2f} ± {std:.2f}")
+        result["eval_returns"] = eval_returns
+    writer.close()
+    if args.track:
+        import wandb
+
+        wandb.finish()
+    return result
+
+
+if __name__ == "__main__":
+    main(parse_args())

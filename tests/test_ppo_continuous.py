@@ -1,0 +1,269 @@
+"""Tests for ppo_continuous.py: pure functions against plain reference loops, then small runs.
+
+    python -m pytest tests/test_ppo_continuous.py -q
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import ppo_continuous as pc  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "ppo_continuous.py")
+
+
+def run_script(*argv, env=None, timeout=120):
+    return subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout, env=dict(os.environ, **(env or {})))
+
+
+def one_line_error(capsys, fn, *args):
+    with pytest.raises(SystemExit) as e:
+        fn(*args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Normalisation
+# ---------------------------------------------------------------------------------------------------------
+def test_running_mean_std_matches_numpy_over_the_whole_stream():
+    rng = np.random.default_rng(0)
+    batches = [rng.normal(3.0, 2.0, size=(n, 5)) * np.arange(1, 6) for n in (1, 7, 1, 64, 3, 1, 200)]
+    exact = pc.RunningMeanStd((5,), epsilon=0.0)  # no prior pseudo-count: must equal numpy exactly
+    default = pc.RunningMeanStd((5,))  # gymnasium's prior: mean 0, var 1 with weight 1e-4
+    for i, b in enumerate(batches):
+        exact.update(b)
+        default.update(b)
+        seen = np.concatenate(batches[: i + 1])
+        np.testing.assert_allclose(exact.mean, seen.mean(0), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(exact.var, seen.var(0), rtol=1e-10)
+        assert exact.count == len(seen)
+    # the prior is a pseudo-sample of weight 1e-4 at mean 0 with variance 1
+    n, seen = len(seen), np.concatenate(batches)
+    mean = seen.sum(0) / (n + 1e-4)
+    var = (1e-4 * (1.0 + mean**2) + ((seen - mean) ** 2).sum(0)) / (n + 1e-4)
+    np.testing.assert_allclose(default.mean, mean, rtol=1e-10)
+    np.testing.assert_allclose(default.var, var, rtol=1e-9)
+    # state round trip through tensors (what the checkpoint holds)
+    other = pc.RunningMeanStd((5,))
+    other.load_state_dict({k: v.clone() for k, v in default.state_dict().items()})
+    np.testing.assert_array_equal(other.mean, default.mean)
+    np.testing.assert_array_equal(other.var, default.var)
+    assert other.count == default.count
+
+
+def test_normalize_obs_clips_and_does_not_update():
+    rms = pc.RunningMeanStd((2,), epsilon=0.0)
+    rms.update(np.array([[0.0, 10.0], [2.0, 10.0]]))  # mean (1, 10), var (1, 0)
+    out = pc.normalize_obs(np.array([[3.0, 10.5], [-1.0, 9.0]]), rms, clip=10.0)
+    np.testing.assert_allclose(out, [[2.0, 10.0], [-2.0, -10.0]], rtol=1e-6)
+    assert rms.count == 2
+
+
+def test_reward_scaler_matches_plain_loop_with_resets():
+    gamma, n_envs, T = 0.9, 2, 60
+    rng = np.random.default_rng(1)
+    rewards = rng.normal(1.0, 3.0, size=(T, n_envs))
+    done = np.zeros((T, n_envs), dtype=bool)
+    done[[5, 17, 18, 33], 0] = True  # termination or truncation: the scaler treats both as an episode end
+    done[[9, 50], 1] = True
+    scaler = pc.RewardScaler(n_envs, gamma, clip=2.0)
+    got = np.stack([scaler(rewards[t], done[t]) for t in range(T)])
+
+    G = [0.0] * n_envs
+    history = []
+    for t in range(T):
+        for i in range(n_envs):
+            G[i] = gamma * G[i] + rewards[t, i]
+        history += G  # every env's discounted return joins the statistics, step by step
+        n = len(history)
+        mean = sum(history) / (n + 1e-4)
+        var = (1e-4 * (1.0 + mean**2) + sum((g - mean) ** 2 for g in history)) / (n + 1e-4)
+        for i in range(n_envs):
+            want = max(-2.0, min(2.0, rewards[t, i] / math.sqrt(var + 1e-8)))
+            assert got[t, i] == pytest.approx(want, rel=1e-9), (t, i)
+            if done[t, i]:
+                G[i] = 0.0
+    assert (np.abs(got) == 2.0).any() and (np.abs(got) < 2.0).any()  # the clip is exercised
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Policy and advantages
+# ---------------------------------------------------------------------------------------------------------
+def test_gaussian_logprob_and_entropy_match_torch_normal():
+    torch.manual_seed(0)
+    mean = torch.randn(32, 6, dtype=torch.float64)
+    logstd = torch.randn(1, 6, dtype=torch.float64).expand_as(mean)
+    action = torch.randn(32, 6, dtype=torch.float64) * 3
+    logprob, entropy = pc.gaussian_logprob_entropy(mean, logstd, action)
+    ref = torch.distributions.Normal(mean, logstd.exp())
+    torch.testing.assert_close(logprob, ref.log_prob(action).sum(-1))
+    torch.testing.assert_close(entropy, ref.entropy().sum(-1))
+
+
+def test_agent_sampling_logprob_is_the_sampled_actions_logprob():
+    torch.manual_seed(0)
+    agent = pc.Agent(5, 3)
+    with torch.no_grad():
+        agent.actor_logstd.copy_(torch.tensor([[-0.5, 0.0, 0.7]]))
+    x = torch.randn(16, 5)
+    action, logprob, entropy, value = agent.get_action_and_value(x)
+    ref = torch.distributions.Normal(agent.actor_mean(x), agent.actor_logstd.exp().expand(16, 3))
+    torch.testing.assert_close(logprob, ref.log_prob(action).sum(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, ref.entropy().sum(-1))
+    _, logprob2, _, value2 = agent.get_action_and_value(x, action)  # scoring the same action gives the same
+    torch.testing.assert_close(logprob2, logprob, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(value2, value)
+    assert value.shape == (16,)
+    # the block-diagonal fused forward of the rollout is the same function
+    torch.manual_seed(1)
+    a1, lp1, _, v1 = agent.get_action_and_value(x)
+    torch.manual_seed(1)
+    a2, lp2, _, v2 = agent.get_action_and_value(x, fused=agent.fused_weights())
+    for got, want in ((a2, a1), (lp2, lp1), (v2, v1)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compute_gae_matches_loop():
+    rng = np.random.default_rng(2)
+    T, N, gamma, lam = 9, 3, 0.97, 0.9
+    r, v = rng.normal(size=(T, N)), rng.normal(size=(T, N))
+    d = (rng.random((T, N)) < 0.3).astype(np.float64)
+    nv, nd = rng.normal(size=N), np.array([0.0, 1.0, 0.0])
+    adv, ret = pc.compute_gae(r, v, d, nv, nd, gamma, lam)
+    for i in range(N):
+        a = 0.0
+        for t in reversed(range(T)):
+            nonterm = 1.0 - (nd[i] if t == T - 1 else d[t + 1, i])
+            nxt = nv[i] if t == T - 1 else v[t + 1, i]
+            a = r[t, i] + gamma * nxt * nonterm - v[t, i] + gamma * lam * nonterm * a
+            assert adv[t, i] == pytest.approx(a)
+            assert ret[t, i] == pytest.approx(a + v[t, i])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Truncation bootstrapping on a tiny env whose value is known
+# ---------------------------------------------------------------------------------------------------------
+class ForeverEnv(gym.Env):
+    """Reward 1 every step, never terminates; the time limit cuts it after 5 steps. Observation: the step's parity,
+    so that the final observation is one the critic has seen (a bootstrap from an input it never trained on would
+    test extrapolation, not the bootstrap).
+    With truncation bootstrapped, V(s) = 1 / (1 - gamma) = 5 in every state (gamma 0.8); an agent that took
+    truncation for termination would learn V(t) = (1 - gamma^(5 - t)) / (1 - gamma), i.e. 3.4 ... 1.0."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float64)
+    action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.array([0.0]), {}
+
+    def step(self, action):
+        assert np.all(np.abs(action) <= 1.0)  # clipped to the bounds for the env
+        self.t += 1
+        return np.array([float(self.t % 2)]), 1.0, False, False, {}
+
+
+def test_truncation_bootstraps_the_value_of_the_final_observation(tmp_path):
+    gym.register("ForeverEnv-v0", entry_point=ForeverEnv, max_episode_steps=5)
+    args = pc.Args(env_id="ForeverEnv-v0", total_timesteps=4000, num_envs=2, num_steps=50, num_minibatches=2,
+                   update_epochs=10, learning_rate=1e-2, anneal_lr=False, gamma=0.8, gae_lambda=1.0,
+                   clip_vloss=False, max_grad_norm=100.0, norm_reward=False, runs_dir=str(tmp_path), seed=3)
+    res = pc.main(args)
+    assert res["obs_rms"].count > 4000  # the obs statistics were updated during the rollouts
+    x = pc.normalize_obs(np.array([[0.0], [1.0]]), res["obs_rms"], args.obs_clip)
+    with torch.no_grad():
+        v = res["agent"].get_value(torch.as_tensor(x, dtype=torch.float32)).numpy()
+    # all states, the final observation (t = 5, parity 1) included, are worth 1/(1-gamma) = 5
+    np.testing.assert_allclose(v, 5.0, atol=0.5)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Runs: smoke, stop -> resume -> eval with the normalisation statistics, bad input
+# ---------------------------------------------------------------------------------------------------------
+def test_smoke_async_vector_env(tmp_path):
+    r = run_script("--total-timesteps", "512", "--num-envs", "2", "--vector-mode", "async", "--num-steps", "128",
+                   "--num-minibatches", "4", "--update-epochs", "2", "--runs-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "iter 2/2  global_step=512" in r.stdout
+    (run,) = os.listdir(tmp_path)
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / run))
+
+
+def test_stop_resume_eval_keeps_normalisation_statistics(tmp_path, capsys):
+    common = ["--total-timesteps", "768", "--num-steps", "256", "--num-minibatches", "4", "--update-epochs", "1",
+              "--runs-dir", str(tmp_path), "--save-model"]
+    r = run_script(*common, "--stop-after", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (run,) = os.listdir(tmp_path)
+    path = str(tmp_path / run / "checkpoint.pt")
+    first = torch.load(path, weights_only=True)
+    assert first["script"] == "ppo_continuous.py" and first["iteration"] == 1 and first["global_step"] == 256
+    assert first["obs_rms"]["count"] > 256 and first["return_rms"]["count"] > 255
+
+    r = run_script("--resume", path, "--stop-after", "0")  # continues with the saved statistics and finishes
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resumed" in r.stdout and "iter 3/3  global_step=768" in r.stdout
+    done = torch.load(path, weights_only=True)
+    assert done["iteration"] == 3
+    # statistics continued from the checkpoint: 512 more observations (and the reset), not restarted from zero
+    assert done["obs_rms"]["count"].item() == pytest.approx(first["obs_rms"]["count"].item() + 513)
+    assert done["return_rms"]["count"].item() == pytest.approx(first["return_rms"]["count"].item() + 512)
+
+    r = run_script("--resume", path, "--eval-episodes", "1")  # finished run: evaluation only, statistics frozen
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "eval: 1 episodes, return" in r.stdout
+    after = torch.load(path, weights_only=True)
+    for k in ("mean", "var", "count"):
+        torch.testing.assert_close(after["obs_rms"][k], done["obs_rms"][k], rtol=0, atol=0)
+
+    # evaluation uses the statistics: the same policy scores differently without them
+    agent = pc.Agent(17, 6)
+    agent.load_state_dict(done["model"])
+    args = pc.Args(seed=1)
+    rms = pc.RunningMeanStd((17,))
+    rms.load_state_dict(done["obs_rms"])
+    torch.manual_seed(0)
+    with_stats = pc.evaluate(agent, args, torch.device("cpu"), 1, rms)
+    torch.manual_seed(0)
+    without = pc.evaluate(agent, args, torch.device("cpu"), 1, pc.RunningMeanStd((17,)))
+    assert with_stats != without
+
+    # the normalisation switches cannot change under a checkpoint
+    one_line_error(capsys, pc.main, pc.parse_args(["--resume", path, "--no-norm-obs"]))
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    assert "Discrete action space" in one_line_error(capsys, pc.check_env, "CartPole-v1")
+    assert "unknown or unusable env id" in one_line_error(capsys, pc.check_env, "NoSuchEnv-v9")
+    assert "not divisible" in one_line_error(capsys, pc.parse_args, ["--num-minibatches", "3"])
+    assert "less than one rollout" in one_line_error(capsys, pc.parse_args, ["--total-timesteps", "1000"])
+    one_line_error(capsys, pc.parse_args, ["--num-envs", "1.5"])
+    foreign = tmp_path / "ppo_ckpt.pt"
+    torch.save({"script": "ppo.py", "env_id": "CartPole-v1", "args": {}}, foreign)
+    assert "not a ppo_continuous.py checkpoint" in one_line_error(capsys, pc.parse_args, ["--resume", str(foreign)])
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"not a checkpoint")
+    assert "cannot read checkpoint" in one_line_error(capsys, pc.parse_args, ["--resume", str(corrupt)])
+    # the same through the command line: exit code 2, one line, no traceback, no run directory left behind
+    r = run_script("--env-id", "CartPole-v1", "--runs-dir", str(tmp_path / "runs"))
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "use ppo.py" in r.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_capture_video_without_a_gl_backend_fails_clearly(capsys, monkeypatch):
+    monkeypatch.setenv("MUJOCO_GL", "no-such-backend")
+    err = one_line_error(capsys, pc.setup_rendering, "HalfCheetah-v5")
+    assert "MUJOCO_GL=egl" in err and "osmesa" in err
