@@ -19,6 +19,12 @@ envpool semantics this script relies on (checked by experiment with envpool 1.2.
 - returned `terminated` is True on a life loss (episodic life: GAE treats it as terminal); info["terminated"] is
   True only when the game is over; `truncated` (max_episode_steps, 27000 agent steps = 108000 frames) ends the
   game as well. info["reward"] is the unclipped reward, from which the whole-game episodic return is summed.
+
+Stopping and resuming: SIGTERM / SIGINT (like --stop-after) finish the current iteration, write the checkpoint and
+print the --resume command. What --resume restores: the network, the optimizer (Adam moments), the torch RNG, the
+iteration and step count, and so the learning-rate schedule. What it does not: the games in flight. envpool's
+emulator state cannot be saved, so a resumed run starts new games (envpool seeded with seed + global_step) and a
+stopped and resumed run is not identical to an uninterrupted one (the updates that follow see other games).
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ import contextlib
 import dataclasses
 import difflib
 import io
+import math
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -207,8 +215,18 @@ def validate(args: Args) -> None:
         die(f"num_envs*num_steps = {batch} is not divisible by --num-minibatches {args.num_minibatches}")
     if not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1):
         die("--gamma and --gae-lambda must lie in [0, 1]")
+    for f in dataclasses.fields(Args):  # nan / inf pass the range checks below unnoticed
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            die(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
     if args.learning_rate <= 0 or args.clip_coef <= 0 or args.max_grad_norm <= 0:
         die("--learning-rate, --clip-coef and --max-grad-norm must be positive")
+    if args.ent_coef < 0 or args.vf_coef < 0:
+        die("--ent-coef and --vf-coef must be >= 0")
+    if args.target_kl is not None and args.target_kl <= 0:
+        die(f"--target-kl must be positive, got {args.target_kl}")
+    if 0 < args.total_timesteps < batch:
+        die(f"--total-timesteps {args.total_timesteps} is less than one rollout (num_envs*num_steps = {batch})")
     if args.cudagraphs and not args.cuda:
         die("--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
     if args.cuda and not torch.cuda.is_available():
@@ -584,6 +602,10 @@ def main(args: Args) -> dict:
     start_time, last_print = time.time(), 0.0
     steps_at_start = global_step
     finished = True
+    # SIGTERM / SIGINT: finish the current iteration, write a checkpoint, say how to resume, exit cleanly.
+    stop_signal: list[int] = []
+    previous_handlers = {sig: signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
+                         for sig in (signal.SIGTERM, signal.SIGINT)}
 
     for iteration in range(start_iteration, num_iterations + 1):
         lr_now = args.learning_rate
@@ -648,7 +670,9 @@ def main(args: Args) -> dict:
         # Update reference policy: theta_old <- theta happens implicitly, the next rollout samples from theta.
 
         last_stats = {k: float(v) / n_updates for k, v in stats_sum.items()}
-        if not all(np.isfinite(v) for v in last_stats.values()):
+        if not all(torch.isfinite(p).all() for p in agent.parameters()):
+            last_stats["parameters"] = float("nan")
+        if not all(np.isfinite(v) for v in last_stats.values()):  # stop before a checkpoint of this update
             bad = [k for k, v in last_stats.items() if not np.isfinite(v)]
             print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
                   file=sys.stderr)
@@ -669,9 +693,12 @@ def main(args: Args) -> dict:
                   f"return(last 20)={recent:.1f}  approx_kl={last_stats['approx_kl']:.4f}", flush=True)
 
         ckpt_path = os.path.join(run_dir, "checkpoint.pt")
-        if args.stop_after and iteration - start_iteration + 1 >= args.stop_after and iteration < num_iterations:
+        stop_now = args.stop_after and iteration - start_iteration + 1 >= args.stop_after
+        if (stop_now or stop_signal) and iteration < num_iterations:
             save_checkpoint(ckpt_path, agent, optimizer, args, global_step, iteration)
-            print(f"stopped after {args.stop_after} iterations; continue with: python {SCRIPT} --resume {ckpt_path}")
+            why = signal.Signals(stop_signal[0]).name if stop_signal else f"--stop-after {args.stop_after}"
+            print(f"stopped at iteration {iteration} ({why}); continue with: python {SCRIPT} --resume {ckpt_path}",
+                  flush=True)
             finished = False
             break
         if args.checkpoint_every and iteration % args.checkpoint_every == 0:
@@ -680,6 +707,8 @@ def main(args: Args) -> dict:
         path = os.path.join(run_dir, "checkpoint.pt")
         save_checkpoint(path, agent, optimizer, args, global_step, max(num_iterations, start_iteration - 1))
         print(f"checkpoint written to {path}")
+    for sig, handler in previous_handlers.items():
+        signal.signal(sig, handler)
     envs.close()
 
     result = {"global_step": global_step, "run_dir": run_dir, "stats": last_stats, "returns": recent_returns}

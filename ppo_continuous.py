@@ -10,6 +10,17 @@ Optimise policy & value for E epochs (clipped policy loss + value loss + entropy
 Continuous-control details: diagonal Gaussian policy with a state-independent log std, actions clipped for the env
 only, observation normalisation and reward scaling done here in the main loop (their statistics are part of the
 checkpoint and are frozen for evaluation), and truncated episodes bootstrapped from their normalised final observation.
+
+Stopping and resuming: SIGTERM / SIGINT (like --stop-after) finish the current iteration, write the checkpoint and
+print the --resume command. With sync envs (the default) --resume is exact: a stopped and resumed run equals an
+uninterrupted one (same parameters, losses and returns; tested on CPU). The checkpoint holds, besides networks,
+optimizer, torch RNG, step count and the normalisation statistics, the episodes in flight: every wrapper's plain
+attributes (TimeLimit's step counter, ...), each env's np_random generator and, for MuJoCo envs, the simulator's
+state, which lives in env.unwrapped.data: the integration state (mj_getState with mjSTATE_INTEGRATION: time, qpos,
+qvel, act, ctrl, the constraint solver's warm start, ...) and MjData's derived arrays that the envs read between steps
+(qpos and qvel alone, MujocoEnv.set_state, do not continue bit for bit: checked on Hopper, HalfCheetah and Ant), the
+next observation, the episode counters and the reward scaler's running discounted return. With --vector-mode async the
+envs live in other processes and are not saved: a resumed run starts new episodes (everything else is restored).
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import io
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -199,8 +211,16 @@ def validate(args: Args) -> None:
         die(f"--total-timesteps {args.total_timesteps} is less than one rollout (num_envs*num_steps = {batch})")
     if not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1):
         die("--gamma and --gae-lambda must lie in [0, 1]")
+    for f in dataclasses.fields(Args):  # nan / inf pass the range checks below unnoticed
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            die(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
     if args.learning_rate <= 0 or args.clip_coef <= 0 or args.max_grad_norm <= 0:
         die("--learning-rate, --clip-coef and --max-grad-norm must be positive")
+    if args.ent_coef < 0 or args.vf_coef < 0:
+        die("--ent-coef and --vf-coef must be >= 0")
+    if args.target_kl is not None and args.target_kl <= 0:
+        die(f"--target-kl must be positive, got {args.target_kl}")
     if args.obs_clip <= 0 or args.reward_clip <= 0:
         die("--obs-clip and --reward-clip must be positive")
     if args.cudagraphs and not args.cuda:
@@ -481,9 +501,89 @@ def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
 SCRIPT = "ppo_continuous.py"
 
 
+def mujoco_state(env) -> Optional[dict]:
+    """The state of a MuJoCo env's simulator, which lives in env.unwrapped.data, not in plain attributes (None for
+    other envs): the integration state (mj_getState with mjSTATE_INTEGRATION: time, qpos, qvel, act, ctrl,
+    qacc_warmstart, mocap, ...) and every numeric array of MjData. The arrays matter too: between steps they hold the
+    quantities derived at the start of the last step (body positions, contact forces, ...), which the envs read (Ant's
+    reward uses the torso position before the step); mj_forward on the restored qpos would compute other values."""
+    model, data = getattr(env, "model", None), getattr(env, "data", None)
+    if model is None or data is None or type(data).__module__.split(".")[0] != "mujoco":
+        return None
+    import mujoco
+
+    sig = mujoco.mjtState.mjSTATE_INTEGRATION
+    state = np.empty(mujoco.mj_stateSize(model, sig), dtype=np.float64)
+    mujoco.mj_getState(model, data, state, sig)
+    arrays = {}
+    for name in dir(data):
+        if name.startswith("_"):
+            continue
+        try:
+            value = getattr(data, name)
+        except Exception:  # noqa: BLE001 - some properties exist only for some models
+            continue
+        if isinstance(value, np.ndarray) and value.dtype.kind in "biuf" and value.size:
+            arrays[name] = torch.from_numpy(np.array(value, copy=True))
+    return {"integration": torch.from_numpy(state), "arrays": arrays}
+
+
+def set_mujoco_state(env, saved: dict) -> None:
+    import mujoco
+
+    sig = mujoco.mjtState.mjSTATE_INTEGRATION
+    state = saved["integration"].numpy().astype(np.float64)
+    if state.size != mujoco.mj_stateSize(env.model, sig):
+        raise ValueError(f"MuJoCo state of size {state.size}, expected {mujoco.mj_stateSize(env.model, sig)}")
+    for name, value in saved["arrays"].items():  # derived quantities; the variable-sized solver arrays (contacts,
+        current = getattr(env.data, name, None)  # constraints) are rebuilt by the next step and may not fit now
+        if isinstance(current, np.ndarray) and current.shape == tuple(value.shape):
+            current[...] = value.numpy()
+    mujoco.mj_setState(env.model, env.data, state, sig)
+
+
+def env_state(envs) -> Optional[list]:
+    """Snapshot of each sub-environment of a SyncVectorEnv: the plain attributes (numbers, arrays) of the env and
+    of every wrapper (TimeLimit's step counter, ...), its random generator and, for MuJoCo, the simulator state
+    (which lives in env.unwrapped.data, not in plain attributes). None for AsyncVectorEnv, whose envs live in other
+    processes."""
+    if not hasattr(envs, "envs"):
+        return None
+    snapshot = []
+    for env in envs.envs:
+        layers = []
+        while True:
+            plain = {}
+            for k, v in vars(env).items():
+                if isinstance(v, (bool, int, float, str)) or v is None:
+                    plain[k] = v
+                elif isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biuf":
+                    plain[k] = torch.from_numpy(np.array(v, copy=True))
+            layers.append(plain)
+            if not hasattr(env, "env"):
+                break
+            env = env.env
+        snapshot.append({"layers": layers, "np_random": env.np_random.bit_generator.state,
+                         "mujoco": mujoco_state(env)})
+    return snapshot
+
+
+def load_env_state(envs, snapshot: list) -> None:
+    for env, saved in zip(envs.envs, snapshot):
+        for plain in saved["layers"]:
+            for k, v in plain.items():
+                setattr(env, k, v.numpy() if isinstance(v, torch.Tensor) else v)
+            env = getattr(env, "env", env)
+        env.np_random.bit_generator.state = saved["np_random"]
+        if saved.get("mujoco") is not None:
+            set_mujoco_state(env, saved["mujoco"])
+
+
 def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step: int, iteration: int,
-                    obs_rms: RunningMeanStd, reward_scaler: RewardScaler) -> None:
-    """Atomic write (temporary file, then rename): a kill during the save keeps the previous checkpoint."""
+                    obs_rms: RunningMeanStd, reward_scaler: RewardScaler, rollout: Optional[dict] = None) -> None:
+    """Atomic write (temporary file, then rename): a kill during the save keeps the previous checkpoint.
+    `rollout` holds what an exact resume needs besides the networks: env states, next obs, episode counters,
+    the reward scaler's running return."""
     state = {
         "script": SCRIPT,
         "env_id": args.env_id,
@@ -495,6 +595,7 @@ def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step:
         "args": dataclasses.asdict(args),
         "obs_rms": obs_rms.state_dict(),
         "return_rms": reward_scaler.rms.state_dict(),
+        "rollout": rollout,
     }
     tmp = f"{path}.tmp"
     torch.save(state, tmp)
@@ -549,8 +650,8 @@ def main(args: Args) -> dict:
     minibatch_size = batch_size // args.num_minibatches
     num_iterations = args.total_timesteps // batch_size
 
-    check_env(args.env_id)  # before anything is written: bad input leaves no run directory behind
     ckpt = load_checkpoint(args.resume, args.env_id) if args.resume else None
+    check_env(args.env_id)  # before anything is written: bad input leaves no run directory behind
     if ckpt is not None:
         for name in ("norm_obs", "norm_reward"):  # the network was trained on these inputs / value scale
             if ckpt["args"].get(name) != getattr(args, name):
@@ -653,16 +754,41 @@ def main(args: Args) -> dict:
     logprobs = torch.zeros((args.num_steps, args.num_envs), device=device)
     values = torch.zeros((args.num_steps, args.num_envs), device=device)
 
-    next_obs, _ = envs.reset(seed=[args.seed + global_step + i for i in range(args.num_envs)])
-    next_obs = prepare_obs(next_obs, update_stats=num_iterations >= start_iteration).astype(np.float32)
+    next_obs_np, _ = envs.reset(seed=[args.seed + global_step + i for i in range(args.num_envs)])
     next_done = np.zeros(args.num_envs, dtype=np.float32)
     ep_return = np.zeros(args.num_envs)
     ep_length = np.zeros(args.num_envs, dtype=np.int64)
+    saved = ckpt.get("rollout") if ckpt is not None else None
+    if saved is not None and saved["envs"] is not None and args.vector_mode == "sync" and len(saved["envs"]) == \
+            args.num_envs:  # exact resume: the episodes in flight continue where they stopped
+        try:
+            load_env_state(envs, saved["envs"])
+        except (ValueError, KeyError, AttributeError) as e:
+            die(f"checkpoint {args.resume}: cannot restore the environments: {e}")
+        next_obs = saved["next_obs"].numpy().astype(np.float32)  # already normalised
+        next_done = saved["next_done"].numpy().astype(np.float32)
+        ep_return, ep_length = saved["ep_return"].numpy().copy(), saved["ep_length"].numpy().copy()
+        reward_scaler.ret = saved["reward_ret"].numpy().astype(np.float64)
+    else:
+        if ckpt is not None:
+            print("note: environments start new episodes (their state was not saved: async vector mode)")
+        next_obs = prepare_obs(next_obs_np, update_stats=num_iterations >= start_iteration).astype(np.float32)
+
+    def checkpoint(path: str, iteration: int) -> None:
+        rollout = dict(envs=env_state(envs), next_obs=torch.from_numpy(next_obs.copy()),
+                       next_done=torch.from_numpy(next_done.copy()), ep_return=torch.from_numpy(ep_return.copy()),
+                       ep_length=torch.from_numpy(ep_length.copy()),
+                       reward_ret=torch.from_numpy(reward_scaler.ret.copy()))
+        save_checkpoint(path, agent, optimizer, args, global_step, iteration, obs_rms, reward_scaler, rollout)
     recent_returns: list[float] = []
     last_stats: dict = {}
     start_time, last_print = time.time(), 0.0
     steps_at_start = global_step
     finished = True
+    # SIGTERM / SIGINT: finish the current iteration, write a checkpoint, say how to resume, exit cleanly.
+    stop_signal: list[int] = []
+    previous_handlers = {sig: signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
+                         for sig in (signal.SIGTERM, signal.SIGINT)}
 
     for iteration in range(start_iteration, num_iterations + 1):
         lr_now = args.learning_rate
@@ -735,7 +861,9 @@ def main(args: Args) -> dict:
         # Update reference policy: theta_old <- theta happens implicitly, the next rollout samples from theta.
 
         last_stats = {k: float(v) / n_updates for k, v in stats_sum.items()}
-        if not all(np.isfinite(v) for v in last_stats.values()):
+        if not all(torch.isfinite(p).all() for p in agent.parameters()):
+            last_stats["parameters"] = float("nan")
+        if not all(np.isfinite(v) for v in last_stats.values()):  # stop before a checkpoint of this update
             bad = [k for k, v in last_stats.items() if not np.isfinite(v)]
             print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
                   file=sys.stderr)
@@ -756,18 +884,22 @@ def main(args: Args) -> dict:
                   f"return(last 20)={recent:.1f}  approx_kl={last_stats['approx_kl']:.4f}", flush=True)
 
         ckpt_path = os.path.join(run_dir, "checkpoint.pt")
-        if args.stop_after and iteration - start_iteration + 1 >= args.stop_after and iteration < num_iterations:
-            save_checkpoint(ckpt_path, agent, optimizer, args, global_step, iteration, obs_rms, reward_scaler)
-            print(f"stopped after {args.stop_after} iterations; continue with: python {SCRIPT} --resume {ckpt_path}")
+        stop_now = args.stop_after and iteration - start_iteration + 1 >= args.stop_after
+        if (stop_now or stop_signal) and iteration < num_iterations:
+            checkpoint(ckpt_path, iteration)
+            why = signal.Signals(stop_signal[0]).name if stop_signal else f"--stop-after {args.stop_after}"
+            print(f"stopped at iteration {iteration} ({why}); continue with: python {SCRIPT} --resume {ckpt_path}",
+                  flush=True)
             finished = False
             break
         if args.checkpoint_every and iteration % args.checkpoint_every == 0:
-            save_checkpoint(ckpt_path, agent, optimizer, args, global_step, iteration, obs_rms, reward_scaler)
+            checkpoint(ckpt_path, iteration)
     if finished and args.save_model:
         path = os.path.join(run_dir, "checkpoint.pt")
-        save_checkpoint(path, agent, optimizer, args, global_step, max(num_iterations, start_iteration - 1),
-                        obs_rms, reward_scaler)
+        checkpoint(path, max(num_iterations, start_iteration - 1))
         print(f"checkpoint written to {path}")
+    for sig, handler in previous_handlers.items():
+        signal.signal(sig, handler)
     envs.close()
 
     sps = int((global_step - steps_at_start) / (time.time() - start_time))

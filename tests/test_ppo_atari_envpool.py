@@ -1,8 +1,11 @@
 """Tests for ppo_atari_envpool.py (CPU, small): CLI, whole-game episode statistics, envpool observations, the pure
 functions against plain loops, a smoke run, and stop -> resume."""
 
+import glob
 import os
+import signal
 import subprocess
+import time
 import sys
 
 import numpy as np
@@ -32,11 +35,39 @@ def test_cli_total_timesteps_1e7_and_cleanrl_defaults():
 @pytest.mark.parametrize("argv, needle", [
     (["--env-id", "Breakot-v5"], "did you mean Breakout-v5"),
     (["--env-id", "CartPole-v1"], "unknown envpool Atari task"),
+    (["--num-envs", "abc"], "not a number"),
+    (["--gamma", "-0.1"], "must lie in [0, 1]"),
+    (["--learning-rate", "inf"], "finite"),
+    (["--total-timesteps", "100"], "less than one rollout"),
+    (["--no-such-flag"], "Unrecognized"),
+    (["--resume", "{missing}"], "no such file"),
+    (["--resume", "{foreign}"], "not a ppo_atari_envpool.py checkpoint"),
+    (["--resume", "{corrupt}"], "cannot read checkpoint"),
+    (["--runs-dir", "{file}/runs"], "cannot create run directory"),
+])
+def test_bad_input_one_line_exit_2(tmp_path, argv, needle):
+    torch.save({"script": "ppo.py", "env_id": "CartPole-v1", "args": {}}, tmp_path / "foreign.pt")
+    (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
+    (tmp_path / "file").write_text("")
+    paths = dict(missing=tmp_path / "missing.pt", foreign=tmp_path / "foreign.pt", corrupt=tmp_path / "corrupt.pt",
+                 file=tmp_path / "file")
+    argv = [a.format(**paths) for a in argv]
+    if "--runs-dir" not in argv:
+        argv += ["--runs-dir", str(tmp_path / "runs")]
+    p = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("argv, needle", [
     (["--cudagraphs"], "--cudagraphs needs --cuda"),
     (["--num-minibatches", "3"], "not divisible"),
-    (["--resume", "/nonexistent/checkpoint.pt"], "no such file"),
+    (["--num-steps", "0"], "must be positive"),
+    (["--learning-rate", "-1"], "must be positive"),
 ])
-def test_bad_input_one_line_exit_2(argv, needle, capsys):
+def test_bad_sizes_in_process_one_line_exit_2(argv, needle, capsys):  # cheaper than a subprocess each
     with pytest.raises(SystemExit) as e:
         pae.parse_args(argv)
     assert e.value.code == 2
@@ -244,7 +275,7 @@ def test_smoke_run_logs_the_shared_tags(tmp_path):
 def test_stop_then_resume_continues_steps_and_lr_schedule(tmp_path):
     common = ["--total-timesteps", "512", "--runs-dir", str(tmp_path), *TINY]  # 8 iterations of 64 steps
     out = run([*common, "--stop-after", "3"], tmp_path)
-    assert "stopped after 3 iterations" in out
+    assert "stopped at iteration 3 (--stop-after 3); continue with: python ppo_atari_envpool.py --resume" in out
     (run_dir,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path)]
     ckpt_path = os.path.join(run_dir, "checkpoint.pt")
     ckpt = torch.load(ckpt_path, weights_only=True)
@@ -260,3 +291,78 @@ def test_stop_then_resume_continues_steps_and_lr_schedule(tmp_path):
     lr = scalars(run_dir, "charts/learning_rate")
     assert [s for s, _ in lr] == [64 * k for k in range(1, 9)]  # one point per iteration, no gap, no repeat
     assert np.allclose([v for _, v in lr], [(1 - (k - 1) / 8) * 2.5e-4 for k in range(1, 9)])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reliability: what --resume restores, SIGTERM, same seed same run, non-finite updates
+# ---------------------------------------------------------------------------------------------------------
+def tiny(tmp_path, **kw):
+    base = dict(total_timesteps=256, num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, torch_threads=1,
+                num_threads=1, runs_dir=str(tmp_path), exp_name="t")
+    base.update(kw)
+    return pae.Args(**base)
+
+
+def test_resume_restores_network_optimizer_rng_and_counters(tmp_path):
+    """envpool's games cannot be saved (a resumed run plays new games); everything else is restored: loading a
+    checkpoint and writing it again with no iteration in between gives back the same network, Adam state, torch
+    RNG, iteration and step count."""
+    part = pae.main(tiny(tmp_path, stop_after=2))
+    path = os.path.join(part["run_dir"], "checkpoint.pt")
+    saved = torch.load(path, weights_only=True)
+    assert saved["optimizer"]["state"]  # Adam moments exist after two updates
+    args = pae.parse_args(["--resume", path, "--total-timesteps", "128", "--save-model"])  # 128 steps are done
+    pae.main(args)
+    again = torch.load(path, weights_only=True)
+    assert (again["iteration"], again["global_step"]) == (saved["iteration"], saved["global_step"]) == (2, 128)
+    for k, v in saved["model"].items():
+        assert torch.equal(again["model"][k], v), k
+    for i, st in saved["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(again["optimizer"]["state"][i][k], v), (i, k)
+    assert torch.equal(again["rng"]["torch"], saved["rng"]["torch"])
+
+
+def test_sigterm_writes_checkpoint_and_exits_cleanly(tmp_path):
+    p = subprocess.Popen([sys.executable, SCRIPT, "--total-timesteps", "1e6", "--runs-dir", str(tmp_path), *TINY],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    first = p.stdout.readline()  # the first progress line: training is under way
+    assert first.startswith("iter 1/"), first + p.stderr.read()
+    time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "(SIGTERM); continue with: python ppo_atari_envpool.py --resume" in out
+    (ckpt,) = glob.glob(str(tmp_path / "Breakout-v5__ppo_atari_envpool__1__*" / "checkpoint.pt"))
+    state = torch.load(ckpt, weights_only=True)
+    assert 0 < state["global_step"] < 1_000_000 and state["global_step"] == state["iteration"] * 64
+    assert f"stopped at iteration {state['iteration']} (SIGTERM)" in out
+
+
+def test_same_seed_same_run(tmp_path):
+    a = pae.main(tiny(tmp_path / "a", total_timesteps=128))
+    b = pae.main(tiny(tmp_path / "b", total_timesteps=128))
+    c = pae.main(tiny(tmp_path / "c", total_timesteps=128, seed=2))
+    assert a["stats"] == b["stats"] and a["returns"] == b["returns"]
+    assert a["stats"] != c["stats"]
+
+
+def test_non_finite_update_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    calls = []
+    real_gae = pae.compute_gae
+
+    def poisoned_gae(*a, **kw):  # the third iteration's advantages are NaN: its update makes NaN losses
+        calls.append(1)
+        adv, ret = real_gae(*a, **kw)
+        return (adv * float("nan"), ret) if len(calls) == 3 else (adv, ret)
+
+    monkeypatch.setattr(pae, "compute_gae", poisoned_gae)
+    with pytest.raises(SystemExit) as e:
+        pae.main(tiny(tmp_path, checkpoint_every=1))
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "non-finite" in err and "at iteration 3" in err and "policy_loss" in err
+    (ckpt,) = glob.glob(str(tmp_path / "*" / "checkpoint.pt"))
+    state = torch.load(ckpt, weights_only=True)
+    assert state["iteration"] == 2  # the checkpoint of the last good update, not one of the NaN update
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
