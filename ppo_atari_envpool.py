@@ -182,10 +182,14 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
     except SystemExit as e:
         if e.code in (0, None):
             raise
-        body = [ln.strip(" │─\t") for ln in err.getvalue().splitlines() if ln.lstrip().startswith("│")]
+        # tyro prints a box on a terminal and dashed rules elsewhere: a title, then the message up to a rule line
+        lines = [ln.strip().strip("│╭╮╰╯").strip() for ln in err.getvalue().splitlines()][1:]
+        is_rule = lambda ln: bool(ln) and set(ln) <= set("─-")  # noqa: E731
+        while lines and (not lines[0] or is_rule(lines[0])):
+            lines.pop(0)
         message = []
-        for ln in body:  # the box's first paragraph is the error; a rule line ends it
-            if not ln:
+        for ln in lines:
+            if not ln or is_rule(ln):
                 break
             message.append(ln)
         die(" ".join(message) or "invalid arguments (see --help)")

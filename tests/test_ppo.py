@@ -344,3 +344,13 @@ def test_unwritable_runs_dir_is_one_line_error(tmp_path):
     r = run_script("--total-timesteps", "512", "--runs-dir", str(blocker / "runs"), cwd=tmp_path)
     assert r.returncode == 2 and "cannot create run directory" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv,needle", [(["--num-envs", "abc"], "Error parsing --num-envs: 'abc' is not a number"),
+                                         (["--vector-mode", "x"], "Expected one of ('sync', 'async')")])
+def test_parse_errors_in_process_are_one_line(capsys, argv, needle):
+    """In-process (stderr not a terminal, tyro's dashed style) the message is condensed the same way."""
+    with pytest.raises(SystemExit) as e:
+        ppo.parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and needle in err, err

@@ -1,0 +1,1256 @@
+"""PPO for causal language models (RLHF / RL with verifiable rewards), every algorithm option of verl, ROLL, RLinf.
+
+    python ppo_llm.py                                   # offline, CPU, minutes: tiny Llama learns to sort digits
+    python ppo_llm.py --adv-estimator grpo --critic none --use-kl-loss --kl-loss-type low_var_kl
+    python ppo_llm.py --model-name-or-path DIR --dataset prompts.jsonl --reward-model-path RM_DIR --cuda
+    python ppo_llm.py --resume runs/<run>/checkpoint.pt
+
+Default run: a character-level tokenizer and a tiny LlamaConfig model (0.34M parameters) are built here, warm-started
+by a short supervised phase on "31415=" -> "11345" (it stops while the model is about half right), then trained with
+PPO on the rule-based reward "response == sorted digits"; reward and accuracy rise. A response is the episode, a token is an action.
+
+The loop follows the note (shared/seeds/ppo_note.md); each step is a section comment in main():
+Collect rollout (sample n responses per prompt, score them with policy, reference and critic) -> Reward (score,
+normalise, KL penalty) -> Compute advantages and returns (GAE or a critic-free estimator) -> Optimise policy & value
+for E epochs (ppo_epochs x ppo_mini_batch_size, micro-batch accumulation) -> Update reference policy (theta_old <-
+theta: the next rollout's old log-probs come from the updated policy; the KL reference stays the initial model).
+Formulas follow verl's core_algos.py (kl_penalty, agg_loss, compute_policy_loss, compute_value_loss, advantages).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import io
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Annotated, Literal, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+
+SCRIPT = "ppo_llm.py"
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+KL_TYPES = ("kl", "abs", "mse", "low_var_kl", "full")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def die(msg: str) -> None:
+    """Bad input: one line on stderr, exit code 2, no traceback."""
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_count(text: str) -> int:
+    """A count written as 64, 1e3 or 1_000; anything that is not a whole number is an error."""
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
+    if not value.is_integer():
+        raise ValueError(f"{text!r} is not a whole number")
+    return int(value)
+
+
+Count = Annotated[
+    int,
+    tyro.constructors.PrimitiveConstructorSpec(
+        nargs=1, metavar="INT", instance_from_str=lambda a: parse_count(a[0]),
+        is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)],
+    ),
+]
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "ppo_llm"
+    """name of this experiment (part of the run name)"""
+    seed: Count = 1
+    """seed of the experiment (python and torch: tasks, sampling, shuffling, initialisation)"""
+    torch_deterministic: bool = True
+    """use deterministic torch algorithms"""
+    cuda: bool = False
+    """run on CUDA with bf16 autocast (fp32 master weights)"""
+    compile: bool = False
+    """torch.compile the forward of policy and critic"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (large models)"""
+    torch_threads: Count = 1
+    """torch CPU threads (1 is fastest for the tiny default model on a shared CPU)"""
+    track: bool = False
+    """log to Weights & Biases (WANDB_MODE=offline works without network)"""
+    wandb_project_name: str = "ppo-reference"
+    """wandb project name"""
+    wandb_entity: Optional[str] = None
+    """wandb entity (team)"""
+    save_model: bool = True
+    """write policy/, critic/, ref/ (save_pretrained) and checkpoint.pt under runs/<run> at the end"""
+    checkpoint_every: Count = 0
+    """also write the checkpoint every N iterations (0: only at the end with --save-model)"""
+    resume: Optional[str] = None
+    """continue from this checkpoint.pt; flags not given on the command line take the checkpoint's values"""
+    stop_after: Count = 0
+    """stop this process after N iterations with a checkpoint (0: run to the end); --resume continues"""
+    runs_dir: str = "runs"
+    """directory that holds the runs"""
+
+    # Models and data
+    model_name_or_path: Optional[str] = None
+    """local Hugging Face causal LM + tokenizer directory (default: a tiny Llama built here)"""
+    trust_remote_code: bool = False
+    """allow custom model code from --model-name-or-path / --reward-model-path"""
+    reward_model_path: Optional[str] = None
+    """local sequence-classification reward model (default: rule-based reward, response == answer)"""
+    dataset: Optional[str] = None
+    """JSONL file of {"prompt": ..., "answer": ...} (default: synthetic digit sorting)"""
+    critic: Literal["separate", "shared", "none"] = "separate"
+    """value model: own copy of the trunk + value head (verl/RLinf), value head on the policy trunk, or none"""
+    sft_steps: Count = 60
+    """warm-start: supervised steps on the task's answers before PPO (0: none); few, so the model is partly right"""
+    sft_lr: float = 2e-3
+    """warm-start learning rate"""
+    sft_batch_size: Count = 64
+    """warm-start batch size"""
+
+    # Rollout
+    num_iterations: Count = 300
+    """PPO iterations (rollout + update)"""
+    rollout_batch_size: Count = 32
+    """prompts per iteration (verl data.train_batch_size, ROLL rollout_batch_size)"""
+    n: Count = 4
+    """responses per prompt (verl rollout.n, ROLL num_return_sequences_in_group, RLinf group_size)"""
+    prompt_length: Count = 16
+    """maximum prompt tokens (longer dataset prompts are dropped)"""
+    response_length: Count = 8
+    """maximum response tokens"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs for training are computed with the same temperature"""
+    top_p: float = 1.0
+    """nucleus sampling threshold (1: off)"""
+    top_k: Count = 0
+    """sample among the k most likely tokens (0: off)"""
+
+    # Reward
+    reward_norm: Literal["none", "batch", "group", "running"] = "none"
+    """normalise scores over the batch, the prompt's group, or running statistics (ROLL)"""
+    reward_shift: bool = False
+    """reward_norm only subtracts the mean"""
+    reward_scale: bool = False
+    """reward_norm only divides by the std"""
+    reward_clip: Optional[float] = None
+    """clip scores to [-c, c] after normalisation"""
+    missing_eos_penalty: float = 0.0
+    """subtracted from the score of a response that hits response_length without EOS"""
+
+    # KL to the reference policy
+    use_kl_in_reward: bool = True
+    """token-level reward -= kl_coef * kl(logp, ref_logp) (verl algorithm.use_kl_in_reward)"""
+    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl", "full"] = "kl"
+    """KL estimator in the reward"""
+    kl_ctrl_type: Literal["fixed", "adaptive"] = "fixed"
+    """in-reward KL coefficient: fixed, or adaptive towards target_kl"""
+    init_kl_coef: float = 0.001
+    """(initial) in-reward KL coefficient (verl kl_ctrl.kl_coef)"""
+    target_kl: float = 0.1
+    """adaptive controller: target sequence KL"""
+    kl_horizon: Count = 10000
+    """adaptive controller: horizon in samples"""
+    use_kl_loss: bool = False
+    """add kl_loss_coef * kl(logp, ref_logp) to the actor loss (GRPO style)"""
+    kl_loss_coef: float = 0.001
+    """coefficient of the KL loss"""
+    kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl", "full"] = "low_var_kl"
+    """KL estimator of the KL loss"""
+
+    # Advantages
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "gae"
+    """advantage estimator"""
+    gamma: float = 1.0
+    """discount factor over response tokens"""
+    lam: float = 1.0
+    """GAE lambda"""
+    norm_adv_by_std_in_grpo: bool = True
+    """grpo: divide by the group's std (off: Dr. GRPO)"""
+    whiten_advantages: bool = True
+    """whiten advantages over the batch's response tokens (gae, grpo, rloo; reinforce++ always whitens)"""
+    advantage_clip: Optional[float] = None
+    """clip advantages to [-c, c]"""
+
+    # Policy loss
+    clip_ratio_low: float = 0.2
+    """ratio lower clip: 1 - clip_ratio_low"""
+    clip_ratio_high: float = 0.2
+    """ratio upper clip: 1 + clip_ratio_high"""
+    dual_clip_loss: bool = True
+    """dual-clip PPO: for A < 0 the loss is at most -A * clip_ratio_c"""
+    clip_ratio_c: float = 3.0
+    """dual-clip bound (> 1)"""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean")
+    """how token losses become one number (verl agg_loss)"""
+    entropy_coeff: float = 0.0
+    """entropy bonus coefficient"""
+
+    # Value loss
+    value_clip: Optional[float] = 0.5
+    """clip the new value to old value +- value_clip (verl cliprange_value; None: off)"""
+    huber_delta: Optional[float] = None
+    """Huber loss with this delta instead of 0.5 * squared error (RLinf)"""
+    vf_coef: float = 0.5
+    """value loss coefficient"""
+    critic_warmup: Count = 0
+    """first N iterations update only the critic"""
+
+    # Update
+    ppo_epochs: Count = 1
+    """epochs over each rollout"""
+    ppo_mini_batch_size: Count = 8
+    """prompts per minibatch (each brings its n responses), as in verl"""
+    micro_batch_size: Count = 16
+    """responses per forward/backward; gradient accumulation, does not change the result"""
+    lr: float = 2e-4
+    """actor learning rate (AdamW)"""
+    critic_lr: float = 1e-3
+    """critic learning rate (AdamW; value head of the shared critic too)"""
+    lr_warmup_steps: Count = 5
+    """linear learning-rate warm-up over this many optimizer steps"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient norm clip of actor and critic"""
+
+    # Evaluation
+    eval_prompts: Count = 256
+    """held-out prompts scored greedily and sampled (0: off)"""
+    eval_every: Count = 20
+    """evaluate every N iterations (and before/after training)"""
+
+
+def parse_args(argv: Optional[list[str]] = None) -> Args:
+    """tyro.cli, with its error boxes condensed to one line (exit code 2)."""
+    argv = sys.argv[1:] if argv is None else argv
+    default = None
+    resume = resume_path(argv)
+    if resume is not None:  # the checkpoint's arguments become the defaults; flags given now override them
+        saved = load_checkpoint(resume)["args"]
+        default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
+        default.resume = resume
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = tyro.cli(Args, args=argv, default=default)
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise
+        # tyro prints a box on a terminal and dashed rules elsewhere: a title, then the message up to a rule line
+        lines = [ln.strip().strip("│╭╮╰╯").strip() for ln in err.getvalue().splitlines()][1:]
+        is_rule = lambda ln: bool(ln) and set(ln) <= set("─-")  # noqa: E731
+        while lines and (not lines[0] or is_rule(lines[0])):
+            lines.pop(0)
+        message = []
+        for ln in lines:
+            if not ln or is_rule(ln):
+                break
+            message.append(ln)
+        die(" ".join(message) or "invalid arguments (see --help)")
+    validate(args)
+    return args
+
+
+def resume_path(argv: list[str]) -> Optional[str]:
+    for i, a in enumerate(argv):
+        if a == "--resume" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--resume="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def validate(args: Args) -> None:
+    for name, choices in (("adv_estimator", ADV_ESTIMATORS), ("kl_penalty", KL_TYPES), ("kl_loss_type", KL_TYPES),
+                          ("loss_agg_mode", LOSS_AGG_MODES)):
+        if getattr(args, name) not in choices:
+            die(f"--{name.replace('_', '-')} {getattr(args, name)!r}: choose one of {', '.join(choices)}")
+    for name in ("num_iterations", "rollout_batch_size", "n", "prompt_length", "response_length", "ppo_epochs",
+                 "ppo_mini_batch_size", "micro_batch_size", "sft_batch_size", "torch_threads", "eval_every"):
+        if getattr(args, name) <= 0:
+            die(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.adv_estimator in ("grpo", "rloo") and args.n < 2:
+        die(f"--adv-estimator {args.adv_estimator} compares responses within a group: needs --n >= 2, got {args.n}")
+    if args.adv_estimator == "gae" and args.critic == "none":
+        die("--adv-estimator gae needs a critic: --critic separate or shared (or choose grpo/rloo/reinforce_plus_plus)")
+    if args.rollout_batch_size % args.ppo_mini_batch_size:
+        die(f"--rollout-batch-size {args.rollout_batch_size} is not divisible by --ppo-mini-batch-size "
+            f"{args.ppo_mini_batch_size}")
+    if (args.ppo_mini_batch_size * args.n) % args.micro_batch_size:
+        die(f"ppo_mini_batch_size*n = {args.ppo_mini_batch_size * args.n} responses is not divisible by "
+            f"--micro-batch-size {args.micro_batch_size}")
+    if args.temperature <= 0 or not 0 < args.top_p <= 1:
+        die("--temperature must be > 0 and --top-p in (0, 1]")
+    if args.dual_clip_loss and args.clip_ratio_c <= 1:
+        die(f"--clip-ratio-c must be > 1 for dual clip, got {args.clip_ratio_c}")
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
+        die("--gamma and --lam must lie in [0, 1]")
+    if args.lr <= 0 or args.critic_lr <= 0 or args.max_grad_norm <= 0:
+        die("--lr, --critic-lr and --max-grad-norm must be positive")
+    for name in ("model_name_or_path", "reward_model_path"):
+        path = getattr(args, name)
+        if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
+            die(f"--{name.replace('_', '-')} {path}: not a local model directory (no config.json)")
+    if args.dataset is not None and not os.path.isfile(args.dataset):
+        die(f"--dataset {args.dataset}: no such file")
+    if args.cuda and not torch.cuda.is_available():
+        die("--cuda given but torch finds no CUDA device")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tokenizer and task (synthetic digit sorting, or a JSONL dataset)
+# ---------------------------------------------------------------------------------------------------------
+def build_char_tokenizer():
+    """A real Hugging Face tokenizer (save_pretrained / AutoTokenizer work): one token per printable ASCII char."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>"] + chars)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                   unk_token="<unk>")
+
+
+def make_problems(count: int, gen: torch.Generator) -> list[dict]:
+    """Sort five digits: prompt "31415=", answer "11345"."""
+    digits = torch.randint(0, 10, (count, 5), generator=gen).tolist()
+    return [{"prompt": "".join(map(str, d)) + "=", "answer": "".join(map(str, sorted(d)))} for d in digits]
+
+
+def load_dataset(path: str, tok, prompt_length: int) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                    raise ValueError
+            except ValueError:  # json.JSONDecodeError is a ValueError
+                die(f"--dataset {path} line {i}: expected a JSON object with a string 'prompt'")
+            rows.append({"prompt": row["prompt"], "answer": None if row.get("answer") is None else str(row["answer"])})
+    kept = [r for r in rows if len(tok.encode(r["prompt"], add_special_tokens=False)) <= prompt_length]
+    if len(kept) < len(rows):
+        print(f"note: dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than --prompt-length {prompt_length}")
+    if not kept:
+        die(f"--dataset {path}: no prompt fits --prompt-length {prompt_length}")
+    return kept
+
+
+def rule_reward(response: str, answer: Optional[str]) -> float:
+    """Verifiable reward: 1 if the response (up to EOS, stripped) equals the answer, else 0."""
+    return float(answer is not None and response.strip() == answer.strip())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Models: policy, frozen reference, critic (separate copy or shared trunk)
+# ---------------------------------------------------------------------------------------------------------
+def build_tiny_model(tok, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                      tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg)
+
+
+def load_tokenizer(path: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - any loader failure is bad input here
+        die(f"cannot load a tokenizer from {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    if tok.eos_token_id is None:
+        die(f"tokenizer in {path} has no EOS token: responses could not end")
+    if tok.pad_token_id is None:
+        print(f"note: tokenizer in {path} has no pad token; using EOS ({tok.eos_token!r}) as pad token")
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(path: str, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001
+        die(f"cannot load a causal LM from {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """RLHF detail: dropout off, so that the log-probs of rollout and update agree (ratio exactly 1 at first)."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+def make_critic(policy):
+    """Separate critic (verl/RLinf): its own copy of the policy trunk with a token-classification value head."""
+    from transformers import AutoModelForTokenClassification
+
+    cfg = copy.deepcopy(policy.config)
+    cfg.num_labels = 1
+    try:
+        critic = AutoModelForTokenClassification.from_config(cfg)
+    except ValueError as e:
+        die(f"--critic separate: no token-classification class for {type(policy).__name__} ({str(e).splitlines()[0]}); "
+            "use --critic shared")
+    critic.base_model.load_state_dict(policy.base_model.state_dict())
+    head = [m for m in critic.modules() if isinstance(m, nn.Linear)][-1]
+    nn.init.zeros_(head.weight)  # V = 0 at the start; the critic learns the task's reward scale from scratch
+    if head.bias is not None:
+        nn.init.zeros_(head.bias)
+    return disable_dropout(critic)
+
+
+def position_ids_from(mask: torch.Tensor) -> torch.Tensor:
+    """RLHF detail: with left padding the first real token is position 0."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Collect rollout: left-padded prompts, KV-cache sampling, log-probs recomputed with the same temperature
+# ---------------------------------------------------------------------------------------------------------
+def left_pad(seqs: list[list[int]], pad_id: int, length: Optional[int] = None):
+    length = length or max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, length - len(s):] = torch.tensor(s)
+            mask[i, length - len(s):] = 1
+    return ids, mask
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen, greedy: bool = False):
+    if greedy:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+def response_mask_from(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """1 for response tokens up to and including the first EOS, 0 after it."""
+    is_eos = (responses == eos_id).long()
+    return ((is_eos.cumsum(-1) - is_eos) == 0).long()
+
+
+@torch.no_grad()
+def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id: int, pad_id: int, temperature: float = 1.0,
+             top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False):
+    """Batched sampling with KV cache; stops when every row has produced EOS. Returns (B, max_new_tokens) tokens,
+    pad after EOS."""
+    B = prompt_ids.shape[0]
+    was_training = model.training
+    model.eval()  # KV cache on (HF turns it off in training mode under gradient checkpointing)
+    mask = prompt_mask.clone()
+    pos = position_ids_from(mask)
+    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    next_pos = pos[:, -1:] + 1
+    done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
+    tokens = []
+    for _ in range(max_new_tokens):
+        tok = sample_token(out.logits[:, -1], temperature, top_p, top_k, gen, greedy)
+        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+        tokens.append(tok)
+        done |= tok == eos_id
+        if bool(done.all()):
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
+                    past_key_values=out.past_key_values, use_cache=True)
+        next_pos = next_pos + 1
+    model.train(was_training)
+    resp = torch.stack(tokens, dim=1)
+    if resp.shape[1] < max_new_tokens:
+        resp = F.pad(resp, (0, max_new_tokens - resp.shape[1]), value=pad_id)
+    return resp
+
+
+def model_forward(model, input_ids, attention_mask, resp_len: int, temperature: float, shared_value_head=None,
+                  full: bool = False, entropy: bool = False):
+    """One forward over [prompt | response]: per response token the log-prob (logits / temperature), optionally
+    entropy, the full log-distribution (kl type 'full') and the shared-trunk value. Logit at t predicts token t+1."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
+                use_cache=False, output_hidden_states=shared_value_head is not None)
+    logits = out.logits[:, -resp_len - 1:-1].float() / temperature
+    logp_all = logits.log_softmax(-1)
+    res = {"logp": logp_all.gather(-1, input_ids[:, -resp_len:, None]).squeeze(-1)}
+    if entropy:
+        res["entropy"] = -(logp_all.exp() * logp_all).sum(-1)
+    if full:
+        res["logp_all"] = logp_all
+    if shared_value_head is not None:
+        res["values"] = shared_value_head(out.hidden_states[-1][:, -resp_len - 1:-1].float()).squeeze(-1)
+    return res
+
+
+def critic_values(critic, input_ids, attention_mask, resp_len: int):
+    """V(s_t) for the state before each response token (same alignment as the logits)."""
+    out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask))
+    return out.logits[:, -resp_len - 1:-1, 0].float()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reward: score, normalisation, KL penalty
+# ---------------------------------------------------------------------------------------------------------
+class RunningMoments:
+    """Running mean/std over all scores seen (reward_norm running)."""
+
+    def __init__(self):
+        self.mean, self.var, self.count = 0.0, 1.0, 1e-4
+
+    def update(self, x: torch.Tensor):
+        b_mean, b_var, b_count = x.mean().item(), x.var(unbiased=False).item(), x.numel()
+        delta, total = b_mean - self.mean, self.count + b_count
+        self.mean += delta * b_count / total
+        self.var = (self.var * self.count + b_var * b_count + delta**2 * self.count * b_count / total) / total
+        self.count = total
+
+    def state_dict(self):
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+
+def normalize_scores(scores, group_ids, norm: str, shift: bool, scale: bool, clip: Optional[float],
+                     running: Optional[RunningMoments] = None, eps: float = 1e-6):
+    """ROLL reward_norm: (s - mean) / std over the batch, the group or running stats; shift: only - mean; scale:
+    only / std. Then reward_clip."""
+    if norm != "none":
+        if norm == "batch":
+            mean, std = scores.mean(), scores.std(unbiased=False)
+        elif norm == "group":
+            G = group_ids.max().item() + 1
+            cnt = torch.zeros(G).index_add_(0, group_ids, torch.ones_like(scores))
+            gmean = torch.zeros(G).index_add_(0, group_ids, scores) / cnt
+            gvar = torch.zeros(G).index_add_(0, group_ids, (scores - gmean[group_ids]) ** 2) / cnt
+            mean, std = gmean[group_ids], gvar.sqrt()[group_ids]
+        elif norm == "running":
+            running.update(scores)
+            mean, std = torch.tensor(running.mean), torch.tensor(math.sqrt(running.var))
+        else:
+            raise ValueError(f"unknown reward_norm {norm!r}: choose one of none, batch, group, running")
+        if shift:
+            scores = scores - mean
+        elif scale:
+            scores = scores / (std + eps)
+        else:
+            scores = (scores - mean) / (std + eps)
+    if clip is not None:
+        scores = scores.clamp(-clip, clip)
+    return scores
+
+
+def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """The sequence score sits on the last response token (the EOS, or the last token of a truncated response)."""
+    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+    out = torch.zeros(response_mask.shape, dtype=scores.dtype)
+    out[torch.arange(len(scores)), last] = scores
+    return out
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """verl core_algos.kl_penalty, per token. 'full' takes log-distributions (..., V) and sums over the vocabulary."""
+    if kind == "kl":  # k1
+        return logp - ref_logp
+    if kind == "abs":
+        return (logp - ref_logp).abs()
+    if kind == "mse":  # k2
+        return 0.5 * (logp - ref_logp).square()
+    if kind == "low_var_kl":  # k3 (Schulman), clamped as verl
+        kl = (ref_logp - logp).clamp(-20, 20)
+        return (kl.exp() - kl - 1).clamp(-10, 10)
+    if kind == "full":
+        return (logp.exp() * (logp - ref_logp)).sum(-1)
+    raise ValueError(f"unknown KL type {kind!r}: choose one of {', '.join(KL_TYPES)}")
+
+
+class FixedKLController:
+    def __init__(self, kl_coef: float):
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int):
+        pass
+
+
+class AdaptiveKLController:
+    """Ziegler et al. 2019 (verl/TRL): coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon."""
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
+        self.value, self.target, self.horizon = init_kl_coef, target_kl, horizon
+
+    def update(self, current_kl: float, n_steps: int):
+        err = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + err * n_steps / self.horizon
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Compute advantages and returns (GAE, or critic-free group / REINFORCE++ estimators)
+# ---------------------------------------------------------------------------------------------------------
+def masked_mean(x, mask, dim=None):
+    return (x * mask).sum() / mask.sum().clamp(min=1) if dim is None else (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_whiten(x, mask, shift_mean: bool = True, eps: float = 1e-8):
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    var = var * mask.sum() / (mask.sum() - 1).clamp(min=1)  # unbiased, as verl
+    out = (x - mean) * torch.rsqrt(var + eps)
+    return out if shift_mean else out + mean
+
+
+def compute_gae(token_rewards, values, mask, gamma: float, lam: float):
+    """Token-level GAE over the response mask: tokens past EOS neither contribute nor carry values (verl)."""
+    values = values * mask
+    T = token_rewards.shape[1]
+    adv = torch.zeros_like(token_rewards)
+    lastgaelam = torch.zeros(token_rewards.shape[0])
+    nextvalues = torch.zeros(token_rewards.shape[0])
+    for t in reversed(range(T)):
+        delta = token_rewards[:, t] + gamma * nextvalues - values[:, t]
+        new = delta + gamma * lam * lastgaelam
+        m = mask[:, t].float()
+        nextvalues = values[:, t] * m + (1 - m) * nextvalues
+        lastgaelam = new * m + (1 - m) * lastgaelam
+        adv[:, t] = lastgaelam
+    returns = adv + values
+    return adv * mask, returns * mask
+
+
+def _group_stats(scores, group_ids):
+    G = int(group_ids.max()) + 1
+    cnt = torch.zeros(G).index_add_(0, group_ids, torch.ones_like(scores))
+    mean = torch.zeros(G).index_add_(0, group_ids, scores) / cnt
+    var = torch.zeros(G).index_add_(0, group_ids, (scores - mean[group_ids]) ** 2) / (cnt - 1).clamp(min=1)
+    return mean[group_ids], var.sqrt()[group_ids], cnt[group_ids]
+
+
+def compute_grpo(token_rewards, mask, group_ids, norm_by_std: bool = True, eps: float = 1e-6):
+    """GRPO: (score - group mean) / (group std + eps), std unbiased as torch.std (verl)."""
+    scores = token_rewards.sum(-1)
+    mean, std, _ = _group_stats(scores, group_ids)
+    adv = scores - mean
+    if norm_by_std:
+        adv = adv / (std + eps)
+    return adv[:, None] * mask
+
+
+def compute_rloo(token_rewards, mask, group_ids):
+    """RLOO: score minus the mean score of the other responses to the same prompt."""
+    scores = token_rewards.sum(-1)
+    mean, _, n = _group_stats(scores, group_ids)
+    return ((scores * n - mean * n) / (n - 1).clamp(min=1))[:, None] * mask
+
+
+def compute_reinforce_plus_plus(token_rewards, mask, gamma: float):
+    """REINFORCE++: discounted return-to-go of the token rewards (KL included), whitened over the batch."""
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros(token_rewards.shape[0])
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    return masked_whiten(returns, mask) * mask, returns * mask
+
+
+def compute_reinforce_plus_plus_baseline(token_rewards, mask, group_ids):
+    """REINFORCE++ with baseline: score minus group mean, broadcast to the tokens, whitened over the batch."""
+    scores = token_rewards.sum(-1)
+    mean, _, _ = _group_stats(scores, group_ids)
+    adv = (scores - mean)[:, None] * mask
+    return masked_whiten(adv, mask) * mask
+
+
+def compute_advantages(estimator: str, token_rewards, mask, group_ids, values=None, gamma=1.0, lam=1.0,
+                       norm_adv_by_std_in_grpo=True, whiten=True, advantage_clip=None):
+    """Returns (advantages, returns); returns are used by the value loss (gae) and logged otherwise."""
+    if estimator == "gae":
+        adv, returns = compute_gae(token_rewards, values, mask, gamma, lam)
+    elif estimator == "grpo":
+        adv = compute_grpo(token_rewards, mask, group_ids, norm_adv_by_std_in_grpo)
+    elif estimator == "rloo":
+        adv = compute_rloo(token_rewards, mask, group_ids)
+    elif estimator == "reinforce_plus_plus":
+        adv, returns = compute_reinforce_plus_plus(token_rewards, mask, gamma)
+    elif estimator == "reinforce_plus_plus_baseline":
+        adv = compute_reinforce_plus_plus_baseline(token_rewards, mask, group_ids)
+    else:
+        raise ValueError(f"unknown adv_estimator {estimator!r}: choose one of {', '.join(ADV_ESTIMATORS)}")
+    if estimator not in ("gae", "reinforce_plus_plus"):
+        returns = adv.clone()
+    if whiten and estimator in ("gae", "grpo", "rloo"):
+        adv = masked_whiten(adv, mask) * mask
+    if advantage_clip is not None:
+        adv = adv.clamp(-advantage_clip, advantage_clip)
+    return adv, returns
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Losses: verl agg_loss, clipped / dual-clip policy loss, clipped / Huber value loss
+# ---------------------------------------------------------------------------------------------------------
+def agg_loss(loss_mat, mask, mode: str, n_tokens=None, n_seqs=None, norm_len=None):
+    """Token losses -> one number. n_tokens / n_seqs default to this batch; pass the minibatch's totals to sum
+    micro-batch losses into exactly the minibatch loss (accumulation that does not change the result)."""
+    mask = mask.float()
+    n_tokens = mask.sum().clamp(min=1) if n_tokens is None else n_tokens
+    n_seqs = mask.shape[0] if n_seqs is None else n_seqs
+    norm_len = mask.shape[-1] if norm_len is None else norm_len
+    if mode == "token-mean":
+        return (loss_mat * mask).sum() / n_tokens
+    if mode == "seq-mean-token-sum":
+        return (loss_mat * mask).sum(-1).sum() / n_seqs
+    if mode == "seq-mean-token-mean":
+        return ((loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n_seqs
+    if mode == "seq-mean-token-sum-norm":  # Dr. GRPO: divide by a constant length, not by the tokens present
+        return (loss_mat * mask).sum() / (n_seqs * norm_len)
+    raise ValueError(f"unknown loss_agg_mode {mode!r}: choose one of {', '.join(LOSS_AGG_MODES)}")
+
+
+def policy_loss(logp, old_logp, advantages, mask, clip_ratio_low=0.2, clip_ratio_high=0.2, dual_clip=True,
+                clip_ratio_c=3.0, loss_agg_mode="token-mean", **agg):
+    """verl compute_policy_loss: clipped surrogate with asymmetric clip range, dual clip for A < 0."""
+    neg_kl = (logp - old_logp).clamp(-20, 20)
+    ratio = neg_kl.exp()
+    loss1 = -advantages * ratio
+    loss2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    clipped = torch.maximum(loss1, loss2)
+    losses = clipped
+    clipfrac_lower = torch.zeros(())
+    if dual_clip:
+        loss3 = -advantages * clip_ratio_c
+        losses = torch.where(advantages < 0, torch.minimum(clipped, loss3), clipped)
+        clipfrac_lower = masked_mean(((clipped > loss3) & (advantages < 0)).float(), mask)
+    with torch.no_grad():
+        stats = {"clipfrac": masked_mean((loss2 > loss1).float(), mask).item(),
+                 "clipfrac_lower": clipfrac_lower.item(),
+                 "old_approx_kl": masked_mean(-neg_kl, mask).item(),  # verl ppo_kl (k1)
+                 "approx_kl": masked_mean(ratio - 1 - neg_kl, mask).item()}  # k3, CleanRL's approx_kl
+    return agg_loss(losses, mask, loss_agg_mode, **agg), stats
+
+
+def huber(x, delta: float):
+    return torch.where(x.abs() <= delta, 0.5 * x**2, delta * (x.abs() - 0.5 * delta))
+
+
+def value_loss(vpreds, old_values, returns, mask, value_clip=None, huber_delta=None, loss_agg_mode="token-mean",
+               **agg):
+    """verl compute_value_loss (0.5 * max(unclipped, clipped) squared error) or RLinf's Huber version."""
+    err = (lambda x: huber(x, huber_delta)) if huber_delta is not None else (lambda x: 0.5 * x**2)
+    losses = err(returns - vpreds)
+    clipfrac = torch.zeros(())
+    if value_clip is not None:
+        vclipped = old_values + (vpreds - old_values).clamp(-value_clip, value_clip)
+        losses2 = err(returns - vclipped)
+        clipfrac = masked_mean((losses2 > losses).float(), mask)
+        losses = torch.maximum(losses, losses2)
+    return agg_loss(losses, mask, loss_agg_mode, **agg), {"vf_clipfrac": clipfrac.item()}
+
+
+def explained_variance(values, returns, mask) -> float:
+    var_r = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    err = returns - values
+    var_e = masked_mean((err - masked_mean(err, mask)) ** 2, mask)
+    return float("nan") if var_r == 0 else (1 - var_e / var_r).item()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Optimise policy & value: one minibatch, accumulated over micro-batches
+# ---------------------------------------------------------------------------------------------------------
+def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_actor: bool = True,
+                       autocast=contextlib.nullcontext):
+    """Forward/backward of one minibatch in micro-batches of args.micro_batch_size; the loss of each micro-batch is
+    normalised by the minibatch's token / sequence count, so the summed gradients equal one big batch's."""
+    R = mb["response_mask"].shape[1]
+    agg = {"n_tokens": mb["response_mask"].sum().clamp(min=1).float(), "n_seqs": mb["response_mask"].shape[0],
+           "norm_len": args.response_length}
+    need_full = args.use_kl_loss and args.kl_loss_type == "full"
+    sums: dict[str, float] = {}
+    n_micro = math.ceil(mb["input_ids"].shape[0] / args.micro_batch_size)
+    for s in range(0, mb["input_ids"].shape[0], args.micro_batch_size):
+        m = {k: v[s:s + args.micro_batch_size] for k, v in mb.items()}
+        mask = m["response_mask"]
+        loss = torch.zeros(())
+        stats = {}
+        with autocast():
+            out = model_forward(policy, m["input_ids"], m["attention_mask"], R, args.temperature,
+                                value_head if args.critic == "shared" else None, full=need_full, entropy=True)
+            if update_actor:
+                pg, stats = policy_loss(out["logp"], m["old_logp"], m["advantages"], mask, args.clip_ratio_low,
+                                        args.clip_ratio_high, args.dual_clip_loss, args.clip_ratio_c,
+                                        args.loss_agg_mode, **agg)
+                ent = agg_loss(out["entropy"], mask, args.loss_agg_mode, **agg)
+                loss = pg - args.entropy_coeff * ent
+                stats.update(policy_loss=pg.item(), entropy=ent.item())
+                if args.use_kl_loss:
+                    kl = (kl_penalty(out["logp_all"], m["ref_logp_all"], "full") if need_full
+                          else kl_penalty(out["logp"], m["ref_logp"], args.kl_loss_type))
+                    kl_loss = agg_loss(kl, mask, args.loss_agg_mode, **agg)
+                    loss = loss + args.kl_loss_coef * kl_loss
+                    stats["kl_loss"] = kl_loss.item()
+            if args.critic != "none":
+                v = out["values"] if args.critic == "shared" else critic_values(critic, m["input_ids"],
+                                                                                m["attention_mask"], R)
+                vl, vstats = value_loss(v, m["values"], m["returns"], mask, args.value_clip, args.huber_delta,
+                                        args.loss_agg_mode, **agg)
+                loss = loss + args.vf_coef * vl
+                stats.update(value_loss=vl.item(), **vstats)
+        if loss.requires_grad:
+            loss.backward()
+        for k, val in stats.items():  # losses add up over micro-batches; ratios/fractions are averaged
+            sums[k] = sums.get(k, 0.0) + (val if k in ("policy_loss", "entropy", "kl_loss", "value_loss")
+                                          else val / n_micro)
+    return sums
+
+
+def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, args: Args, gen,
+               update_actor: bool = True, autocast=contextlib.nullcontext):
+    """ppo_epochs x shuffled minibatches of ppo_mini_batch_size prompts (n responses each); returns the mean stats
+    and the first minibatch's (ratio exactly 1 there: approx_kl 0, clipfrac 0)."""
+    N = batch["input_ids"].shape[0]
+    mb_size = args.ppo_mini_batch_size * args.n
+    all_stats, first = [], None
+    for _ in range(args.ppo_epochs):
+        perm = torch.randperm(N, generator=gen)
+        for s in range(0, N, mb_size):
+            idx = perm[s:s + mb_size]
+            for o in optimizers:
+                o.zero_grad(set_to_none=True)
+            stats = minibatch_backward(policy, critic, value_head, {k: v[idx] for k, v in batch.items()}, args,
+                                       update_actor, autocast)
+            norms = [nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], args.max_grad_norm)
+                     for o in optimizers]  # actor and critic clipped separately, as verl
+            stats["grad_norm"] = norms[0].item()
+            if len(norms) > 1:
+                stats["critic_grad_norm"] = norms[1].item()
+            for o, sch in zip(optimizers, schedulers):
+                o.step()
+                sch.step()
+            first = first or stats
+            all_stats.append(stats)
+    mean = {k: sum(s[k] for s in all_stats) / len(all_stats) for k in all_stats[0]}
+    return mean, first
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints: save_pretrained for policy, reference and critic + trainer state in checkpoint.pt
+# ---------------------------------------------------------------------------------------------------------
+def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimizers, schedulers, args: Args,
+                    global_step: int, iteration: int, gen, kl_ctrl, running: RunningMoments, tracker: dict) -> str:
+    policy.save_pretrained(os.path.join(run_dir, "policy"))
+    tok.save_pretrained(os.path.join(run_dir, "policy"))
+    if not os.path.isdir(os.path.join(run_dir, "ref")):
+        ref.save_pretrained(os.path.join(run_dir, "ref"))
+    if critic is not None:
+        critic.save_pretrained(os.path.join(run_dir, "critic"))
+    state = {
+        "script": SCRIPT,
+        "env_id": "sort" if args.dataset is None else os.path.basename(args.dataset),
+        "model": {"policy": "policy", "ref": "ref", "critic": "critic" if critic is not None else "",
+                  "value_head": value_head.state_dict() if value_head is not None else {}},
+        "optimizer": [o.state_dict() for o in optimizers],
+        "scheduler": [s.state_dict() for s in schedulers],
+        "global_step": global_step,
+        "iteration": iteration,
+        "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state()},
+        "args": dataclasses.asdict(args),
+        "kl_coef": kl_ctrl.value,
+        "reward_running": running.state_dict(),
+        "tracker": tracker,
+    }
+    path = os.path.join(run_dir, "checkpoint.pt")
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def load_checkpoint(path: str) -> dict:
+    if not os.path.isfile(path):
+        die(f"--resume: no such file {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        die(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
+        die(f"{path} is not a {SCRIPT} checkpoint (script={ckpt.get('script') if isinstance(ckpt, dict) else None})")
+    for d in ("policy", "ref"):
+        if not os.path.isfile(os.path.join(os.path.dirname(path), d, "config.json")):
+            die(f"checkpoint {path}: model directory {d}/ next to it is missing")
+    return ckpt
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Warm start (supervised) and evaluation
+# ---------------------------------------------------------------------------------------------------------
+def encode_batch(tok, rows: list[dict], prompt_length: int):
+    return left_pad([tok.encode(r["prompt"], add_special_tokens=False)[-prompt_length:] for r in rows],
+                    tok.pad_token_id, prompt_length)
+
+
+def warm_start(policy, tok, sample_rows, args: Args, gen, device) -> None:
+    """Supervised fine-tuning on answers + EOS (a short phase: the model ends partly right)."""
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr)
+    policy.train()
+    for step in range(args.sft_steps):
+        rows = sample_rows(args.sft_batch_size)
+        targets = []
+        for r in rows:
+            targets.append(tok.encode(r["answer"], add_special_tokens=False)[:args.response_length - 1]
+                           + [tok.eos_token_id])
+        p_ids, p_mask = encode_batch(tok, rows, args.prompt_length)
+        R = max(len(t) for t in targets)
+        r_ids = torch.full((len(rows), R), tok.pad_token_id, dtype=torch.long)
+        r_mask = torch.zeros((len(rows), R), dtype=torch.long)
+        for i, t in enumerate(targets):
+            r_ids[i, :len(t)], r_mask[i, :len(t)] = torch.tensor(t), 1
+        ids, mask = torch.cat([p_ids, r_ids], 1).to(device), torch.cat([p_mask, r_mask], 1).to(device)
+        logp = model_forward(policy, ids, mask, R, 1.0)["logp"]
+        loss = -masked_mean(logp, r_mask.to(device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if (step + 1) % 100 == 0 or step + 1 == args.sft_steps:
+            print(f"warm-start step {step + 1}/{args.sft_steps}  loss={loss.item():.3f}")
+
+
+@torch.no_grad()
+def evaluate(policy, tok, rows: list[dict], args: Args, gen, device) -> dict:
+    """Accuracy on held-out prompts: greedy, and sampled with the rollout's temperature / top-p / top-k."""
+    res = {}
+    for name, greedy in (("greedy", True), ("sampled", False)):
+        correct = 0
+        for s in range(0, len(rows), 256):
+            chunk = rows[s:s + 256]
+            ids, mask = encode_batch(tok, chunk, args.prompt_length)
+            resp = generate(policy, ids.to(device), mask.to(device), args.response_length, tok.eos_token_id,
+                            tok.pad_token_id, args.temperature, args.top_p, args.top_k, gen, greedy).cpu()
+            texts = tok.batch_decode(resp * response_mask_from(resp, tok.eos_token_id), skip_special_tokens=True)
+            correct += sum(rule_reward(t, r["answer"]) for t, r in zip(texts, chunk))
+        res[f"accuracy_{name}"] = correct / len(rows)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training loop
+# ---------------------------------------------------------------------------------------------------------
+def main(args: Args) -> dict:
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    ckpt = load_checkpoint(args.resume) if args.resume else None
+    if ckpt is not None:
+        run_dir = os.path.dirname(os.path.abspath(args.resume))
+        run_name = os.path.basename(run_dir)
+    else:
+        task = "sort" if args.dataset is None else os.path.splitext(os.path.basename(args.dataset))[0]
+        run_name = f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_dir = os.path.join(args.runs_dir, run_name)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as e:
+        die(f"cannot create run directory {run_dir}: {e.strerror}")
+
+    # Seeding
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
+    torch.set_num_threads(args.torch_threads)
+    gen = torch.Generator().manual_seed(args.seed)  # tasks, sampling, shuffling
+    device = torch.device("cuda" if args.cuda else "cpu")
+    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if args.cuda else contextlib.nullcontext)
+    gen_dev = gen if device.type == "cpu" else torch.Generator(device).manual_seed(args.seed)
+
+    # Models: policy, frozen reference, critic
+    if ckpt is not None:
+        tok = load_tokenizer(os.path.join(run_dir, "policy"), args.trust_remote_code)
+        policy = load_causal_lm(os.path.join(run_dir, "policy"), args.trust_remote_code)
+        ref = load_causal_lm(os.path.join(run_dir, "ref"), args.trust_remote_code)
+    elif args.model_name_or_path:
+        tok = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+        policy = load_causal_lm(args.model_name_or_path, args.trust_remote_code)
+    else:
+        tok = build_char_tokenizer()
+        policy = build_tiny_model(tok, args.seed)
+    policy = disable_dropout(policy).to(device)
+    print(f"policy: {type(policy).__name__}, {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters")
+
+    if args.dataset is not None:
+        data = load_dataset(args.dataset, tok, args.prompt_length)
+
+        def sample_rows(k):
+            return [data[i] for i in torch.randint(0, len(data), (k,), generator=gen).tolist()]
+        eval_rows = [r for r in data if r["answer"] is not None][:args.eval_prompts]
+        has_answers = all(r["answer"] is not None for r in data)
+    else:
+        def sample_rows(k):
+            return make_problems(k, gen)
+        eval_rows = make_problems(args.eval_prompts, torch.Generator().manual_seed(10_000 + args.seed))
+        has_answers = True
+    if args.reward_model_path is None and not has_answers:
+        die(f"--dataset {args.dataset}: rows without 'answer' need --reward-model-path")
+
+    if ckpt is None and args.sft_steps > 0 and has_answers:
+        t0 = time.time()
+        warm_start(policy, tok, sample_rows, args, gen, device)
+        print(f"warm-start done in {time.time() - t0:.1f}s")
+    if ckpt is None:
+        ref = copy.deepcopy(policy)
+    ref = disable_dropout(ref).to(device).eval().requires_grad_(False)
+
+    use_critic = args.critic if args.adv_estimator == "gae" else "none"
+    if use_critic == "none" and args.critic != "none":
+        print(f"note: --adv-estimator {args.adv_estimator} uses no critic; --critic {args.critic} ignored")
+    args = dataclasses.replace(args, critic=use_critic)
+    critic = value_head = None
+    if args.critic == "separate":
+        if ckpt is not None:
+            critic = AutoModelForTokenClassification.from_pretrained(os.path.join(run_dir, "critic"),
+                                                                     trust_remote_code=args.trust_remote_code)
+        else:
+            critic = make_critic(policy)
+        critic = disable_dropout(critic).to(device)
+    elif args.critic == "shared":
+        value_head = nn.Linear(policy.config.hidden_size, 1).to(device)
+        nn.init.zeros_(value_head.weight), nn.init.zeros_(value_head.bias)
+        if ckpt is not None:
+            value_head.load_state_dict(ckpt["model"]["value_head"])
+    rm = rm_tok = None
+    if args.reward_model_path:
+        try:
+            rm = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path,
+                                                                    trust_remote_code=args.trust_remote_code)
+        except Exception as e:  # noqa: BLE001
+            die(f"cannot load a reward model from {args.reward_model_path}: {type(e).__name__}")
+        rm = disable_dropout(rm).to(device).eval().requires_grad_(False)
+        rm_tok = (load_tokenizer(args.reward_model_path, args.trust_remote_code)
+                  if os.path.isfile(os.path.join(args.reward_model_path, "tokenizer_config.json")) else tok)
+        if rm.config.pad_token_id is None:
+            rm.config.pad_token_id = rm_tok.pad_token_id
+
+    if args.gradient_checkpointing:
+        for m in (policy, critic):
+            if m is not None:
+                getattr(m, "activation_checkpointing_enable", m.gradient_checkpointing_enable)()
+    if args.compile:
+        for m in (policy, critic):
+            if m is not None:
+                m.forward = torch.compile(m.forward, dynamic=True)
+
+    # Optimizers: actor (and shared value head at critic_lr), critic; linear lr warm-up then constant
+    groups = [{"params": list(policy.parameters()), "lr": args.lr}]
+    if value_head is not None:
+        groups.append({"params": list(value_head.parameters()), "lr": args.critic_lr})
+    optimizers = [torch.optim.AdamW(groups, weight_decay=args.weight_decay)]
+    if critic is not None:
+        optimizers.append(torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay))
+    warm = max(args.lr_warmup_steps, 1)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / warm)) for o in optimizers]
+    kl_ctrl = (AdaptiveKLController(args.init_kl_coef, args.target_kl, args.kl_horizon)
+               if args.kl_ctrl_type == "adaptive" else FixedKLController(args.init_kl_coef))
+    running = RunningMoments()
+    start_iteration, global_step, tracker = 1, 0, {"curve": []}
+    if ckpt is not None:
+        try:
+            for o, s, so, ss in zip(optimizers, schedulers, ckpt["optimizer"], ckpt["scheduler"]):
+                o.load_state_dict(so)
+                s.load_state_dict(ss)
+        except (RuntimeError, ValueError, KeyError) as e:
+            die(f"checkpoint {args.resume} does not fit these models: {str(e).splitlines()[0]}")
+        start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        gen.set_state(ckpt["rng"]["gen"])
+        kl_ctrl.value = ckpt["kl_coef"]
+        running.__dict__.update(ckpt["reward_running"])
+        tracker = ckpt["tracker"]
+        print(f"resumed {args.resume} at iteration {ckpt['iteration']}")
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                   config=vars(args), name=run_name, dir=run_dir, resume="allow", id=run_name)
+    writer = SummaryWriter(run_dir)
+    if ckpt is None:
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
+                        "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+
+    def log_eval(iteration):
+        if not eval_rows:
+            return
+        ev = evaluate(policy, tok, eval_rows, args, torch.Generator(device).manual_seed(args.seed + 1), device)
+        for k, v in ev.items():
+            writer.add_scalar(f"eval/{k}", v, global_step)
+        tracker["curve"].append([iteration, ev["accuracy_greedy"], ev["accuracy_sampled"]])
+        print(f"eval iter {iteration}: accuracy greedy {ev['accuracy_greedy']:.3f}  sampled "
+              f"{ev['accuracy_sampled']:.3f}")
+
+    if ckpt is None:
+        log_eval(0)
+    R, n = args.response_length, args.n
+    ckpt_path = None
+    start_time, last_print, stats = time.time(), 0.0, {}
+    for iteration in range(start_iteration, args.num_iterations + 1):
+        # Collect rollout: rollout_batch_size prompts x n responses, grouped (response i answers prompt i // n)
+        t0 = time.time()
+        rows = [r for r in sample_rows(args.rollout_batch_size) for _ in range(n)]
+        group_ids = torch.arange(args.rollout_batch_size).repeat_interleave(n)
+        p_ids, p_mask = encode_batch(tok, rows, args.prompt_length)
+        policy.eval()
+        resp = generate(policy, p_ids.to(device), p_mask.to(device), R, tok.eos_token_id, tok.pad_token_id,
+                        args.temperature, args.top_p, args.top_k, gen_dev).cpu()
+        t_gen = time.time() - t0
+        resp_mask = response_mask_from(resp, tok.eos_token_id)
+        ids = torch.cat([p_ids, resp], 1).to(device)
+        attn = torch.cat([p_mask, resp_mask], 1).to(device)
+        need_full = args.kl_penalty == "full" or (args.use_kl_loss and args.kl_loss_type == "full")
+        old_logp, ref_logp, values, old_full, ref_full = [], [], [], [], []
+        with torch.no_grad(), autocast():  # scored in micro-batches exactly as in the update (ratio 1 at first)
+            for s in range(0, ids.shape[0], args.micro_batch_size):
+                sl = slice(s, s + args.micro_batch_size)
+                o = model_forward(policy, ids[sl], attn[sl], R, args.temperature, value_head, full=need_full)
+                r_ = model_forward(ref, ids[sl], attn[sl], R, args.temperature, full=need_full)
+                old_logp.append(o["logp"].cpu()), ref_logp.append(r_["logp"].cpu())
+                if need_full:
+                    old_full.append(o["logp_all"].cpu()), ref_full.append(r_["logp_all"].cpu())
+                if args.critic == "shared":
+                    values.append(o["values"].cpu())
+                elif args.critic == "separate":
+                    values.append(critic_values(critic, ids[sl], attn[sl], R).cpu())
+        old_logp, ref_logp = torch.cat(old_logp), torch.cat(ref_logp)
+        maskf = resp_mask.float()
+        values = torch.cat(values) * maskf if values else torch.zeros_like(old_logp)
+
+        # Reward: score (rule or reward model) on the last response token, normalise, KL penalty
+        texts = tok.batch_decode(resp * resp_mask, skip_special_tokens=True)
+        eos = (resp == tok.eos_token_id).any(-1)
+        correct = torch.tensor([rule_reward(t, r["answer"]) for t, r in zip(texts, rows)])
+        if rm is not None:
+            enc = rm_tok([r["prompt"] + t for r, t in zip(rows, texts)], return_tensors="pt", padding=True,
+                         padding_side="right", add_special_tokens=False)
+            with torch.no_grad(), autocast():
+                raw = rm(input_ids=enc["input_ids"].to(device),
+                         attention_mask=enc["attention_mask"].to(device)).logits[:, 0].float().cpu()
+        else:
+            raw = correct.clone()
+        raw = raw - args.missing_eos_penalty * (~eos).float()
+        scores = normalize_scores(raw, group_ids, args.reward_norm, args.reward_shift, args.reward_scale,
+                                  args.reward_clip, running)
+        token_rewards = token_level_scores(scores, resp_mask)
+        if need_full and args.kl_penalty == "full":
+            kld = kl_penalty(torch.cat(old_full), torch.cat(ref_full), "full") * maskf
+        else:
+            kld = kl_penalty(old_logp, ref_logp, args.kl_penalty) * maskf
+        seq_kl = masked_mean(kld, maskf, dim=-1).mean().item()
+        if args.use_kl_in_reward:
+            token_rewards = token_rewards - kl_ctrl.value * kld
+            kl_ctrl.update(seq_kl, ids.shape[0])
+
+        # Compute advantages and returns (GAE)
+        adv, returns = compute_advantages(args.adv_estimator, token_rewards, maskf, group_ids, values, args.gamma,
+                                          args.lam, args.norm_adv_by_std_in_grpo, args.whiten_advantages,
+                                          args.advantage_clip)
+
+        # Optimise policy & value for E epochs
+        t1 = time.time()
+        batch = {"input_ids": ids.cpu(), "attention_mask": attn.cpu(), "response_mask": maskf, "old_logp": old_logp,
+                 "ref_logp": ref_logp, "advantages": adv, "returns": returns, "values": values}
+        if args.use_kl_loss and args.kl_loss_type == "full":
+            batch["ref_logp_all"] = torch.cat(ref_full)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        for m in (policy, critic, value_head):
+            if m is not None:
+                m.train()
+        update_actor = iteration > args.critic_warmup
+        stats, first = ppo_update(policy, critic, value_head, optimizers, schedulers, batch, args, gen,
+                                  update_actor, autocast)
+        t_train = time.time() - t1
+        # Update reference policy: theta_old <- theta (the next rollout is scored by the updated policy)
+
+        global_step += ids.shape[0]
+        n_tok = maskf.sum().item()
+        metrics = {
+            "rollout/reward_mean": raw.mean().item(), "rollout/reward_std": raw.std().item(),
+            "rollout/score_mean": scores.mean().item(), "rollout/accuracy": correct.mean().item(),
+            "charts/episodic_return": raw.mean().item(), "charts/episodic_length": maskf.sum(-1).mean().item(),
+            "response/length_mean": maskf.sum(-1).mean().item(), "response/eos_frac": eos.float().mean().item(),
+            "kl/kl_mean": seq_kl, "kl/kl_coef": kl_ctrl.value,
+            "losses/explained_variance": explained_variance(values, returns, maskf) if args.critic != "none"
+            else float("nan"),
+            "losses/first_minibatch_approx_kl": first.get("approx_kl", 0.0),
+            "charts/learning_rate": schedulers[0].get_last_lr()[0],
+            "perf/gen_tokens_per_s": n_tok / max(t_gen, 1e-9),
+            "perf/train_tokens_per_s": n_tok * args.ppo_epochs / max(t_train, 1e-9),
+            "charts/SPS": global_step / max(time.time() - start_time, 1e-9),
+        }
+        metrics.update({f"losses/{k}": v for k, v in stats.items()})
+        for k, v in metrics.items():
+            writer.add_scalar(k, v, global_step)
+        tracker.setdefault("rollout", []).append([iteration, metrics["rollout/accuracy"]])
+        now = time.time()
+        if now - last_print >= 5.0 or iteration == args.num_iterations or iteration == start_iteration:
+            last_print = now
+            print(f"iter {iteration}/{args.num_iterations}  reward={metrics['rollout/reward_mean']:.3f}  "
+                  f"acc={metrics['rollout/accuracy']:.3f}  kl={seq_kl:.4f}  "
+                  f"entropy={stats.get('entropy', float('nan')):.3f}  "
+                  f"len={metrics['response/length_mean']:.2f}  clipfrac={stats.get('clipfrac', 0.0):.3f}  "
+                  f"vloss={stats.get('value_loss', float('nan')):.4f}  "
+                  f"gen_tok/s={metrics['perf/gen_tokens_per_s']:.0f}  train_tok/s="
+                  f"{metrics['perf/train_tokens_per_s']:.0f}", flush=True)
+        if iteration % args.eval_every == 0 or iteration == args.num_iterations:
+            log_eval(iteration)
+        if not all(math.isfinite(v) for k, v in stats.items()):
+            print(f"error: non-finite losses at iteration {iteration}; stopping", file=sys.stderr)
+            break
+        save = lambda: save_checkpoint(run_dir, policy, ref, critic, value_head, tok, optimizers, schedulers,  # noqa
+                                       args, global_step, iteration, gen, kl_ctrl, running, tracker)
+        if args.stop_after and iteration - start_iteration + 1 >= args.stop_after and iteration < args.num_iterations:
+            ckpt_path = save()
+            print(f"stopped after {args.stop_after} iterations; continue with: python {SCRIPT} --resume {ckpt_path}")
+            break
+        if args.checkpoint_every and iteration % args.checkpoint_every == 0:
+            ckpt_path = save()
+    else:
+        if args.save_model:
+            ckpt_path = save_checkpoint(run_dir, policy, ref, critic, value_head, tok, optimizers, schedulers, args,
+                                        global_step, args.num_iterations, gen, kl_ctrl, running, tracker)
+            print(f"checkpoint written to {ckpt_path}")
+    writer.close()
+    if args.track:
+        wandb.finish()
+    print(f"done in {time.time() - start_time:.1f}s; run directory {run_dir}")
+    return {"run_dir": run_dir, "curve": tracker["curve"], "stats": stats, "checkpoint": ckpt_path}
+
+
+if __name__ == "__main__":
+    main(parse_args())

@@ -1,0 +1,425 @@
+"""Tests of ppo_llm.py: every estimator / KL type / loss / aggregation mode against plain references, micro-batch
+accumulation, left padding, ratio 1 on the first minibatch, bad input, smoke runs, local model loading, resume."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ppo_llm as P  # noqa: E402
+
+torch.set_num_threads(1)  # tiny models: one thread is fastest on a shared 2-core machine
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ppo_llm.py")
+TINY = ["--sft-steps", "5", "--eval-prompts", "8", "--rollout-batch-size", "4", "--n", "2",
+        "--ppo-mini-batch-size", "2", "--micro-batch-size", "2", "--num-iterations", "2", "--no-save-model"]
+
+
+def hand_batch(seed=0, B=6, T=5):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [5, 3, 1, 4, 2, 5][:B]
+    mask = torch.tensor([[1.0 if t < L else 0.0 for t in range(T)] for L in lengths])
+    return g, mask, lengths
+
+
+# ----- KL estimators -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["kl", "abs", "mse", "low_var_kl"])
+def test_kl_penalty_elementwise(kind):
+    g = torch.Generator().manual_seed(1)
+    lp, ref = -torch.rand(4, 3, generator=g) * 3, -torch.rand(4, 3, generator=g) * 3
+    out = P.kl_penalty(lp, ref, kind)
+    for i in range(4):
+        for j in range(3):
+            a, b = lp[i, j].item(), ref[i, j].item()
+            want = {"kl": a - b, "abs": abs(a - b), "mse": 0.5 * (a - b) ** 2,
+                    "low_var_kl": min(10.0, max(-10.0, math.exp(b - a) - (b - a) - 1))}[kind]
+            assert out[i, j].item() == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+def test_kl_low_var_clamped_and_full():
+    assert P.kl_penalty(torch.tensor([-30.0]), torch.tensor([0.0]), "low_var_kl").item() == 10.0
+    g = torch.Generator().manual_seed(2)
+    lp = torch.randn(2, 3, 5, generator=g).log_softmax(-1)
+    ref = torch.randn(2, 3, 5, generator=g).log_softmax(-1)
+    out = P.kl_penalty(lp, ref, "full")
+    for i in range(2):
+        for t in range(3):
+            want = sum(math.exp(lp[i, t, v]) * (lp[i, t, v] - ref[i, t, v]) for v in range(5))
+            assert out[i, t].item() == pytest.approx(float(want), rel=1e-5)
+    assert (out >= 0).all()
+    with pytest.raises(ValueError, match="low_var_kl"):
+        P.kl_penalty(lp, ref, "k9")
+
+
+def test_adaptive_kl_controller():
+    c = P.AdaptiveKLController(0.2, target_kl=1.0, horizon=100)
+    c.update(current_kl=3.0, n_steps=10)  # error clipped to +0.2
+    assert c.value == pytest.approx(0.2 * (1 + 0.2 * 10 / 100))
+    c.update(current_kl=0.9, n_steps=10)
+    assert c.value == pytest.approx(0.2 * 1.02 * (1 - 0.1 * 10 / 100))
+
+
+# ----- aggregation, policy loss, value loss ------------------------------------------------------------------
+def ref_agg(loss, mask, mode, norm_len):
+    B, T = loss.shape
+    rows = [[loss[i, t].item() for t in range(T) if mask[i, t] > 0] for i in range(B)]
+    if mode == "token-mean":
+        return sum(sum(r) for r in rows) / sum(len(r) for r in rows)
+    if mode == "seq-mean-token-sum":
+        return sum(sum(r) for r in rows) / B
+    if mode == "seq-mean-token-mean":
+        return sum(sum(r) / len(r) for r in rows) / B
+    return sum(sum(r) for r in rows) / (B * norm_len)
+
+
+@pytest.mark.parametrize("mode", P.LOSS_AGG_MODES)
+def test_agg_loss(mode):
+    g, mask, _ = hand_batch()
+    loss = torch.randn(mask.shape, generator=g)
+    assert P.agg_loss(loss, mask, mode).item() == pytest.approx(ref_agg(loss, mask, mode, 5), rel=1e-5)
+    assert P.agg_loss(loss, mask, mode, norm_len=8).item() == pytest.approx(ref_agg(loss, mask, mode, 8), rel=1e-5)
+
+
+def test_agg_loss_unknown_mode_lists_choices():
+    with pytest.raises(ValueError, match="seq-mean-token-sum-norm"):
+        P.agg_loss(torch.zeros(1, 1), torch.ones(1, 1), "sum")
+
+
+@pytest.mark.parametrize("dual", [False, True])
+@pytest.mark.parametrize("mode", P.LOSS_AGG_MODES)
+def test_policy_loss(dual, mode):
+    g, mask, _ = hand_batch(3)
+    old = -torch.rand(mask.shape, generator=g) * 2
+    lp = old + torch.randn(mask.shape, generator=g) * 0.8  # large ratios: both clips and the dual clip are hit
+    adv = torch.randn(mask.shape, generator=g) * 2
+    lo, hi, c = 0.2, 0.28, 3.0
+    loss, stats = P.policy_loss(lp, old, adv, mask, lo, hi, dual, c, mode)
+    ref = torch.zeros(mask.shape)
+    n_clip = n = 0
+    for i in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            r, a = math.exp(lp[i, t] - old[i, t]), adv[i, t].item()
+            l1, l2 = -a * r, -a * min(max(r, 1 - lo), 1 + hi)
+            val = max(l1, l2)
+            if dual and a < 0:
+                val = min(val, -a * c)
+            ref[i, t] = val
+            if mask[i, t] > 0:
+                n += 1
+                n_clip += l2 > l1
+    assert loss.item() == pytest.approx(ref_agg(ref, mask, mode, 5), rel=1e-5)
+    assert stats["clipfrac"] == pytest.approx(n_clip / n)
+    assert 0 < stats["clipfrac"] < 1
+
+
+@pytest.mark.parametrize("clip,delta", [(None, None), (0.2, None), (None, 0.5), (0.2, 0.5)])
+def test_value_loss(clip, delta):
+    g, mask, _ = hand_batch(4)
+    vp, old, ret = (torch.randn(mask.shape, generator=g) for _ in range(3))
+
+    def err(x):
+        if delta is None:
+            return 0.5 * x * x
+        return 0.5 * x * x if abs(x) <= delta else delta * (abs(x) - 0.5 * delta)
+
+    ref = torch.zeros(mask.shape)
+    for i in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            v, o, r = vp[i, t].item(), old[i, t].item(), ret[i, t].item()
+            val = err(r - v)
+            if clip is not None:
+                val = max(val, err(r - min(max(v, o - clip), o + clip)))
+            ref[i, t] = val
+    loss, _ = P.value_loss(vp, old, ret, mask, clip, delta, "token-mean")
+    assert loss.item() == pytest.approx(ref_agg(ref, mask, "token-mean", 5), rel=1e-5)
+
+
+# ----- advantages -------------------------------------------------------------------------------------------
+def test_gae_against_loop():
+    g, mask, lengths = hand_batch(5)
+    rewards = torch.randn(mask.shape, generator=g) * mask
+    values = torch.randn(mask.shape, generator=g)  # garbage past EOS must not leak in
+    gamma, lam = 0.9, 0.8
+    adv, ret = P.compute_gae(rewards, values, mask, gamma, lam)
+    for i, L in enumerate(lengths):
+        last = 0.0
+        for t in reversed(range(L)):
+            nv = values[i, t + 1].item() if t + 1 < L else 0.0
+            last = rewards[i, t].item() + gamma * nv - values[i, t].item() + gamma * lam * last
+            assert adv[i, t].item() == pytest.approx(last, rel=1e-5, abs=1e-6)
+            assert ret[i, t].item() == pytest.approx(last + values[i, t].item(), rel=1e-5, abs=1e-6)
+        assert (adv[i, L:] == 0).all()
+
+
+def group_fixture():
+    _, mask, _ = hand_batch(6)
+    scores = torch.tensor([1.0, 0.0, 0.5, 2.0, -1.0, 0.25])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    return P.token_level_scores(scores, mask), mask, groups, scores
+
+
+def test_token_level_scores_on_last_token():
+    tr, mask, _, scores = group_fixture()
+    for i, L in enumerate(mask.sum(-1).long().tolist()):
+        assert tr[i, L - 1] == scores[i] and tr[i].abs().sum() == abs(scores[i])
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_grpo(norm_by_std):
+    tr, mask, groups, scores = group_fixture()
+    adv = P.compute_grpo(tr, mask, groups, norm_by_std)
+    for i in range(6):
+        grp = [scores[j].item() for j in range(6) if groups[j] == groups[i]]
+        mean = sum(grp) / 3
+        std = math.sqrt(sum((x - mean) ** 2 for x in grp) / 2)
+        want = (scores[i].item() - mean) / ((std + 1e-6) if norm_by_std else 1)
+        assert torch.allclose(adv[i], want * mask[i], atol=1e-5)
+
+
+def test_rloo():
+    tr, mask, groups, scores = group_fixture()
+    adv = P.compute_rloo(tr, mask, groups)
+    for i in range(6):
+        others = [scores[j].item() for j in range(6) if groups[j] == groups[i] and j != i]
+        assert torch.allclose(adv[i], (scores[i].item() - sum(others) / len(others)) * mask[i], atol=1e-5)
+
+
+def ref_whiten(vals):  # vals: list of floats (the masked entries)
+    m = sum(vals) / len(vals)
+    var = sum((v - m) ** 2 for v in vals) / (len(vals) - 1)
+    return [(v - m) / math.sqrt(var + 1e-8) for v in vals]
+
+
+def test_reinforce_plus_plus():
+    g, mask, lengths = hand_batch(7)
+    tr = torch.randn(mask.shape, generator=g) * mask
+    gamma = 0.9
+    adv, _ = P.compute_reinforce_plus_plus(tr, mask, gamma)
+    rets, where = [], []
+    for i, L in enumerate(lengths):
+        run = 0.0
+        for t in reversed(range(L)):
+            run = tr[i, t].item() + gamma * run
+            rets.append(run), where.append((i, t))
+    for (i, t), w in zip(where, ref_whiten(rets)):
+        assert adv[i, t].item() == pytest.approx(w, rel=1e-4, abs=1e-5)
+    assert (adv * (1 - mask) == 0).all()
+
+
+def test_reinforce_plus_plus_baseline():
+    tr, mask, groups, scores = group_fixture()
+    adv = P.compute_reinforce_plus_plus_baseline(tr, mask, groups)
+    vals, where = [], []
+    for i in range(6):
+        grp = [scores[j].item() for j in range(6) if groups[j] == groups[i]]
+        for t in range(int(mask[i].sum())):
+            vals.append(scores[i].item() - sum(grp) / 3), where.append((i, t))
+    for (i, t), w in zip(where, ref_whiten(vals)):
+        assert adv[i, t].item() == pytest.approx(w, rel=1e-4, abs=1e-5)
+
+
+def test_advantage_whiten_and_clip():
+    tr, mask, groups, _ = group_fixture()
+    adv, _ = P.compute_advantages("rloo", tr, mask, groups, whiten=True, advantage_clip=0.5)
+    assert adv.abs().max() <= 0.5 and (adv * (1 - mask) == 0).all()
+    with pytest.raises(ValueError, match="reinforce_plus_plus_baseline"):
+        P.compute_advantages("vtrace", tr, mask, groups)
+
+
+def test_reward_normalisation():
+    s = torch.tensor([1.0, 3.0, 0.0, 4.0])
+    grp = torch.tensor([0, 0, 1, 1])
+    out = P.normalize_scores(s, grp, "group", False, False, None)
+    assert torch.allclose(out, torch.tensor([-1.0, 1.0, -1.0, 1.0]), atol=1e-5)
+    out = P.normalize_scores(s, grp, "batch", True, False, None)
+    assert torch.allclose(out, s - 2.0)
+    out = P.normalize_scores(s, grp, "batch", False, True, 1.0)
+    assert torch.allclose(out, (s / s.std(unbiased=False)).clamp(-1, 1), atol=1e-5)
+    rm = P.RunningMoments()
+    P.normalize_scores(s, grp, "running", False, False, None, rm)
+    assert rm.mean == pytest.approx(2.0, rel=1e-3) and rm.var == pytest.approx(2.5, rel=1e-3)
+
+
+def test_response_mask_and_sampling_filters():
+    resp = torch.tensor([[5, 1, 0, 0], [5, 6, 7, 8], [1, 0, 1, 0]])
+    assert P.response_mask_from(resp, 1).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(200, 1)
+    g = torch.Generator().manual_seed(0)
+    assert set(P.sample_token(logits, 1.0, 1.0, 2, g).tolist()) <= {2, 3}
+    p = torch.tensor([0.0, 1.0, 2.0, 3.0]).softmax(-1)  # top-p 0.7 keeps {3, 2} (0.64 + 0.24 >= 0.7)
+    assert set(P.sample_token(logits, 1.0, 0.7, 0, g).tolist()) == {2, 3} and p[3] < 0.7
+
+
+# ----- model-level: padding, accumulation, ratio 1 -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    tok = P.build_char_tokenizer()
+    return tok, P.disable_dropout(P.build_tiny_model(tok, 0))
+
+
+def test_left_padding_matches_unpadded(tiny):
+    tok, m = tiny
+    a, b = tok.encode("98765=", add_special_tokens=False), tok.encode("12=", add_special_tokens=False)
+    ids, mask = P.left_pad([a, b], tok.pad_token_id, 10)
+    resp = torch.tensor([[20, 21, 1, 0], [22, 1, 0, 0]])
+    rm = P.response_mask_from(resp, 1)
+    batched = P.model_forward(m, torch.cat([ids, resp], 1), torch.cat([mask, rm], 1), 4, 0.7)["logp"]
+    for i, (p, r) in enumerate([(a, resp[0]), (b, resp[1])]):
+        single = P.model_forward(m, torch.cat([torch.tensor([p]), r[None]], 1),
+                                 torch.cat([torch.ones(1, len(p), dtype=torch.long), rm[i:i + 1]], 1), 4, 0.7)["logp"]
+        k = int(rm[i].sum())
+        assert torch.allclose(batched[i, :k], single[0, :k], atol=1e-5)
+    # generation with KV cache and left padding equals generation of each prompt alone (greedy)
+    g = P.generate(m, ids, mask, 5, 1, 0, greedy=True)
+    for i, p in enumerate([a, b]):
+        alone = P.generate(m, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long), 5, 1, 0, greedy=True)
+        assert g[i].tolist() == alone[0].tolist()
+
+
+def make_update_batch(tok, m, args, critic=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rows = P.make_problems(args.rollout_batch_size * args.n, gen)
+    ids, mask = P.encode_batch(tok, rows, args.prompt_length)
+    resp = P.generate(m, ids, mask, args.response_length, tok.eos_token_id, tok.pad_token_id, gen=gen)
+    rm = P.response_mask_from(resp, tok.eos_token_id)
+    ids, attn = torch.cat([ids, resp], 1), torch.cat([mask, rm], 1)
+    with torch.no_grad():
+        old = torch.cat([P.model_forward(m, ids[s:s + args.micro_batch_size], attn[s:s + args.micro_batch_size],
+                                         args.response_length, args.temperature)["logp"]
+                         for s in range(0, len(ids), args.micro_batch_size)])
+        values = P.critic_values(critic, ids, attn, args.response_length) if critic is not None else torch.zeros_like(old)
+    maskf = rm.float()
+    adv = torch.randn(maskf.shape, generator=gen) * maskf
+    return {"input_ids": ids, "attention_mask": attn, "response_mask": maskf, "old_logp": old,
+            "ref_logp": old - 0.1 * torch.rand(old.shape, generator=gen), "advantages": adv,
+            "returns": torch.randn(maskf.shape, generator=gen) * maskf, "values": values * maskf}
+
+
+@pytest.fixture(scope="module")
+def acc_setup(tiny):
+    tok, m = tiny
+    critic = P.make_critic(m)
+    torch.nn.init.normal_([x for x in critic.modules() if isinstance(x, torch.nn.Linear)][-1].weight, std=0.1)
+    base = P.Args(rollout_batch_size=4, n=2, ppo_mini_batch_size=4, use_kl_loss=True, entropy_coeff=0.01,
+                  micro_batch_size=8)
+    return m, critic, base, make_update_batch(tok, m, base, critic)
+
+
+@pytest.mark.parametrize("mode", P.LOSS_AGG_MODES)
+def test_micro_batch_accumulation_same_gradients(acc_setup, mode):
+    m, critic, base, batch = acc_setup
+    base = P.Args(**{**vars(base), "loss_agg_mode": mode})
+    grads = []
+    for micro in (8, 2):
+        args = P.Args(**{**vars(base), "micro_batch_size": micro})
+        m.zero_grad(), critic.zero_grad()
+        P.minibatch_backward(m, critic, None, batch, args)
+        grads.append([p.grad.clone() for p in list(m.parameters()) + list(critic.parameters())])
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    m.zero_grad()
+
+
+def test_first_minibatch_ratio_is_exactly_one(tiny):
+    tok, m0 = tiny
+    import copy
+    m = copy.deepcopy(m0)
+    args = P.Args(rollout_batch_size=8, n=2, ppo_mini_batch_size=2, micro_batch_size=2, critic="none",
+                  adv_estimator="grpo", ppo_epochs=2)
+    batch = make_update_batch(tok, m, args)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    mean, first = P.ppo_update(m, None, None, [opt], [sch], batch, args, torch.Generator().manual_seed(0))
+    assert first["approx_kl"] == 0.0 and first["old_approx_kl"] == 0.0 and first["clipfrac"] == 0.0
+    assert mean["approx_kl"] > 0  # later minibatches see an updated policy
+
+
+# ----- bad input: one line, exit 2 ----------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,needle", [
+    (["--kl-loss-type", "k5"], "low_var_kl"),
+    (["--kl-penalty", "k5"], "full"),
+    (["--loss-agg-mode", "sum"], "seq-mean-token-sum-norm"),
+    (["--adv-estimator", "vtrace"], "reinforce_plus_plus_baseline"),
+    (["--adv-estimator", "grpo", "--n", "1"], "n >= 2"),
+    (["--adv-estimator", "rloo", "--n", "1", "--critic", "none"], "n >= 2"),
+    (["--critic", "none"], "needs a critic"),
+    (["--rollout-batch-size", "10", "--ppo-mini-batch-size", "4"], "not divisible"),
+    (["--micro-batch-size", "5"], "not divisible"),
+    (["--model-name-or-path", "/nonexistent/model"], "no config.json"),
+    (["--reward-model-path", "/nonexistent/rm"], "no config.json"),
+    (["--dataset", "/nonexistent.jsonl"], "no such file"),
+    (["--n", "1.5"], "whole number"),
+    (["--resume", "/nonexistent/checkpoint.pt"], "no such file"),
+])
+def test_bad_input_one_line_exit_2(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        P.parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and needle in err, err
+
+
+def test_counts_parse():
+    assert P.parse_args(["--num-iterations", "1e2", "--rollout-batch-size", "1_6"]).num_iterations == 100
+
+
+# ----- runs ---------------------------------------------------------------------------------------------------
+def test_smoke_two_iterations_subprocess(tmp_path):
+    out = subprocess.run([sys.executable, SCRIPT, *TINY, "--runs-dir", str(tmp_path)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "iter 2/2" in out.stdout and "eval iter 2" in out.stdout
+    assert any(f.startswith("events.out.tfevents") for d in os.listdir(tmp_path)
+               for f in os.listdir(tmp_path / d))
+
+
+@pytest.mark.parametrize("extra", [
+    ["--critic", "shared", "--use-kl-loss", "--kl-loss-type", "full", "--kl-penalty", "full",
+     "--kl-ctrl-type", "adaptive", "--reward-norm", "group", "--gradient-checkpointing", "--critic-warmup", "1",
+     "--huber-delta", "1.0", "--top-k", "5", "--top-p", "0.9", "--temperature", "0.8"],
+    ["--adv-estimator", "reinforce_plus_plus", "--critic", "none", "--loss-agg-mode", "seq-mean-token-sum-norm",
+     "--reward-norm", "running", "--reward-clip", "1.0", "--missing-eos-penalty", "1.0", "--advantage-clip", "2.0"],
+])
+def test_option_combinations_run(tmp_path, extra):
+    res = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), *extra]))
+    assert all(math.isfinite(v) for v in res["stats"].values())
+    assert len(res["curve"]) == 2
+
+
+def test_local_model_dataset_reward_model_and_resume(tmp_path):
+    from transformers import LlamaForSequenceClassification
+
+    tok = P.build_char_tokenizer()
+    model = P.build_tiny_model(tok, 3)
+    model.save_pretrained(tmp_path / "lm")
+    tok.pad_token = None  # a tokenizer without pad token: the script uses EOS and says so
+    tok.save_pretrained(tmp_path / "lm")
+    cfg = model.config
+    cfg.num_labels = 1
+    LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for row in P.make_problems(16, torch.Generator().manual_seed(0)):
+            f.write(json.dumps(row) + "\n")
+        f.write(json.dumps({"prompt": "x" * 40, "answer": "1"}) + "\n")  # longer than --prompt-length: dropped
+    common = [*TINY, "--model-name-or-path", str(tmp_path / "lm"), "--dataset", str(tmp_path / "data.jsonl"),
+              "--reward-model-path", str(tmp_path / "rm"), "--adv-estimator", "rloo", "--critic", "none",
+              "--save-model"]
+    out = subprocess.run([sys.executable, SCRIPT, *common, "--runs-dir", str(tmp_path / "a")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "no pad token; using EOS" in out.stdout and "dropped 1 of 17" in out.stdout
+    # stopped after one iteration and resumed == uninterrupted (in-process: same machine, same threads)
+    full = P.main(P.parse_args([*common, "--runs-dir", str(tmp_path / "b")]))
+    part = P.main(P.parse_args([*common, "--runs-dir", str(tmp_path / "c"), "--stop-after", "1"]))
+    resumed = P.main(P.parse_args(["--resume", part["checkpoint"]]))
+    from transformers import AutoModelForCausalLM
+
+    a = AutoModelForCausalLM.from_pretrained(os.path.join(full["run_dir"], "policy"))
+    b = AutoModelForCausalLM.from_pretrained(os.path.join(resumed["run_dir"], "policy"))
+    for (n1, p1), (_, p2) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p1, p2), n1
