@@ -38,7 +38,7 @@ import torch.nn.functional as F
 import tyro
 
 SCRIPT = "ppo_llm.py"
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 KL_TYPES = ("kl", "abs", "mse", "low_var_kl", "full")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -172,7 +172,8 @@ class Args:
     """KL estimator of the KL loss"""
 
     # Advantages
-    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "gae"
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus",
+                            "reinforce_plus_plus_baseline"] = "gae"
     """advantage estimator"""
     gamma: float = 1.0
     """discount factor over response tokens"""
@@ -181,7 +182,7 @@ class Args:
     norm_adv_by_std_in_grpo: bool = True
     """grpo: divide by the group's std (off: Dr. GRPO)"""
     whiten_advantages: bool = True
-    """whiten advantages over the batch's response tokens (gae, grpo, rloo; reinforce++ always whitens)"""
+    """whiten advantages over the batch's response tokens (gae, grpo, rloo, reinforce; reinforce++ always does)"""
     advantage_clip: Optional[float] = None
     """clip advantages to [-c, c]"""
 
@@ -673,15 +674,21 @@ def compute_rloo(token_rewards, mask, group_ids):
     return ((scores * n - mean * n) / (n - 1).clamp(min=1))[:, None] * mask
 
 
-def compute_reinforce_plus_plus(token_rewards, mask, gamma: float):
-    """REINFORCE++: discounted return-to-go of the token rewards (KL included), whitened over the batch."""
+def compute_reinforce(token_rewards, mask, gamma: float):
+    """REINFORCE (ROLL's "reinforce"): the advantage is the discounted return-to-go of the token rewards."""
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros(token_rewards.shape[0])
     for t in reversed(range(token_rewards.shape[1])):
         running = token_rewards[:, t] + gamma * running
         returns[:, t] = running
         running = running * mask[:, t]
-    return masked_whiten(returns, mask) * mask, returns * mask
+    return returns * mask
+
+
+def compute_reinforce_plus_plus(token_rewards, mask, gamma: float):
+    """REINFORCE++: discounted return-to-go of the token rewards (KL included), whitened over the batch."""
+    returns = compute_reinforce(token_rewards, mask, gamma)
+    return masked_whiten(returns, mask) * mask, returns
 
 
 def compute_reinforce_plus_plus_baseline(token_rewards, mask, group_ids):
@@ -701,6 +708,8 @@ def compute_advantages(estimator: str, token_rewards, mask, group_ids, values=No
         adv = compute_grpo(token_rewards, mask, group_ids, norm_adv_by_std_in_grpo)
     elif estimator == "rloo":
         adv = compute_rloo(token_rewards, mask, group_ids)
+    elif estimator == "reinforce":
+        adv = compute_reinforce(token_rewards, mask, gamma)
     elif estimator == "reinforce_plus_plus":
         adv, returns = compute_reinforce_plus_plus(token_rewards, mask, gamma)
     elif estimator == "reinforce_plus_plus_baseline":
@@ -709,7 +718,7 @@ def compute_advantages(estimator: str, token_rewards, mask, group_ids, values=No
         raise ValueError(f"unknown adv_estimator {estimator!r}: choose one of {', '.join(ADV_ESTIMATORS)}")
     if estimator not in ("gae", "reinforce_plus_plus"):
         returns = adv.clone()
-    if whiten and estimator in ("gae", "grpo", "rloo"):
+    if whiten and estimator in ("gae", "grpo", "rloo", "reinforce"):
         adv = masked_whiten(adv, mask) * mask
     if advantage_clip is not None:
         adv = adv.clamp(-advantage_clip, advantage_clip)

@@ -210,6 +210,22 @@ def test_reinforce_plus_plus():
     assert (adv * (1 - mask) == 0).all()
 
 
+def test_reinforce_return_to_go_and_estimator_choice():
+    g, mask, lengths = hand_batch(8)
+    tr = torch.randn(mask.shape, generator=g) * mask
+    adv = P.compute_reinforce(tr, mask, 0.8)
+    for i, L in enumerate(lengths):
+        for t in range(mask.shape[1]):
+            expected = sum(0.8 ** (k - t) * tr[i, k].item() for k in range(t, L)) if t < L else 0.0
+            assert adv[i, t].item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    raw, _ = P.compute_advantages("reinforce", tr, mask, None, gamma=0.8, whiten=False)
+    assert torch.allclose(raw, adv)
+    white, _ = P.compute_advantages("reinforce", tr, mask, None, gamma=0.8, whiten=True)
+    vals = [adv[i, t].item() for i, L in enumerate(lengths) for t in range(L)]
+    got = [white[i, t].item() for i, L in enumerate(lengths) for t in range(L)]
+    assert got == pytest.approx(ref_whiten(vals), rel=1e-4, abs=1e-5)
+
+
 def test_reinforce_plus_plus_baseline():
     tr, mask, groups, scores = group_fixture()
     adv = P.compute_reinforce_plus_plus_baseline(tr, mask, groups)
