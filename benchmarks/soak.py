@@ -46,8 +46,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "soak"))
     a = p.parse_args()
-    runs = os.path.join(a.out, "runs")
-    os.makedirs(runs, exist_ok=True)
+    runs = os.path.join(a.out, "runs", time.strftime("%Y%m%d-%H%M%S"))  # a fresh directory for each soak
+    os.makedirs(runs)
     common = [sys.executable, os.path.join(ROOT, "ppo.py"), "--total-timesteps", a.total_timesteps, "--seed",
               str(a.seed), "--runs-dir", runs, "--save-model"]
 
@@ -62,11 +62,18 @@ def main() -> int:
     while True:
         pieces += 1
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        if kills < a.kills:
+        first = ""
+        while True:  # training is under way (signal handlers installed) once a progress line is printed
+            line = proc.stdout.readline()
+            first += line
+            if not line or line.startswith("iter "):
+                break
+        if kills < a.kills and line.startswith("iter "):
             time.sleep(rng.uniform(0.1, 0.9) * wall / (a.kills + 1))
             proc.send_signal(signal.SIGTERM)
             kills += 1
         out, _ = proc.communicate()
+        out = first + out
         if proc.returncode != 0:
             print(out)
             return 1
