@@ -624,7 +624,7 @@ def main(args: Args) -> dict:
                 break
         # Update reference policy: theta_old <- theta happens implicitly, the next rollout samples from theta.
 
-        last_stats = {k: float(v) / n_updates for k, v in stats_sum.items()}
+        last_stats = dict(zip(stats_sum, (torch.stack(list(stats_sum.values())) / n_updates).tolist()))  # one sync
         if not all(np.isfinite(v) for v in last_stats.values()):
             bad = [k for k, v in last_stats.items() if not np.isfinite(v)]
             print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",

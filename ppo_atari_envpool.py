@@ -673,8 +673,8 @@ def main(args: Args) -> dict:
                 break
         # Update reference policy: theta_old <- theta happens implicitly, the next rollout samples from theta.
 
-        last_stats = {k: float(v) / n_updates for k, v in stats_sum.items()}
-        if not all(torch.isfinite(p).all() for p in agent.parameters()):
+        last_stats = dict(zip(stats_sum, (torch.stack(list(stats_sum.values())) / n_updates).tolist()))  # one sync
+        if not torch.stack([torch.isfinite(p).all() for p in agent.parameters()]).all():
             last_stats["parameters"] = float("nan")
         if not all(np.isfinite(v) for v in last_stats.values()):  # stop before a checkpoint of this update
             bad = [k for k, v in last_stats.items() if not np.isfinite(v)]
