@@ -478,21 +478,23 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id: int, p
     model.eval()  # KV cache on (HF turns it off in training mode under gradient checkpointing)
     mask = prompt_mask.clone()
     pos = position_ids_from(mask)
-    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    next_pos = pos[:, -1:] + 1
-    done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
-    tokens = []
-    for _ in range(max_new_tokens):
-        tok = sample_token(out.logits[:, -1], temperature, top_p, top_k, gen, greedy)
-        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-        tokens.append(tok)
-        done |= tok == eos_id
-        if bool(done.all()):
-            break
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                    past_key_values=out.past_key_values, use_cache=True)
-        next_pos = next_pos + 1
+    # bf16 autocast on CUDA, as in scoring and training (the log-probs used in the loss are recomputed there)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=prompt_ids.is_cuda):
+        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        next_pos = pos[:, -1:] + 1
+        done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
+        tokens = []
+        for _ in range(max_new_tokens):
+            tok = sample_token(out.logits[:, -1], temperature, top_p, top_k, gen, greedy)
+            tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+            tokens.append(tok)
+            done |= tok == eos_id
+            if bool(done.all()):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
+                        past_key_values=out.past_key_values, use_cache=True)
+            next_pos = next_pos + 1
     model.train(was_training)
     resp = torch.stack(tokens, dim=1)
     if resp.shape[1] < max_new_tokens:

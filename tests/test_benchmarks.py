@@ -266,3 +266,21 @@ def test_progress_line_parsing():
     job.feed("iter 3/10  reward=0.5\n")  # ppo_llm.py style: iterations only
     assert job.global_step == 0 and "iter 3/10" in job.status()
     assert common.eta([job], 0, 1, time.time()) is not None
+
+
+def test_llm_throughput_tool_on_a_tiny_model(tmp_path):
+    """The GPU throughput tool runs end to end on CPU with a tiny model and writes its table and JSON."""
+    out = tmp_path / "llm"
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "llm_throughput.py"), "--paths", "eager",
+                          "--iterations", "2", "--hidden", "64", "--layers", "1", "--intermediate", "128",
+                          "--rollout-batch-size", "4", "--n", "2", "--response-length", "6", "--micro-batch-size",
+                          "4", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = json.loads((tmp_path / "llm.json").read_text())
+    (row,) = data["rows"]
+    assert row["path"] == "eager" and row["gen_tokens_per_s"] > 0 and row["train_tokens_per_s"] > 0
+    assert 1 <= row["response_length_mean"] <= 6
+    assert "| eager |" in (tmp_path / "llm.md").read_text()
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "llm_throughput.py"), "--hidden", "100"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "multiple of 64" in bad.stderr
