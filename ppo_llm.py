@@ -27,6 +27,8 @@ import json
 import math
 import os
 import random
+import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -93,7 +95,8 @@ class Args:
     wandb_entity: Optional[str] = None
     """wandb entity (team)"""
     save_model: bool = True
-    """write policy/, critic/, ref/ (save_pretrained) and checkpoint.pt under runs/<run> at the end"""
+    """write checkpoint.pt, checkpoint-<iteration>/{policy,critic}/ and ref/ (save_pretrained) under runs/<run> at the
+    end"""
     checkpoint_every: Count = 0
     """also write the checkpoint every N iterations (0: only at the end with --save-model)"""
     resume: Optional[str] = None
@@ -877,23 +880,34 @@ def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, 
 # Checkpoints: save_pretrained for policy, reference and critic + trainer state in checkpoint.pt
 # ---------------------------------------------------------------------------------------------------------
 def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimizers, schedulers, args: Args,
-                    global_step: int, iteration: int, gen, kl_ctrl, running: RunningMoments, tracker: dict) -> str:
-    policy.save_pretrained(os.path.join(run_dir, "policy"))
-    tok.save_pretrained(os.path.join(run_dir, "policy"))
-    if not os.path.isdir(os.path.join(run_dir, "ref")):
-        ref.save_pretrained(os.path.join(run_dir, "ref"))
+                    global_step: int, iteration: int, gen, kl_ctrl, running: RunningMoments, tracker: dict,
+                    gen_dev=None) -> str:
+    """Atomic: the models go to a new checkpoint-<iteration>/ directory, then checkpoint.pt, which names that
+    directory, is replaced in one rename (the commit point); older checkpoint-* directories are removed after.
+    A kill at any moment leaves a checkpoint.pt whose models are complete."""
+    sub = f"checkpoint-{iteration}"
+    tmp_dir = os.path.join(run_dir, sub + ".tmp")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    policy.save_pretrained(os.path.join(tmp_dir, "policy"))
+    tok.save_pretrained(os.path.join(tmp_dir, "policy"))
     if critic is not None:
-        critic.save_pretrained(os.path.join(run_dir, "critic"))
+        critic.save_pretrained(os.path.join(tmp_dir, "critic"))
+    shutil.rmtree(os.path.join(run_dir, sub), ignore_errors=True)  # a leftover of a save killed after this point
+    os.rename(tmp_dir, os.path.join(run_dir, sub))
+    if not os.path.isdir(os.path.join(run_dir, "ref")):  # the frozen reference: written once
+        ref.save_pretrained(os.path.join(run_dir, "ref.tmp"))
+        os.rename(os.path.join(run_dir, "ref.tmp"), os.path.join(run_dir, "ref"))
     state = {
         "script": SCRIPT,
         "env_id": "sort" if args.dataset is None else os.path.basename(args.dataset),
-        "model": {"policy": "policy", "ref": "ref", "critic": "critic" if critic is not None else "",
+        "model": {"policy": f"{sub}/policy", "ref": "ref", "critic": f"{sub}/critic" if critic is not None else "",
                   "value_head": value_head.state_dict() if value_head is not None else {}},
         "optimizer": [o.state_dict() for o in optimizers],
         "scheduler": [s.state_dict() for s in schedulers],
         "global_step": global_step,
         "iteration": iteration,
-        "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state()},
+        "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state(),  # gen_dev: the sampling generator on CUDA
+                "gen_dev": gen_dev.get_state() if gen_dev is not None and gen_dev is not gen else None},
         "args": dataclasses.asdict(args),
         "kl_coef": kl_ctrl.value,
         "reward_running": running.state_dict(),
@@ -902,6 +916,9 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
     path = os.path.join(run_dir, "checkpoint.pt")
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
+    for d in os.listdir(run_dir):  # earlier checkpoints (and .tmp leftovers of killed saves)
+        if d.startswith("checkpoint-") and d != sub:
+            shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
     return path
 
 
@@ -914,8 +931,8 @@ def load_checkpoint(path: str) -> dict:
         die(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
         die(f"{path} is not a {SCRIPT} checkpoint (script={ckpt.get('script') if isinstance(ckpt, dict) else None})")
-    for d in ("policy", "ref"):
-        if not os.path.isfile(os.path.join(os.path.dirname(path), d, "config.json")):
+    for d in (ckpt["model"]["policy"], ckpt["model"]["ref"], ckpt["model"]["critic"]):
+        if d and not os.path.isfile(os.path.join(os.path.dirname(path), d, "config.json")):
             die(f"checkpoint {path}: model directory {d}/ next to it is missing")
     return ckpt
 
@@ -989,6 +1006,8 @@ def main(args: Args) -> dict:
         os.makedirs(run_dir, exist_ok=True)
     except OSError as e:
         die(f"cannot create run directory {run_dir}: {e.strerror}")
+    if not os.access(run_dir, os.W_OK):
+        die(f"run directory {run_dir} is not writable")
 
     # Seeding
     random.seed(args.seed)
@@ -1002,9 +1021,9 @@ def main(args: Args) -> dict:
 
     # Models: policy, frozen reference, critic
     if ckpt is not None:
-        tok = load_tokenizer(os.path.join(run_dir, "policy"), args.trust_remote_code)
-        policy = load_causal_lm(os.path.join(run_dir, "policy"), args.trust_remote_code)
-        ref = load_causal_lm(os.path.join(run_dir, "ref"), args.trust_remote_code)
+        tok = load_tokenizer(os.path.join(run_dir, ckpt["model"]["policy"]), args.trust_remote_code)
+        policy = load_causal_lm(os.path.join(run_dir, ckpt["model"]["policy"]), args.trust_remote_code)
+        ref = load_causal_lm(os.path.join(run_dir, ckpt["model"]["ref"]), args.trust_remote_code)
     elif args.model_name_or_path:
         tok = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
         policy = load_causal_lm(args.model_name_or_path, args.trust_remote_code)
@@ -1044,8 +1063,8 @@ def main(args: Args) -> dict:
     critic = value_head = None
     if args.critic == "separate":
         if ckpt is not None:
-            critic = AutoModelForTokenClassification.from_pretrained(os.path.join(run_dir, "critic"),
-                                                                     trust_remote_code=args.trust_remote_code)
+            critic = AutoModelForTokenClassification.from_pretrained(
+                os.path.join(run_dir, ckpt["model"]["critic"]), trust_remote_code=args.trust_remote_code)
         else:
             critic = make_critic(policy)
         critic = disable_dropout(critic).to(device)
@@ -1099,6 +1118,8 @@ def main(args: Args) -> dict:
         start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
         torch.set_rng_state(ckpt["rng"]["torch"])
         gen.set_state(ckpt["rng"]["gen"])
+        if gen_dev is not gen and ckpt["rng"].get("gen_dev") is not None:
+            gen_dev.set_state(ckpt["rng"]["gen_dev"])
         kl_ctrl.value = ckpt["kl_coef"]
         running.__dict__.update(ckpt["reward_running"])
         tracker = ckpt["tracker"]
@@ -1131,6 +1152,14 @@ def main(args: Args) -> dict:
     R, n = args.response_length, args.n
     ckpt_path = None
     start_time, last_print, stats = time.time(), 0.0, {}
+    def save(iteration: int) -> str:
+        return save_checkpoint(run_dir, policy, ref, critic, value_head, tok, optimizers, schedulers, args,
+                               global_step, iteration, gen, kl_ctrl, running, tracker, gen_dev)
+
+    # SIGTERM / SIGINT: finish the current iteration, write a checkpoint, say how to resume, exit cleanly.
+    stop_signal: list[int] = []
+    previous_handlers = {sig: signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
+                         for sig in (signal.SIGTERM, signal.SIGINT)}
     for iteration in range(start_iteration, args.num_iterations + 1):
         # Collect rollout: rollout_batch_size prompts x n responses, grouped (response i answers prompt i // n)
         t0 = time.time()
@@ -1207,6 +1236,11 @@ def main(args: Args) -> dict:
                                   update_actor, autocast)
         t_train = time.time() - t1
         # Update reference policy: theta_old <- theta (the next rollout is scored by the updated policy)
+        bad = [k for k, v in stats.items() if not math.isfinite(v)]
+        if bad:  # stop before logging or saving: the last checkpoint written stays the last good one
+            print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
+                  file=sys.stderr)
+            sys.exit(1)
 
         global_step += ids.shape[0]
         n_tok = maskf.sum().item()
@@ -1240,22 +1274,21 @@ def main(args: Args) -> dict:
                   f"{metrics['perf/train_tokens_per_s']:.0f}", flush=True)
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
             log_eval(iteration)
-        if not all(math.isfinite(v) for k, v in stats.items()):
-            print(f"error: non-finite losses at iteration {iteration}; stopping", file=sys.stderr)
-            break
-        save = lambda: save_checkpoint(run_dir, policy, ref, critic, value_head, tok, optimizers, schedulers,  # noqa
-                                       args, global_step, iteration, gen, kl_ctrl, running, tracker)
-        if args.stop_after and iteration - start_iteration + 1 >= args.stop_after and iteration < args.num_iterations:
-            ckpt_path = save()
-            print(f"stopped after {args.stop_after} iterations; continue with: python {SCRIPT} --resume {ckpt_path}")
+        stop_now = args.stop_after and iteration - start_iteration + 1 >= args.stop_after
+        if (stop_now or stop_signal) and iteration < args.num_iterations:
+            ckpt_path = save(iteration)
+            why = signal.Signals(stop_signal[0]).name if stop_signal else f"--stop-after {args.stop_after}"
+            print(f"stopped at iteration {iteration} ({why}); continue with: python {SCRIPT} --resume {ckpt_path}",
+                  flush=True)
             break
         if args.checkpoint_every and iteration % args.checkpoint_every == 0:
-            ckpt_path = save()
+            ckpt_path = save(iteration)
     else:
         if args.save_model:
-            ckpt_path = save_checkpoint(run_dir, policy, ref, critic, value_head, tok, optimizers, schedulers, args,
-                                        global_step, args.num_iterations, gen, kl_ctrl, running, tracker)
+            ckpt_path = save(args.num_iterations)
             print(f"checkpoint written to {ckpt_path}")
+    for sig, handler in previous_handlers.items():
+        signal.signal(sig, handler)
     writer.close()
     if args.track:
         wandb.finish()

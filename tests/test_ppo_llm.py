@@ -380,6 +380,16 @@ def test_bad_input_one_line_exit_2(argv, needle, capsys):
     assert err.startswith("error: ") and "\n" not in err and needle in err, err
 
 
+def test_unwritable_runs_dir_is_one_line_error(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as e:
+        P.main(P.parse_args([*TINY, "--runs-dir", str(blocker / "runs")]))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot create run directory") and "\n" not in err, err
+
+
 def test_counts_parse():
     assert P.parse_args(["--num-iterations", "1e2", "--rollout-batch-size", "1_6"]).num_iterations == 100
 
@@ -435,7 +445,90 @@ def test_local_model_dataset_reward_model_and_resume(tmp_path):
     resumed = P.main(P.parse_args(["--resume", part["checkpoint"]]))
     from transformers import AutoModelForCausalLM
 
-    a = AutoModelForCausalLM.from_pretrained(os.path.join(full["run_dir"], "policy"))
-    b = AutoModelForCausalLM.from_pretrained(os.path.join(resumed["run_dir"], "policy"))
+    a = AutoModelForCausalLM.from_pretrained(os.path.join(full["run_dir"], "checkpoint-2", "policy"))
+    b = AutoModelForCausalLM.from_pretrained(os.path.join(resumed["run_dir"], "checkpoint-2", "policy"))
     for (n1, p1), (_, p2) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(p1, p2), n1
+
+
+# ----- reliability: same seed, SIGTERM, non-finite updates, atomic checkpoints ----------------------------------
+def test_same_seed_same_run(tmp_path):
+    a = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path / "a")]))
+    b = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path / "b")]))
+    c = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path / "c"), "--seed", "2"]))
+    assert a["stats"] == b["stats"] and a["curve"] == b["curve"]
+    assert a["stats"] != c["stats"]
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, SCRIPT, *TINY, "--num-iterations", "1000", "--runs-dir", str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:  # the first progress line: the PPO loop is under way
+        if line.startswith("iter 1/"):
+            break
+    time.sleep(0.3)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-2000:]
+    assert "(SIGTERM); continue with: python ppo_llm.py --resume" in out
+    (run,) = os.listdir(tmp_path)
+    state = torch.load(tmp_path / run / "checkpoint.pt", weights_only=True)
+    assert 1 <= state["iteration"] < 1000
+    assert os.path.isfile(tmp_path / run / state["model"]["policy"] / "model.safetensors")
+
+
+def test_non_finite_update_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    calls = []
+    real = P.compute_advantages
+
+    def poisoned(*a, **kw):  # the second iteration's advantages are NaN: its update makes NaN losses
+        calls.append(1)
+        adv, ret = real(*a, **kw)
+        return (adv * float("nan"), ret) if len(calls) == 2 else (adv, ret)
+
+    monkeypatch.setattr(P, "compute_advantages", poisoned)
+    with pytest.raises(SystemExit) as e:
+        P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--checkpoint-every", "1", "--num-iterations", "3"]))
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "non-finite" in err and "at iteration 2" in err and "policy_loss" in err
+    (run,) = os.listdir(tmp_path)
+    state = torch.load(tmp_path / run / "checkpoint.pt", weights_only=True)
+    assert state["iteration"] == 1
+
+
+def test_checkpoint_killed_during_save_keeps_the_previous_one(tmp_path, monkeypatch):
+    """A save that dies halfway (here: while writing the critic) leaves the previous checkpoint whole."""
+    tok = P.build_char_tokenizer()
+    m = P.build_tiny_model(tok, 0)
+    critic = P.make_critic(m)
+    opt = [torch.optim.AdamW(m.parameters(), lr=1e-3)]
+    sch = [torch.optim.lr_scheduler.LambdaLR(opt[0], lambda s: 1.0)]
+    args = P.parse_args(TINY)
+    save = lambda it: P.save_checkpoint(str(tmp_path), m, m, critic, None, tok, opt, sch, args, it * 8, it,  # noqa
+                                        torch.Generator(), P.FixedKLController(0.1), P.RunningMoments(), {})
+    path = save(1)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with torch.no_grad():
+        for prm in m.parameters():
+            prm.add_(1.0)
+
+    def killed(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(critic, "save_pretrained", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save(2)
+    monkeypatch.undo()
+    state = P.load_checkpoint(path)
+    assert state["iteration"] == 1
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / state["model"]["policy"])
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    save(3)  # the next save cleans up the leftovers of the killed one
+    assert sorted(d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")) == ["checkpoint-3"]
