@@ -532,3 +532,20 @@ def test_checkpoint_killed_during_save_keeps_the_previous_one(tmp_path, monkeypa
         assert torch.equal(v, before[k]), k
     save(3)  # the next save cleans up the leftovers of the killed one
     assert sorted(d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")) == ["checkpoint-3"]
+
+
+def test_foreign_corrupt_and_incomplete_checkpoints_are_rejected(tmp_path, capsys):
+    torch.save({"script": "ppo.py"}, tmp_path / "foreign.pt")
+    (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
+    d = tmp_path / "run"
+    d.mkdir()  # a ppo_llm.py checkpoint whose model directories are gone
+    torch.save({"script": "ppo_llm.py", "model": {"policy": "checkpoint-3/policy", "ref": "ref", "critic": ""}},
+               d / "checkpoint.pt")
+    for path, needle in [(tmp_path / "foreign.pt", "not a ppo_llm.py checkpoint"),
+                         (tmp_path / "corrupt.pt", "cannot read checkpoint"),
+                         (d / "checkpoint.pt", "model directory checkpoint-3/policy/ next to it is missing")]:
+        with pytest.raises(SystemExit) as e:
+            P.parse_args(["--resume", str(path)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err and needle in err, err
