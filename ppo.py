@@ -3,6 +3,7 @@
     python ppo.py                                  # CartPole-v1, 500k steps, CleanRL settings
     python ppo.py --env-id Acrobot-v1 --total-timesteps 1e6 --compile
     python ppo.py --resume runs/<run>/checkpoint.pt --eval-episodes 10
+    torchrun --nproc-per-node 2 ppo.py             # data parallel: each process steps its own --num-envs envs
 
 The loop follows the note (shared/seeds/ppo_note.md) step by step; each step is a section comment below:
 Collect rollout -> Compute advantages and returns (GAE) -> Advantage normalisation ->
@@ -192,6 +193,8 @@ def validate(args: Args) -> None:
         die("--learning-rate, --clip-coef and --max-grad-norm must be positive")
     if args.cudagraphs and not args.cuda:
         die("--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
+    if args.cudagraphs and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        die("--cudagraphs is not supported under torchrun (DDP's gradient all-reduce runs outside the graph)")
     if args.cuda and not torch.cuda.is_available():
         die("--cuda given but torch finds no CUDA device")
     if args.resume is not None and not os.path.isfile(args.resume):
@@ -281,6 +284,10 @@ class Agent(nn.Module):
         logprob = logp_all.gather(-1, action.long().unsqueeze(-1)).squeeze(-1)
         entropy = -(logp_all.exp() * logp_all).sum(-1)
         return action, logprob, entropy, self.get_value(x)
+
+    def forward(self, x: torch.Tensor, action: torch.Tensor):
+        """Scoring of stored actions in the update; a forward() so that DDP can average the gradients."""
+        return self.get_action_and_value(x, action)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -385,9 +392,10 @@ def load_env_state(envs, snapshot: list) -> None:
 
 
 def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step: int, iteration: int,
-                    rollout: Optional[dict] = None) -> None:
+                    rollout: Optional[dict] = None, other_ranks: list = ()) -> None:
     """Atomic write (temporary file, then rename): a kill during the save keeps the previous checkpoint.
-    `rollout` holds what an exact resume needs besides the networks: env states, next obs, episode counters."""
+    `rollout` holds what an exact resume needs besides the networks: env states, next obs, episode counters.
+    Under torchrun `other_ranks` holds the RNG state and rollout of ranks 1, 2, ... (the networks are the same)."""
     state = {
         "script": SCRIPT,
         "env_id": args.env_id,
@@ -398,6 +406,8 @@ def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step:
         "rng": {"torch": torch.get_rng_state()},  # all of the script's own randomness is torch's
         "args": dataclasses.asdict(args),
         "rollout": rollout,
+        "world_size": 1 + len(other_ranks),
+        "other_ranks": list(other_ranks),
     }
     tmp = f"{path}.tmp"
     torch.save(state, tmp)
@@ -440,19 +450,69 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, vide
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Distributed (torchrun): data parallel, every rank steps its own envs, DDP averages the gradients
+# ---------------------------------------------------------------------------------------------------------
+def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
+    """Rank, world size and device. Without torchrun (or with one process) no process group is created."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, torch.device("cuda" if args.cuda else "cpu")
+    import torch.distributed as dist
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cpu")
+    if args.cuda:  # one GPU per rank
+        if local_rank >= torch.cuda.device_count():
+            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if args.cuda else "gloo")
+    return dist.get_rank(), world, device
+
+
+def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Sum of x over ranks (a new tensor; x itself with one process)."""
+    if world > 1:
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+class Silent:
+    """Stands in for the tensorboard writer on ranks other than 0: only rank 0 logs."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def gather_objects(obj, world: int) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank."""
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
-    batch_size = args.num_envs * args.num_steps
+    rank, world, device = setup_distributed(args)
+    batch_size = args.num_envs * args.num_steps  # per rank; the global batch is world * batch_size
     minibatch_size = batch_size // args.num_minibatches
-    num_iterations = args.total_timesteps // batch_size
+    num_iterations = args.total_timesteps // (batch_size * world)
 
     ckpt = load_checkpoint(args.resume, args.env_id) if args.resume else None
     if ckpt is not None:
         run_dir = os.path.dirname(os.path.abspath(args.resume))
         run_name = os.path.basename(run_dir)
     else:
-        run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_name = gather_objects(f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}", world)[0]
         run_dir = os.path.join(args.runs_dir, run_name)
     try:
         os.makedirs(run_dir, exist_ok=True)
@@ -462,12 +522,11 @@ def main(args: Args) -> dict:
         die(f"run directory {run_dir} is not writable")
 
     # Seeding
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.set_num_threads(args.torch_threads)
-    device = torch.device("cuda" if args.cuda else "cpu")
 
     envs = make_vector_env(args)
     obs_dim = int(np.prod(envs.single_observation_space.shape))
@@ -483,17 +542,26 @@ def main(args: Args) -> dict:
         except (RuntimeError, ValueError, KeyError) as e:
             die(f"checkpoint {args.resume} does not fit this network: {str(e).splitlines()[0]}")
         start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        print(f"resumed {args.resume} at iteration {ckpt['iteration']}, global step {global_step}")
+        if rank > 0:  # this rank's RNG and envs, if the checkpoint was written by as many ranks
+            ckpt = ckpt["other_ranks"][rank - 1] if ckpt.get("world_size", 1) == world else {"rollout": None}
+        if "rng" in ckpt:
+            torch.set_rng_state(ckpt["rng"]["torch"])
+        if rank == 0:
+            print(f"resumed {args.resume} at iteration {start_iteration - 1}, global step {global_step}")
+    train_agent = agent  # what the update calls: the agent itself, or DDP around it under torchrun
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        train_agent = DistributedDataParallel(agent, device_ids=[device.index] if args.cuda else None)
 
     from torch.utils.tensorboard import SummaryWriter
 
-    if args.track:
+    if args.track and rank == 0:
         import wandb
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
                    config=vars(args), name=run_name, dir=args.runs_dir, resume="allow", id=run_name)
-    writer = SummaryWriter(run_dir)
+    writer = SummaryWriter(run_dir) if rank == 0 else Silent()  # rank 0 alone logs
     if ckpt is None:
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
                         "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
@@ -505,7 +573,7 @@ def main(args: Args) -> dict:
 
     def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values):
         optimizer.zero_grad(set_to_none=False)
-        _, newlogprob, entropy, newvalue = agent.get_action_and_value(mb_obs, mb_actions)
+        _, newlogprob, entropy, newvalue = train_agent(mb_obs, mb_actions)
         loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
                                args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef, args.norm_adv)
         loss.backward()
@@ -532,7 +600,8 @@ def main(args: Args) -> dict:
     dones = torch.zeros((args.num_steps, args.num_envs), device=device)
     values = torch.zeros((args.num_steps, args.num_envs), device=device)
 
-    next_obs_np, _ = envs.reset(seed=[args.seed + global_step + i for i in range(args.num_envs)])
+    next_obs_np, _ = envs.reset(seed=[args.seed + global_step + rank * args.num_envs + i
+                                      for i in range(args.num_envs)])
     next_obs = torch.as_tensor(next_obs_np, dtype=torch.float32, device=device).reshape(args.num_envs, -1)
     next_done = torch.zeros(args.num_envs, device=device)
     ep_return = np.zeros(args.num_envs)
@@ -543,13 +612,17 @@ def main(args: Args) -> dict:
         load_env_state(envs, saved["envs"])
         next_obs, next_done = saved["next_obs"].to(device), saved["next_done"].to(device)
         ep_return, ep_length = saved["ep_return"].numpy().copy(), saved["ep_length"].numpy().copy()
-    elif ckpt is not None:
-        print("note: environments start new episodes (their state was not saved: async vector mode)")
+    elif ckpt is not None and rank == 0:
+        print("note: environments start new episodes (their state was not saved: async vector mode, or another "
+              "number of ranks)")
 
     def checkpoint(path: str, iteration: int) -> None:
+        """Called by every rank at the same iteration; rank 0 writes the states of all ranks."""
         rollout = dict(envs=env_state(envs), next_obs=next_obs.cpu(), next_done=next_done.cpu(),
                        ep_return=torch.from_numpy(ep_return), ep_length=torch.from_numpy(ep_length))
-        save_checkpoint(path, agent, optimizer, args, global_step, iteration, rollout)
+        ranks = gather_objects({"rng": {"torch": torch.get_rng_state()}, "rollout": rollout}, world)
+        if rank == 0:
+            save_checkpoint(path, agent, optimizer, args, global_step, iteration, rollout, ranks[1:])
     recent_returns: list[float] = []
     last_stats: dict = {}
     start_time, last_print = time.time(), 0.0
@@ -568,7 +641,7 @@ def main(args: Args) -> dict:
 
         # Collect rollout
         for step in range(args.num_steps):
-            global_step += args.num_envs
+            global_step += args.num_envs * world  # environment steps of all ranks
             obs[step] = next_obs
             dones[step] = next_done
             with torch.inference_mode():
@@ -620,11 +693,15 @@ def main(args: Args) -> dict:
                 stats = {k: v.clone() for k, v in stats.items()}
                 stats_sum = stats if stats_sum is None else {k: stats_sum[k] + v for k, v in stats.items()}
                 n_updates += 1
-            if args.target_kl is not None and float(stats["approx_kl"]) > args.target_kl:
+            if args.target_kl is not None and float(all_ranks_sum(stats["approx_kl"], world)) / world > args.target_kl:
                 break
         # Update reference policy: theta_old <- theta happens implicitly, the next rollout samples from theta.
 
-        last_stats = dict(zip(stats_sum, (torch.stack(list(stats_sum.values())) / n_updates).tolist()))  # one sync
+        # one host sync: the statistics averaged over updates (and ranks), and whether any rank got a stop signal
+        summed = all_ranks_sum(torch.stack([*stats_sum.values(), torch.tensor(len(stop_signal), device=device)]),
+                               world)
+        *means, signals = summed.tolist()
+        last_stats = {k: v / (n_updates * world) for k, v in zip(stats_sum, means)}
         if not all(np.isfinite(v) for v in last_stats.values()):
             bad = [k for k, v in last_stats.items() if not np.isfinite(v)]
             print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
@@ -639,7 +716,7 @@ def main(args: Args) -> dict:
         writer.add_scalar("charts/SPS", sps, global_step)
 
         now = time.time()
-        if now - last_print >= 5.0 or iteration == num_iterations:
+        if rank == 0 and (now - last_print >= 5.0 or iteration == num_iterations):
             last_print = now
             recent = np.mean(recent_returns[-20:]) if recent_returns else float("nan")
             print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={sps}  "
@@ -647,11 +724,14 @@ def main(args: Args) -> dict:
 
         ckpt_path = os.path.join(run_dir, "checkpoint.pt")
         stop_now = args.stop_after and iteration - start_iteration + 1 >= args.stop_after
-        if (stop_now or stop_signal) and iteration < num_iterations:
+        if (stop_now or signals) and iteration < num_iterations:  # signals: summed over ranks, so all stop together
             checkpoint(ckpt_path, iteration)
-            why = signal.Signals(stop_signal[0]).name if stop_signal else f"--stop-after {args.stop_after}"
-            print(f"stopped at iteration {iteration} ({why}); continue with: python {SCRIPT} --resume {ckpt_path}",
-                  flush=True)
+            why = (signal.Signals(stop_signal[0]).name if stop_signal else "a signal to another rank" if signals
+                   else f"--stop-after {args.stop_after}")
+            if rank == 0:
+                launcher = f"torchrun --nproc-per-node {world}" if world > 1 else "python"
+                print(f"stopped at iteration {iteration} ({why}); continue with: {launcher} {SCRIPT} --resume "
+                      f"{ckpt_path}", flush=True)
             finished = False
             break
         if args.checkpoint_every and iteration % args.checkpoint_every == 0:
@@ -659,23 +739,28 @@ def main(args: Args) -> dict:
     if finished and args.save_model:
         path = os.path.join(run_dir, "checkpoint.pt")
         checkpoint(path, max(num_iterations, start_iteration - 1))
-        print(f"checkpoint written to {path}")
+        if rank == 0:
+            print(f"checkpoint written to {path}")
     for sig, handler in previous_handlers.items():
         signal.signal(sig, handler)
     envs.close()
 
     result = {"global_step": global_step, "run_dir": run_dir, "stats": last_stats, "returns": recent_returns}
-    if args.eval_episodes and finished:
+    if args.eval_episodes and finished and rank == 0:
         eval_returns = evaluate(agent, args, device, args.eval_episodes, os.path.join(run_dir, "videos"))
         mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
         writer.add_scalar("eval/episodic_return", mean, global_step)
         print(f"eval: {args.eval_episodes} episodes, return {mean:.2f} ± {std:.2f}")
         result["eval_returns"] = eval_returns
     writer.close()
-    if args.track:
+    if args.track and rank == 0:
         import wandb
 
         wandb.finish()
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return result
 
 
