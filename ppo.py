@@ -185,6 +185,10 @@ def validate(args: Args) -> None:
         if getattr(args, name) < 0:
             die(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     batch = args.num_envs * args.num_steps
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun: one rollout of every process
+    if 0 < args.total_timesteps < batch * world:
+        die(f"--total-timesteps {args.total_timesteps} is less than one rollout (num_envs*num_steps = {batch}"
+            + (f", times {world} processes)" if world > 1 else ")"))
     if batch % args.num_minibatches:
         die(f"num_envs*num_steps = {batch} is not divisible by --num-minibatches {args.num_minibatches}")
     if not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1):
@@ -508,6 +512,10 @@ def main(args: Args) -> dict:
     num_iterations = args.total_timesteps // (batch_size * world)
 
     ckpt = load_checkpoint(args.resume, args.env_id) if args.resume else None
+    if ckpt is not None and ckpt.get("world_size", 1) != world:  # iterations, seeds and envs are per process
+        n = ckpt.get("world_size", 1)
+        die(f"{args.resume} was written by {n} process(es); resume it with as many: "
+            f"{'python' if n == 1 else f'torchrun --nproc-per-node {n}'} {SCRIPT} --resume {args.resume}")
     if ckpt is not None:
         run_dir = os.path.dirname(os.path.abspath(args.resume))
         run_name = os.path.basename(run_dir)
@@ -542,10 +550,9 @@ def main(args: Args) -> dict:
         except (RuntimeError, ValueError, KeyError) as e:
             die(f"checkpoint {args.resume} does not fit this network: {str(e).splitlines()[0]}")
         start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
-        if rank > 0:  # this rank's RNG and envs, if the checkpoint was written by as many ranks
-            ckpt = ckpt["other_ranks"][rank - 1] if ckpt.get("world_size", 1) == world else {"rollout": None}
-        if "rng" in ckpt:
-            torch.set_rng_state(ckpt["rng"]["torch"])
+        if rank > 0:  # this rank's RNG and envs
+            ckpt = ckpt["other_ranks"][rank - 1]
+        torch.set_rng_state(ckpt["rng"]["torch"])
         if rank == 0:
             print(f"resumed {args.resume} at iteration {start_iteration - 1}, global step {global_step}")
     train_agent = agent  # what the update calls: the agent itself, or DDP around it under torchrun
@@ -613,8 +620,7 @@ def main(args: Args) -> dict:
         next_obs, next_done = saved["next_obs"].to(device), saved["next_done"].to(device)
         ep_return, ep_length = saved["ep_return"].numpy().copy(), saved["ep_length"].numpy().copy()
     elif ckpt is not None and rank == 0:
-        print("note: environments start new episodes (their state was not saved: async vector mode, or another "
-              "number of ranks)")
+        print("note: environments start new episodes (their state was not saved: async vector mode)")
 
     def checkpoint(path: str, iteration: int) -> None:
         """Called by every rank at the same iteration; rank 0 writes the states of all ranks."""
@@ -760,6 +766,7 @@ def main(args: Args) -> dict:
     if world > 1:
         import torch.distributed as dist
 
+        dist.barrier()  # no rank leaves while another still works (gloo aborts a process torn down mid-collective)
         dist.destroy_process_group()
     return result
 

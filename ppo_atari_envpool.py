@@ -4,6 +4,7 @@
     python ppo_atari_envpool.py --env-id Pong-v5 --cuda --compile --cudagraphs
     python ppo_atari_envpool.py --stop-after 500                   # a piece of a run; then:
     python ppo_atari_envpool.py --resume runs/<run>/checkpoint.pt  # continues steps and lr schedule
+    torchrun --nproc-per-node 2 ppo_atari_envpool.py               # data parallel: --num-envs envs per process
 
 All Atari preprocessing is envpool's own (noop reset, frame skip 4 with max-pool, episodic life, fire reset,
 reward clipping, 84x84 gray, frame stack 4, optional sticky actions). The loop follows the note
@@ -25,6 +26,10 @@ print the --resume command. What --resume restores: the network, the optimizer (
 iteration and step count, and so the learning-rate schedule. What it does not: the games in flight. envpool's
 emulator state cannot be saved, so a resumed run starts new games (envpool seeded with seed + global_step) and a
 stopped and resumed run is not identical to an uninterrupted one (the updates that follow see other games).
+
+Under torchrun every process (rank) steps its own --num-envs envs (envpool seed offset by rank * num_envs, so no
+two ranks play the same games) and DistributedDataParallel averages the gradients; rank 0 alone logs and writes
+the checkpoint, which holds the torch RNG of every rank.
 """
 
 from __future__ import annotations
@@ -97,7 +102,8 @@ class Args:
     cudagraphs: bool = False
     """capture the action sampling and the update step in CUDA graphs (needs --cuda)"""
     torch_threads: Count = 0
-    """torch CPU threads (0: one per CPU core; the CNN is what costs on CPU)"""
+    """torch CPU threads (0: one per CPU core, shared among the processes of this node under torchrun; the CNN is
+    what costs on CPU)"""
     track: bool = False
     """log to Weights & Biases (WANDB_MODE=offline works without network)"""
     wandb_project_name: str = "ppo-reference"
@@ -124,7 +130,7 @@ class Args:
     env_id: str = "Breakout-v5"
     """id of an envpool Atari task (Breakout-v5, Pong-v5, BeamRider-v5, ...)"""
     num_threads: Count = 0
-    """envpool worker threads (0: envpool's default)"""
+    """envpool worker threads (0: envpool's default); per process under torchrun"""
     sticky_actions: bool = False
     """repeat the previous action with probability 0.25 (Machado et al. 2018); off: 0"""
     max_episode_steps: Count = 27_000
@@ -136,7 +142,7 @@ class Args:
     learning_rate: float = 2.5e-4
     """Adam learning rate"""
     num_envs: Count = 8
-    """number of parallel environments"""
+    """number of parallel environments (per process under torchrun)"""
     num_steps: Count = 128
     """steps per environment per rollout (T)"""
     anneal_lr: bool = True
@@ -229,10 +235,14 @@ def validate(args: Args) -> None:
         die("--ent-coef and --vf-coef must be >= 0")
     if args.target_kl is not None and args.target_kl <= 0:
         die(f"--target-kl must be positive, got {args.target_kl}")
-    if 0 < args.total_timesteps < batch:
-        die(f"--total-timesteps {args.total_timesteps} is less than one rollout (num_envs*num_steps = {batch})")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun: one rollout of every process
+    if 0 < args.total_timesteps < batch * world:
+        die(f"--total-timesteps {args.total_timesteps} is less than one rollout (num_envs*num_steps = {batch}"
+            + (f", times {world} processes)" if world > 1 else ")"))
     if args.cudagraphs and not args.cuda:
         die("--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
+    if args.cudagraphs and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        die("--cudagraphs is not supported under torchrun (DDP's gradient all-reduce runs outside the graph)")
     if args.cuda and not torch.cuda.is_available():
         die("--cuda given but torch finds no CUDA device")
     if args.resume is not None and not os.path.isfile(args.resume):
@@ -344,6 +354,10 @@ class Agent(nn.Module):
         entropy = -(logp_all.exp() * logp_all).sum(-1)
         return action, logprob, entropy, self.critic(h).squeeze(-1)
 
+    def forward(self, x: torch.Tensor, action: torch.Tensor):
+        """Scoring of stored actions in the update; a forward() so that DDP can average the gradients."""
+        return self.get_action_and_value(x, action)
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Pure functions (imported by the tests)
@@ -435,8 +449,10 @@ def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
 SCRIPT = "ppo_atari_envpool.py"
 
 
-def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step: int, iteration: int) -> None:
-    """Atomic write (temporary file, then rename): a kill during the save keeps the previous checkpoint."""
+def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step: int, iteration: int,
+                    other_ranks: list = ()) -> None:
+    """Atomic write (temporary file, then rename): a kill during the save keeps the previous checkpoint.
+    Under torchrun `other_ranks` holds the RNG state of ranks 1, 2, ... (the networks are the same)."""
     state = {
         "script": SCRIPT,
         "env_id": args.env_id,
@@ -446,6 +462,8 @@ def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step:
         "iteration": iteration,
         "rng": {"torch": torch.get_rng_state()},  # the policy's sampling and the shuffles draw from torch
         "args": dataclasses.asdict(args),
+        "world_size": 1 + len(other_ranks),
+        "other_ranks": list(other_ranks),
     }
     tmp = f"{path}.tmp"
     torch.save(state, tmp)
@@ -494,19 +512,73 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, vide
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Distributed (torchrun): data parallel, every rank steps its own envs, DDP averages the gradients
+# ---------------------------------------------------------------------------------------------------------
+def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
+    """Rank, world size and device. Without torchrun (or with one process) no process group is created."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, torch.device("cuda" if args.cuda else "cpu")
+    import torch.distributed as dist
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cpu")
+    if args.cuda:  # one GPU per rank
+        if local_rank >= torch.cuda.device_count():
+            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if args.cuda else "gloo")
+    return dist.get_rank(), world, device
+
+
+def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Sum of x over ranks (a new tensor; x itself with one process)."""
+    if world > 1:
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+class Silent:
+    """Stands in for the tensorboard writer on ranks other than 0: only rank 0 logs."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def gather_objects(obj, world: int) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank."""
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
-    batch_size = args.num_envs * args.num_steps
+    rank, world, device = setup_distributed(args)
+    batch_size = args.num_envs * args.num_steps  # per rank; the global batch is world * batch_size
     minibatch_size = batch_size // args.num_minibatches
-    num_iterations = args.total_timesteps // batch_size
+    num_iterations = args.total_timesteps // (batch_size * world)
 
     ckpt = load_checkpoint(args.resume, args.env_id) if args.resume else None
+    if ckpt is not None and ckpt.get("world_size", 1) != world:  # iterations, seeds and envs are per process
+        n = ckpt.get("world_size", 1)
+        die(f"{args.resume} was written by {n} process(es); resume it with as many: "
+            f"{'python' if n == 1 else f'torchrun --nproc-per-node {n}'} {SCRIPT} --resume {args.resume}")
     if ckpt is not None:
         run_dir = os.path.dirname(os.path.abspath(args.resume))
         run_name = os.path.basename(run_dir)
     else:
-        run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_name = gather_objects(f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}", world)[0]
         run_dir = os.path.join(args.runs_dir, run_name)
     try:
         os.makedirs(run_dir, exist_ok=True)
@@ -516,17 +588,19 @@ def main(args: Args) -> dict:
         die(f"run directory {run_dir} is not writable")
 
     # Seeding
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.set_num_threads(args.torch_threads or os.cpu_count() or 1)
-    device = torch.device("cuda" if args.cuda else "cpu")
+    # 0: the cores of this node, shared among its ranks (torchrun's LOCAL_WORLD_SIZE; 1 without torchrun)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world > 1 else 1
+    torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) // local_world))
 
     start_iteration, global_step = 1, 0
     if ckpt is not None:
         start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
-    envs = make_envs(args, args.num_envs, args.seed + global_step)  # a resumed run gets fresh env seeds
+    # a resumed run gets fresh env seeds; rank r's envs get seeds of their own (envpool seeds env i with seed + i)
+    envs = make_envs(args, args.num_envs, args.seed + global_step + rank * args.num_envs)
     obs_shape = envs.single_observation_space.shape  # (4, 84, 84) uint8
     agent = Agent(int(envs.single_action_space.n)).to(device)
     if not args.cuda:  # oneDNN's convolutions (backward above all) run ~20% faster on NHWC weights on CPU
@@ -541,17 +615,24 @@ def main(args: Args) -> dict:
             optimizer.load_state_dict(ckpt["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             die(f"checkpoint {args.resume} does not fit this network: {str(e).splitlines()[0]}")
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        print(f"resumed {args.resume} at iteration {ckpt['iteration']}, global step {global_step}")
+        own = ckpt if rank == 0 else ckpt["other_ranks"][rank - 1]  # this rank's RNG
+        torch.set_rng_state(own["rng"]["torch"])
+        if rank == 0:
+            print(f"resumed {args.resume} at iteration {ckpt['iteration']}, global step {global_step}")
+    train_agent = agent  # what the update calls: the agent itself, or DDP around it under torchrun
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        train_agent = DistributedDataParallel(agent, device_ids=[device.index] if args.cuda else None)
 
     from torch.utils.tensorboard import SummaryWriter
 
-    if args.track:
+    if args.track and rank == 0:
         import wandb
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
                    config=vars(args), name=run_name, dir=run_dir, resume="allow", id=run_name)
-    writer = SummaryWriter(run_dir)
+    writer = SummaryWriter(run_dir) if rank == 0 else Silent()  # rank 0 alone logs
     if ckpt is None:
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
                         "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
@@ -563,7 +644,10 @@ def main(args: Args) -> dict:
 
     def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_mask):
         optimizer.zero_grad(set_to_none=False)
-        _, newlogprob, entropy, newvalue = agent.get_action_and_value(mb_obs, mb_actions)
+        _, newlogprob, entropy, newvalue = train_agent(mb_obs, mb_actions)
+        # Under torchrun the loss of each rank is the mean over its own valid (unmasked) steps and DDP averages the
+        # gradients of the ranks: ranks with different numbers of masked steps are weighted equally (as in
+        # CleanRL's multi-GPU PPO), not by their counts of valid steps.
         loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
                                mb_mask, args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef, args.norm_adv)
         loss.backward()
@@ -606,6 +690,13 @@ def main(args: Args) -> dict:
     start_time, last_print = time.time(), 0.0
     steps_at_start = global_step
     finished = True
+
+    def checkpoint(path: str, iteration: int) -> None:
+        """Called by every rank at the same iteration; rank 0 writes the states of all ranks."""
+        ranks = gather_objects({"rng": {"torch": torch.get_rng_state()}}, world)
+        if rank == 0:
+            save_checkpoint(path, agent, optimizer, args, global_step, iteration, ranks[1:])
+
     # SIGTERM / SIGINT: finish the current iteration, write a checkpoint, say how to resume, exit cleanly.
     stop_signal: list[int] = []
     previous_handlers = {sig: signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
@@ -619,7 +710,7 @@ def main(args: Args) -> dict:
 
         # Collect rollout
         for step in range(args.num_steps):
-            global_step += args.num_envs
+            global_step += args.num_envs * world  # environment steps of all ranks
             obs[step] = next_obs
             dones_h[step] = torch.from_numpy(next_done)
             with torch.inference_mode():
@@ -669,12 +760,18 @@ def main(args: Args) -> dict:
                 stats = {k: v.clone() for k, v in stats.items()}
                 stats_sum = stats if stats_sum is None else {k: stats_sum[k] + v for k, v in stats.items()}
                 n_updates += 1
-            if args.target_kl is not None and float(stats["approx_kl"]) > args.target_kl:
+            if args.target_kl is not None and float(all_ranks_sum(stats["approx_kl"], world)) / world > args.target_kl:
                 break
         # Update reference policy: theta_old <- theta happens implicitly, the next rollout samples from theta.
 
-        last_stats = dict(zip(stats_sum, (torch.stack(list(stats_sum.values())) / n_updates).tolist()))  # one sync
-        if not torch.stack([torch.isfinite(p).all() for p in agent.parameters()]).all():
+        # one host sync: the statistics averaged over updates (and ranks), whether the parameters went non-finite,
+        # and whether any rank got a stop signal
+        params_bad = ~torch.stack([torch.isfinite(p).all() for p in agent.parameters()]).all()
+        summed = all_ranks_sum(torch.stack([*stats_sum.values(), params_bad.float(),
+                                            torch.tensor(float(len(stop_signal)), device=device)]), world)
+        *means, bad_params, signals = summed.tolist()
+        last_stats = {k: v / (n_updates * world) for k, v in zip(stats_sum, means)}
+        if bad_params:
             last_stats["parameters"] = float("nan")
         if not all(np.isfinite(v) for v in last_stats.values()):  # stop before a checkpoint of this update
             bad = [k for k, v in last_stats.items() if not np.isfinite(v)]
@@ -690,7 +787,7 @@ def main(args: Args) -> dict:
         writer.add_scalar("charts/SPS", sps, global_step)
 
         now = time.time()
-        if now - last_print >= 5.0 or iteration == num_iterations:
+        if rank == 0 and (now - last_print >= 5.0 or iteration == num_iterations):
             last_print = now
             recent = np.mean(recent_returns[-20:]) if recent_returns else float("nan")
             print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={sps}  "
@@ -698,35 +795,44 @@ def main(args: Args) -> dict:
 
         ckpt_path = os.path.join(run_dir, "checkpoint.pt")
         stop_now = args.stop_after and iteration - start_iteration + 1 >= args.stop_after
-        if (stop_now or stop_signal) and iteration < num_iterations:
-            save_checkpoint(ckpt_path, agent, optimizer, args, global_step, iteration)
-            why = signal.Signals(stop_signal[0]).name if stop_signal else f"--stop-after {args.stop_after}"
-            print(f"stopped at iteration {iteration} ({why}); continue with: python {SCRIPT} --resume {ckpt_path}",
-                  flush=True)
+        if (stop_now or signals) and iteration < num_iterations:  # signals: summed over ranks, so all stop together
+            checkpoint(ckpt_path, iteration)
+            why = (signal.Signals(stop_signal[0]).name if stop_signal else "a signal to another rank" if signals
+                   else f"--stop-after {args.stop_after}")
+            if rank == 0:
+                launcher = f"torchrun --nproc-per-node {world}" if world > 1 else "python"
+                print(f"stopped at iteration {iteration} ({why}); continue with: {launcher} {SCRIPT} --resume "
+                      f"{ckpt_path}", flush=True)
             finished = False
             break
         if args.checkpoint_every and iteration % args.checkpoint_every == 0:
-            save_checkpoint(ckpt_path, agent, optimizer, args, global_step, iteration)
+            checkpoint(ckpt_path, iteration)
     if finished and args.save_model:
         path = os.path.join(run_dir, "checkpoint.pt")
-        save_checkpoint(path, agent, optimizer, args, global_step, max(num_iterations, start_iteration - 1))
-        print(f"checkpoint written to {path}")
+        checkpoint(path, max(num_iterations, start_iteration - 1))
+        if rank == 0:
+            print(f"checkpoint written to {path}")
     for sig, handler in previous_handlers.items():
         signal.signal(sig, handler)
     envs.close()
 
     result = {"global_step": global_step, "run_dir": run_dir, "stats": last_stats, "returns": recent_returns}
-    if args.eval_episodes and finished:
+    if args.eval_episodes and finished and rank == 0:
         eval_returns = evaluate(agent, args, device, args.eval_episodes, os.path.join(run_dir, "videos"))
         mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
         writer.add_scalar("eval/episodic_return", mean, global_step)
         print(f"eval: {args.eval_episodes} games, return {mean:.2f} ± {std:.2f}")
         result["eval_returns"] = eval_returns
     writer.close()
-    if args.track:
+    if args.track and rank == 0:
         import wandb
 
         wandb.finish()
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # no rank leaves while another still works (gloo aborts a process torn down mid-collective)
+        dist.destroy_process_group()
     return result
 
 

@@ -3,6 +3,7 @@
     python ppo_continuous.py                                   # HalfCheetah-v5, 1M steps, CleanRL settings
     python ppo_continuous.py --env-id Hopper-v5 --num-envs 4 --vector-mode async
     python ppo_continuous.py --resume runs/<run>/checkpoint.pt --eval-episodes 10 --capture-video
+    torchrun --nproc-per-node 2 ppo_continuous.py              # data parallel: each process steps --num-envs envs
 
 The loop follows the note (shared/seeds/ppo_note.md) step by step; each step is a section comment below:
 Collect rollout -> Compute advantages and returns (GAE) -> Advantage normalisation ->
@@ -21,6 +22,10 @@ qvel, act, ctrl, the constraint solver's warm start, ...) and MjData's derived a
 (qpos and qvel alone, MujocoEnv.set_state, do not continue bit for bit: checked on Hopper, HalfCheetah and Ant), the
 next observation, the episode counters and the reward scaler's running discounted return. With --vector-mode async the
 envs live in other processes and are not saved: a resumed run starts new episodes (everything else is restored).
+
+Under torchrun every rank normalises with running statistics of its own data during a rollout; at the end of each
+rollout the statistics of all ranks are merged (merge_moments), so that every rank, and the checkpoint, hold those of
+all ranks' data.
 """
 
 from __future__ import annotations
@@ -211,8 +216,10 @@ def validate(args: Args) -> None:
     batch = args.num_envs * args.num_steps
     if batch % args.num_minibatches:
         die(f"num_envs*num_steps = {batch} is not divisible by --num-minibatches {args.num_minibatches}")
-    if 0 < args.total_timesteps < batch:
-        die(f"--total-timesteps {args.total_timesteps} is less than one rollout (num_envs*num_steps = {batch})")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun: one rollout of every process
+    if 0 < args.total_timesteps < batch * world:
+        die(f"--total-timesteps {args.total_timesteps} is less than one rollout (num_envs*num_steps = {batch}"
+            + (f", times {world} processes)" if world > 1 else ")"))
     if not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1):
         die("--gamma and --gae-lambda must lie in [0, 1]")
     for f in dataclasses.fields(Args):  # nan / inf pass the range checks below unnoticed
@@ -229,6 +236,8 @@ def validate(args: Args) -> None:
         die("--obs-clip and --reward-clip must be positive")
     if args.cudagraphs and not args.cuda:
         die("--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
+    if args.cudagraphs and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        die("--cudagraphs is not supported under torchrun (DDP's gradient all-reduce runs outside the graph)")
     if args.cuda and not torch.cuda.is_available():
         die("--cuda given but torch finds no CUDA device")
     if args.resume is not None and not os.path.isfile(args.resume):
@@ -321,6 +330,8 @@ class RunningMeanStd:
         self.mean = np.zeros(shape, dtype=np.float64)
         self.var = np.ones(shape, dtype=np.float64)
         self.count = float(epsilon)
+        self.added: Optional[RunningMeanStd] = None  # under torchrun: what this rank added since the last merge
+        self.merged: Optional[tuple] = None  # under torchrun: (mean, var, count) at the last merge, alike on all ranks
 
     def update(self, x: np.ndarray) -> None:
         """x: a batch (B, *shape) of new samples."""
@@ -334,6 +345,14 @@ class RunningMeanStd:
         m2 = self.var * self.count + b_var * b_count + delta**2 * (self.count * b_count / total)
         self.var = m2 / total
         self.count = total
+        if self.added is not None:
+            self.added.update(x)
+
+    def track_additions(self) -> None:
+        """Under torchrun: remember the current state (the same on every rank) and collect the samples added from
+        now on in self.added, for merge_ranks."""
+        self.merged = (self.mean.copy(), self.var.copy(), self.count)
+        self.added = RunningMeanStd(self.mean.shape, epsilon=0.0)
 
     def state_dict(self) -> dict:
         return {"mean": torch.tensor(self.mean), "var": torch.tensor(self.var),
@@ -344,6 +363,19 @@ class RunningMeanStd:
         if mean.shape != self.mean.shape:
             raise ValueError(f"normalisation statistics of shape {tuple(mean.shape)}, expected {self.mean.shape}")
         self.mean, self.var, self.count = mean, state["var"].numpy().astype(np.float64), float(state["count"])
+
+
+def merge_moments(parts: list) -> tuple[np.ndarray, np.ndarray, float]:
+    """Mean, (population) variance and count of the union of disjoint sets of samples, from each set's
+    (mean, var, count): the parallel variance formula (Chan et al.) for any number of sets,
+        n = sum_i n_i,   mean = sum_i n_i mean_i / n,   var = sum_i n_i (var_i + (mean_i - mean)^2) / n.
+    Sets of count 0 add nothing. Deterministic in the order of `parts`: ranks that merge the same list agree bit for
+    bit."""
+    count = sum(float(c) for _, _, c in parts)
+    mean = sum(float(c) * np.asarray(m, dtype=np.float64) for m, _, c in parts) / count
+    var = sum(float(c) * (np.asarray(v, dtype=np.float64) + np.square(np.asarray(m, dtype=np.float64) - mean))
+              for m, v, c in parts) / count
+    return mean, var, count
 
 
 def normalize_obs(obs: np.ndarray, rms: RunningMeanStd, clip: float, eps: float = 1e-8) -> np.ndarray:
@@ -434,6 +466,10 @@ class Agent(nn.Module):
         else:
             logprob, entropy = gaussian_logprob_entropy(mean, logstd, action)
         return action, logprob, entropy, value
+
+    def forward(self, x: torch.Tensor, action: torch.Tensor):
+        """Scoring of stored actions in the update; a forward() so that DDP can average the gradients."""
+        return self.get_action_and_value(x, action)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -584,10 +620,13 @@ def load_env_state(envs, snapshot: list) -> None:
 
 
 def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step: int, iteration: int,
-                    obs_rms: RunningMeanStd, reward_scaler: RewardScaler, rollout: Optional[dict] = None) -> None:
+                    obs_rms: RunningMeanStd, reward_scaler: RewardScaler, rollout: Optional[dict] = None,
+                    other_ranks: list = ()) -> None:
     """Atomic write (temporary file, then rename): a kill during the save keeps the previous checkpoint.
     `rollout` holds what an exact resume needs besides the networks: env states, next obs, episode counters,
-    the reward scaler's running return."""
+    the reward scaler's running return.
+    Under torchrun `other_ranks` holds the RNG state and rollout of ranks 1, 2, ... (the networks are the same, and so
+    are the normalisation statistics, merged over the ranks at the end of every rollout)."""
     state = {
         "script": SCRIPT,
         "env_id": args.env_id,
@@ -600,6 +639,8 @@ def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step:
         "obs_rms": obs_rms.state_dict(),
         "return_rms": reward_scaler.rms.state_dict(),
         "rollout": rollout,
+        "world_size": 1 + len(other_ranks),
+        "other_ranks": list(other_ranks),
     }
     tmp = f"{path}.tmp"
     torch.save(state, tmp)
@@ -647,14 +688,78 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Distributed (torchrun): data parallel, every rank steps its own envs, DDP averages the gradients
+# ---------------------------------------------------------------------------------------------------------
+def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
+    """Rank, world size and device. Without torchrun (or with one process) no process group is created."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, torch.device("cuda" if args.cuda else "cpu")
+    import torch.distributed as dist
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cpu")
+    if args.cuda:  # one GPU per rank
+        if local_rank >= torch.cuda.device_count():
+            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if args.cuda else "gloo")
+    return dist.get_rank(), world, device
+
+
+def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Sum of x over ranks (a new tensor; x itself with one process)."""
+    if world > 1:
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+class Silent:
+    """Stands in for the tensorboard writer on ranks other than 0: only rank 0 logs."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def gather_objects(obj, world: int) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank."""
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def merge_ranks(stats: list[RunningMeanStd], world: int) -> None:
+    """Under torchrun, once per rollout: each running statistics in `stats` (tracking its additions, see
+    RunningMeanStd.track_additions) becomes that of the data of all ranks: the state of the last merge, the same on
+    every rank, combined with what each rank added since. One collective for all of them."""
+    added = gather_objects([(rms.added.mean, rms.added.var, rms.added.count) for rms in stats], world)
+    for i, rms in enumerate(stats):
+        rms.mean, rms.var, rms.count = merge_moments([rms.merged] + [rank_added[i] for rank_added in added])
+        rms.track_additions()
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
-    batch_size = args.num_envs * args.num_steps
+    rank, world, device = setup_distributed(args)
+    batch_size = args.num_envs * args.num_steps  # per rank; the global batch is world * batch_size
     minibatch_size = batch_size // args.num_minibatches
-    num_iterations = args.total_timesteps // batch_size
+    num_iterations = args.total_timesteps // (batch_size * world)
 
     ckpt = load_checkpoint(args.resume, args.env_id) if args.resume else None
+    if ckpt is not None and ckpt.get("world_size", 1) != world:  # iterations, seeds and envs are per process
+        n = ckpt.get("world_size", 1)
+        die(f"{args.resume} was written by {n} process(es); resume it with as many: "
+            f"{'python' if n == 1 else f'torchrun --nproc-per-node {n}'} {SCRIPT} --resume {args.resume}")
     check_env(args.env_id)  # before anything is written: bad input leaves no run directory behind
     if ckpt is not None:
         for name in ("norm_obs", "norm_reward"):  # the network was trained on these inputs / value scale
@@ -664,7 +769,7 @@ def main(args: Args) -> dict:
         run_dir = os.path.dirname(os.path.abspath(args.resume))
         run_name = os.path.basename(run_dir)
     else:
-        run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_name = gather_objects(f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}", world)[0]
         run_dir = os.path.join(args.runs_dir, run_name)
     try:
         os.makedirs(run_dir, exist_ok=True)
@@ -674,15 +779,14 @@ def main(args: Args) -> dict:
         die(f"run directory {run_dir} is not writable")
 
     # Seeding
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.set_num_threads(args.torch_threads)
-    device = torch.device("cuda" if args.cuda else "cpu")
 
     envs = make_vector_env(args)
-    if args.capture_video:  # fail before training, not after it
+    if args.capture_video and rank == 0:  # fail before training, not after it (rank 0 alone evaluates)
         backend = setup_rendering(args.env_id)
         print(f"video: MUJOCO_GL={backend}" + ("" if args.eval_episodes else
                                                 " (videos are recorded of the --eval-episodes only; none asked)"))
@@ -706,17 +810,28 @@ def main(args: Args) -> dict:
         except (RuntimeError, ValueError, KeyError) as e:
             die(f"checkpoint {args.resume} does not fit this network: {str(e).splitlines()[0]}")
         start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
+        if rank > 0:  # this rank's RNG and envs
+            ckpt = ckpt["other_ranks"][rank - 1]
         torch.set_rng_state(ckpt["rng"]["torch"])
-        print(f"resumed {args.resume} at iteration {ckpt['iteration']}, global step {global_step}")
+        if rank == 0:
+            print(f"resumed {args.resume} at iteration {start_iteration - 1}, global step {global_step}")
+    if world > 1:  # each rank's statistics see its own data during a rollout; merge_ranks combines them after it
+        obs_rms.track_additions()
+        reward_scaler.rms.track_additions()
+    train_agent = agent  # what the update calls: the agent itself, or DDP around it under torchrun
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        train_agent = DistributedDataParallel(agent, device_ids=[device.index] if args.cuda else None)
 
     from torch.utils.tensorboard import SummaryWriter
 
-    if args.track:
+    if args.track and rank == 0:
         import wandb
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
                    config=vars(args), name=run_name, dir=run_dir, resume="allow", id=run_name)
-    writer = SummaryWriter(run_dir)
+    writer = SummaryWriter(run_dir) if rank == 0 else Silent()  # rank 0 alone logs
     if ckpt is None:
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
                         "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
@@ -728,7 +843,7 @@ def main(args: Args) -> dict:
 
     def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values):
         optimizer.zero_grad(set_to_none=False)
-        _, newlogprob, entropy, newvalue = agent.get_action_and_value(mb_obs, mb_actions)
+        _, newlogprob, entropy, newvalue = train_agent(mb_obs, mb_actions)
         loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
                                args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef, args.norm_adv)
         loss.backward()
@@ -758,7 +873,8 @@ def main(args: Args) -> dict:
     logprobs = torch.zeros((args.num_steps, args.num_envs), device=device)
     values = torch.zeros((args.num_steps, args.num_envs), device=device)
 
-    next_obs_np, _ = envs.reset(seed=[args.seed + global_step + i for i in range(args.num_envs)])
+    next_obs_np, _ = envs.reset(seed=[args.seed + global_step + rank * args.num_envs + i
+                                      for i in range(args.num_envs)])
     next_done = np.zeros(args.num_envs, dtype=np.float32)
     ep_return = np.zeros(args.num_envs)
     ep_length = np.zeros(args.num_envs, dtype=np.int64)
@@ -774,16 +890,20 @@ def main(args: Args) -> dict:
         ep_return, ep_length = saved["ep_return"].numpy().copy(), saved["ep_length"].numpy().copy()
         reward_scaler.ret = saved["reward_ret"].numpy().astype(np.float64)
     else:
-        if ckpt is not None:
+        if ckpt is not None and rank == 0:
             print("note: environments start new episodes (their state was not saved: async vector mode)")
         next_obs = prepare_obs(next_obs_np, update_stats=num_iterations >= start_iteration).astype(np.float32)
 
     def checkpoint(path: str, iteration: int) -> None:
+        """Called by every rank at the same iteration; rank 0 writes the states of all ranks."""
         rollout = dict(envs=env_state(envs), next_obs=torch.from_numpy(next_obs.copy()),
                        next_done=torch.from_numpy(next_done.copy()), ep_return=torch.from_numpy(ep_return.copy()),
                        ep_length=torch.from_numpy(ep_length.copy()),
                        reward_ret=torch.from_numpy(reward_scaler.ret.copy()))
-        save_checkpoint(path, agent, optimizer, args, global_step, iteration, obs_rms, reward_scaler, rollout)
+        ranks = gather_objects({"rng": {"torch": torch.get_rng_state()}, "rollout": rollout}, world)
+        if rank == 0:
+            save_checkpoint(path, agent, optimizer, args, global_step, iteration, obs_rms, reward_scaler, rollout,
+                            ranks[1:])
     recent_returns: list[float] = []
     last_stats: dict = {}
     start_time, last_print = time.time(), 0.0
@@ -803,7 +923,7 @@ def main(args: Args) -> dict:
 
         # Collect rollout
         for step in range(args.num_steps):
-            global_step += args.num_envs
+            global_step += args.num_envs * world  # environment steps of all ranks
             obs[step] = next_obs
             dones[step] = next_done
             with torch.inference_mode():
@@ -837,6 +957,8 @@ def main(args: Args) -> dict:
             ep_length[done] = 0
             rewards[step] = reward
             next_done = done.astype(np.float32)
+        if world > 1:  # every rank's normalisation statistics become those of all ranks' data (before the update)
+            merge_ranks([obs_rms, reward_scaler.rms], world)
 
         # Compute advantages and returns (GAE)
         with torch.inference_mode():
@@ -860,12 +982,18 @@ def main(args: Args) -> dict:
                 stats = {k: v.clone() for k, v in stats.items()}
                 stats_sum = stats if stats_sum is None else {k: stats_sum[k] + v for k, v in stats.items()}
                 n_updates += 1
-            if args.target_kl is not None and float(stats["approx_kl"]) > args.target_kl:
+            if args.target_kl is not None and float(all_ranks_sum(stats["approx_kl"], world)) / world > args.target_kl:
                 break
         # Update reference policy: theta_old <- theta happens implicitly, the next rollout samples from theta.
 
-        last_stats = dict(zip(stats_sum, (torch.stack(list(stats_sum.values())) / n_updates).tolist()))  # one sync
-        if not torch.stack([torch.isfinite(p).all() for p in agent.parameters()]).all():
+        # one host sync: the statistics averaged over updates (and ranks), the number of ranks whose parameters are
+        # all finite, and the number of stop signals received by any rank
+        finite = torch.stack([torch.isfinite(p).all() for p in agent.parameters()]).all()
+        summed = all_ranks_sum(torch.stack([*stats_sum.values(), finite.float(),
+                                            torch.tensor(float(len(stop_signal)), device=device)]), world)
+        *means, finite_ranks, signals = torch.cat([summed[:-2] / (n_updates * world), summed[-2:]]).tolist()
+        last_stats = dict(zip(stats_sum, means))
+        if finite_ranks < world:
             last_stats["parameters"] = float("nan")
         if not all(np.isfinite(v) for v in last_stats.values()):  # stop before a checkpoint of this update
             bad = [k for k, v in last_stats.items() if not np.isfinite(v)]
@@ -881,7 +1009,7 @@ def main(args: Args) -> dict:
         writer.add_scalar("charts/SPS", sps, global_step)
 
         now = time.time()
-        if now - last_print >= 5.0 or iteration == num_iterations:
+        if rank == 0 and (now - last_print >= 5.0 or iteration == num_iterations):
             last_print = now
             recent = np.mean(recent_returns[-20:]) if recent_returns else float("nan")
             print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={sps}  "
@@ -889,11 +1017,14 @@ def main(args: Args) -> dict:
 
         ckpt_path = os.path.join(run_dir, "checkpoint.pt")
         stop_now = args.stop_after and iteration - start_iteration + 1 >= args.stop_after
-        if (stop_now or stop_signal) and iteration < num_iterations:
+        if (stop_now or signals) and iteration < num_iterations:  # signals: summed over ranks, so all stop together
             checkpoint(ckpt_path, iteration)
-            why = signal.Signals(stop_signal[0]).name if stop_signal else f"--stop-after {args.stop_after}"
-            print(f"stopped at iteration {iteration} ({why}); continue with: python {SCRIPT} --resume {ckpt_path}",
-                  flush=True)
+            why = (signal.Signals(stop_signal[0]).name if stop_signal else "a signal to another rank" if signals
+                   else f"--stop-after {args.stop_after}")
+            if rank == 0:
+                launcher = f"torchrun --nproc-per-node {world}" if world > 1 else "python"
+                print(f"stopped at iteration {iteration} ({why}); continue with: {launcher} {SCRIPT} --resume "
+                      f"{ckpt_path}", flush=True)
             finished = False
             break
         if args.checkpoint_every and iteration % args.checkpoint_every == 0:
@@ -901,7 +1032,8 @@ def main(args: Args) -> dict:
     if finished and args.save_model:
         path = os.path.join(run_dir, "checkpoint.pt")
         checkpoint(path, max(num_iterations, start_iteration - 1))
-        print(f"checkpoint written to {path}")
+        if rank == 0:
+            print(f"checkpoint written to {path}")
     for sig, handler in previous_handlers.items():
         signal.signal(sig, handler)
     envs.close()
@@ -909,17 +1041,22 @@ def main(args: Args) -> dict:
     sps = int((global_step - steps_at_start) / (time.time() - start_time))
     result = {"global_step": global_step, "sps": sps, "run_dir": run_dir, "stats": last_stats,
               "returns": recent_returns, "agent": agent, "obs_rms": obs_rms, "return_rms": reward_scaler.rms}
-    if args.eval_episodes and finished:
+    if args.eval_episodes and finished and rank == 0:
         eval_returns = evaluate(agent, args, device, args.eval_episodes, obs_rms, os.path.join(run_dir, "videos"))
         mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
         writer.add_scalar("eval/episodic_return", mean, global_step)
         print(f"eval: {args.eval_episodes} episodes, return {mean:.2f} ± {std:.2f}")
         result["eval_returns"] = eval_returns
     writer.close()
-    if args.track:
+    if args.track and rank == 0:
         import wandb
 
         wandb.finish()
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # no rank leaves while another still works (gloo aborts a process torn down mid-collective)
+        dist.destroy_process_group()
     return result
 
 

@@ -4,6 +4,7 @@
     python ppo_llm.py --adv-estimator grpo --critic none --use-kl-loss --kl-loss-type low_var_kl
     python ppo_llm.py --model-name-or-path DIR --dataset prompts.jsonl --reward-model-path RM_DIR --cuda
     python ppo_llm.py --resume runs/<run>/checkpoint.pt
+    torchrun --nproc-per-node 2 ppo_llm.py              # FSDP2 (--strategy ddp: DDP); batch sizes are global
 
 Default run: a character-level tokenizer and a tiny LlamaConfig model (0.34M parameters) are built here, warm-started
 by a short supervised phase on "31415=" -> "11345" (it stops while the model is about half right), then trained with
@@ -84,6 +85,8 @@ class Args:
     """run on CUDA with bf16 autocast (fp32 master weights)"""
     compile: bool = False
     """torch.compile the forward of policy and critic"""
+    strategy: Literal["fsdp2", "ddp"] = "fsdp2"
+    """under torchrun: shard policy, reference and critic with FSDP2 (fully_shard), or replicate them with DDP"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (large models)"""
     torch_threads: Count = 1
@@ -129,8 +132,9 @@ class Args:
     """PPO iterations (rollout + update)"""
     rollout_batch_size: Count = 32
     """prompts per iteration (verl data.train_batch_size, ROLL rollout_batch_size)"""
-    n: Count = 4
-    """responses per prompt (verl rollout.n, ROLL num_return_sequences_in_group, RLinf group_size)"""
+    n: Annotated[Count, tyro.conf.arg(aliases=("--group-size",))] = 4
+    """responses per prompt (verl rollout.n, ROLL num_return_sequences_in_group, RLinf group_size); under torchrun
+    write --group-size (torchrun reads --n as an abbreviation of its own --nnodes)"""
     prompt_length: Count = 16
     """maximum prompt tokens (longer dataset prompts are dropped)"""
     response_length: Count = 8
@@ -298,6 +302,14 @@ def validate(args: Args) -> None:
     if (args.ppo_mini_batch_size * args.n) % args.micro_batch_size:
         die(f"ppo_mini_batch_size*n = {args.ppo_mini_batch_size * args.n} responses is not divisible by "
             f"--micro-batch-size {args.micro_batch_size}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # batch sizes are global (verl): every rank takes an equal share of whole prompt groups
+        if args.rollout_batch_size % world or args.ppo_mini_batch_size % world:
+            die(f"--rollout-batch-size {args.rollout_batch_size} and --ppo-mini-batch-size {args.ppo_mini_batch_size}"
+                f" must be divisible by the number of processes {world}")
+        if (args.ppo_mini_batch_size // world * args.n) % args.micro_batch_size:
+            die(f"ppo_mini_batch_size/world*n = {args.ppo_mini_batch_size // world * args.n} responses per rank is "
+                f"not divisible by --micro-batch-size {args.micro_batch_size}")
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
         die("--temperature must be > 0 and --top-p in (0, 1]")
     if args.dual_clip_loss and args.clip_ratio_c <= 1:
@@ -473,9 +485,10 @@ def response_mask_from(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id: int, pad_id: int, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False):
+             top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False, all_done=None):
     """Batched sampling with KV cache; stops when every row has produced EOS. Returns (B, max_new_tokens) tokens,
-    pad after EOS."""
+    pad after EOS. all_done(done) -> bool: whether every rank is done (FSDP2: each forward is a collective, so all
+    ranks take the same number of steps)."""
     B = prompt_ids.shape[0]
     was_training = model.training
     model.eval()  # KV cache on (HF turns it off in training mode under gradient checkpointing)
@@ -492,7 +505,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id: int, p
             tok = torch.where(done, torch.full_like(tok, pad_id), tok)
             tokens.append(tok)
             done |= tok == eos_id
-            if bool(done.all()):
+            if bool(done.all()) if all_done is None else all_done(done):
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
@@ -730,6 +743,32 @@ def compute_advantages(estimator: str, token_rewards, mask, group_ids, values=No
     return adv, returns
 
 
+def rewards_and_advantages(raw, maskf, values, kld, args: Args, kl_ctrl, running: RunningMoments,
+                           rank: int = 0, world: int = 1):
+    """Reward (normalise, score on the last token, KL penalty) and advantages of one rollout.
+
+    raw: (B,) scores with the missing-EOS penalty; maskf, values, kld: (B, R) response mask, critic values and
+    per-token KL to the reference. Under torchrun each rank passes its own B rows (whole groups of n responses) and
+    they are gathered first, so reward normalisation, group statistics (grpo, rloo), whitening and the KL controller
+    see the global batch exactly as one process would; each rank gets its own rows back.
+    Returns advantages, returns (B, R, this rank's rows) and the global scores (world*B,) and mean sequence KL."""
+    B = raw.shape[0]
+    raw, maskf, values, kld = (all_gather_cat(x, world) for x in (raw, maskf, values, kld))
+    group_ids = torch.arange(raw.shape[0] // args.n).repeat_interleave(args.n)  # response i answers prompt i // n
+    scores = normalize_scores(raw, group_ids, args.reward_norm, args.reward_shift, args.reward_scale,
+                              args.reward_clip, running)
+    token_rewards = token_level_scores(scores, maskf)
+    seq_kl = masked_mean(kld, maskf, dim=-1).mean().item()
+    if args.use_kl_in_reward:
+        token_rewards = token_rewards - kl_ctrl.value * kld
+        kl_ctrl.update(seq_kl, raw.shape[0])
+    adv, returns = compute_advantages(args.adv_estimator, token_rewards, maskf, group_ids, values, args.gamma,
+                                      args.lam, args.norm_adv_by_std_in_grpo, args.whiten_advantages,
+                                      args.advantage_clip)
+    mine = slice(rank * B, (rank + 1) * B)
+    return adv[mine], returns[mine], scores, seq_kl
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Losses: verl agg_loss, clipped / dual-clip policy loss, clipped / Huber value loss
 # ---------------------------------------------------------------------------------------------------------
@@ -802,12 +841,14 @@ def explained_variance(values, returns, mask) -> float:
 # Optimise policy & value: one minibatch, accumulated over micro-batches
 # ---------------------------------------------------------------------------------------------------------
 def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_actor: bool = True,
-                       autocast=contextlib.nullcontext):
+                       autocast=contextlib.nullcontext, world: int = 1):
     """Forward/backward of one minibatch in micro-batches of args.micro_batch_size; the loss of each micro-batch is
-    normalised by the minibatch's token / sequence count, so the summed gradients equal one big batch's."""
+    normalised by the minibatch's token / sequence count, so the summed gradients equal one big batch's. Under
+    torchrun `mb` is this rank's share of the global minibatch and gradients are averaged over ranks: token-mean
+    then divides by the global token count / world, so the result is the global minibatch's token mean."""
     R = mb["response_mask"].shape[1]
-    agg = {"n_tokens": mb["response_mask"].sum().clamp(min=1).float(), "n_seqs": mb["response_mask"].shape[0],
-           "norm_len": args.response_length}
+    n_tokens = all_ranks_sum(mb["response_mask"].sum(), world).clamp(min=1).float() / world
+    agg = {"n_tokens": n_tokens, "n_seqs": mb["response_mask"].shape[0], "norm_len": args.response_length}
     need_full = args.use_kl_loss and args.kl_loss_type == "full"
     sums: dict[str, float] = {}
     n_micro = math.ceil(mb["input_ids"].shape[0] / args.micro_batch_size)
@@ -817,8 +858,9 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
         loss = torch.zeros(())
         stats = {}
         with autocast():
-            out = model_forward(policy, m["input_ids"], m["attention_mask"], R, args.temperature,
-                                value_head if args.critic == "shared" else None, full=need_full, entropy=True)
+            if update_actor or args.critic == "shared":  # (a separate critic's warm-up needs no policy forward)
+                out = model_forward(policy, m["input_ids"], m["attention_mask"], R, args.temperature,
+                                    value_head if args.critic == "shared" else None, full=need_full, entropy=True)
             if update_actor:
                 pg, stats = policy_loss(out["logp"], m["old_logp"], m["advantages"], mask, args.clip_ratio_low,
                                         args.clip_ratio_high, args.dual_clip_loss, args.clip_ratio_c,
@@ -848,11 +890,12 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
 
 
 def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, args: Args, gen,
-               update_actor: bool = True, autocast=contextlib.nullcontext):
-    """ppo_epochs x shuffled minibatches of ppo_mini_batch_size prompts (n responses each); returns the mean stats
-    and the first minibatch's (ratio exactly 1 there: approx_kl 0, clipfrac 0)."""
+               update_actor: bool = True, autocast=contextlib.nullcontext, world: int = 1):
+    """ppo_epochs x shuffled minibatches of ppo_mini_batch_size prompts (n responses each; under torchrun this rank's
+    share, ppo_mini_batch_size / world prompts); returns this rank's mean stats and the first minibatch's (ratio
+    exactly 1 there: approx_kl 0, clipfrac 0)."""
     N = batch["input_ids"].shape[0]
-    mb_size = args.ppo_mini_batch_size * args.n
+    mb_size = args.ppo_mini_batch_size // world * args.n
     all_stats, first = [], None
     for _ in range(args.ppo_epochs):
         perm = torch.randperm(N, generator=gen)
@@ -861,9 +904,10 @@ def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, 
             for o in optimizers:
                 o.zero_grad(set_to_none=True)
             stats = minibatch_backward(policy, critic, value_head, {k: v[idx] for k, v in batch.items()}, args,
-                                       update_actor, autocast)
+                                       update_actor, autocast, world)
             norms = [nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], args.max_grad_norm)
                      for o in optimizers]  # actor and critic clipped separately, as verl
+            norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]  # FSDP2: a DTensor
             stats["grad_norm"] = norms[0].item()
             if len(norms) > 1:
                 stats["critic_grad_norm"] = norms[1].item()
@@ -877,43 +921,170 @@ def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, 
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Distributed (torchrun): prompts sharded across ranks, statistics over the global batch, FSDP2 or DDP
+# ---------------------------------------------------------------------------------------------------------
+def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
+    """Rank, world size and device. Without torchrun (or with one process) no process group is created."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, torch.device("cuda" if args.cuda else "cpu")
+    import torch.distributed as dist
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cpu")
+    if args.cuda:  # one GPU per rank
+        if local_rank >= torch.cuda.device_count():
+            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if args.cuda else "gloo")
+    return dist.get_rank(), world, device
+
+
+def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Sum of x over ranks (a new tensor; x itself with one process)."""
+    if world > 1:
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Every rank's x (same shape on all ranks) concatenated in rank order along dim 0; x itself with one process."""
+    if world == 1:
+        return x
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def gather_objects(obj, world: int) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank."""
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, trainable: bool = True):
+    """FSDP2: each transformer block (the model's _no_split_modules), then the whole model, becomes a fully_shard unit:
+    parameters are sharded across ranks and gathered block by block for each forward; the module is changed in place
+    and returned. DDP: returns a DistributedDataParallel replica for the update (generation and scoring use the bare
+    module, which holds the same parameters). Either way gradients are averaged over ranks."""
+    if model is None:
+        return None
+    import torch.distributed as dist
+
+    for p in model.parameters():  # the same start on every rank, whatever each rank's warm-start did
+        dist.broadcast(p.data, 0)
+    if strategy == "fsdp2":
+        import warnings
+
+        from torch.distributed.fsdp import fully_shard
+
+        # HF heads return views; this script never modifies a model output in place, which is what FSDP2 warns about
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+        blocks = set(getattr(model, "_no_split_modules", None) or [])
+        for m in model.modules():
+            if type(m).__name__ in blocks:
+                fully_shard(m)
+        return fully_shard(model)
+    if not trainable:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    # find_unused_parameters: the critic warm-up trains the shared trunk through the value loss, not lm_head
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   find_unused_parameters=True)
+
+
+class Silent:
+    """Stands in for the tensorboard writer on ranks other than 0: only rank 0 logs."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def full_state(state):
+    """A state dict (model or optimizer, nested) with FSDP2's sharded DTensors gathered into full CPU tensors. Every
+    rank must call it, in the same order (it is a collective under FSDP2); plain tensors come back unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return {k: full_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [full_state(v) for v in state]
+    if isinstance(state, DTensor):
+        return state.full_tensor().cpu()
+    return state
+
+
+def shard_optimizer_state(opt) -> None:
+    """After load_state_dict of a full optimizer state: each moment back to its FSDP2 parameter's sharding."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for p, st in opt.state.items():
+        if isinstance(p, DTensor):
+            for k, v in st.items():
+                if torch.is_tensor(v) and not isinstance(v, DTensor) and v.shape == p.shape:
+                    st[k] = distribute_tensor(v.to(p.device_mesh.device_type), p.device_mesh, p.placements)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Checkpoints: save_pretrained for policy, reference and critic + trainer state in checkpoint.pt
 # ---------------------------------------------------------------------------------------------------------
 def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimizers, schedulers, args: Args,
                     global_step: int, iteration: int, gen, kl_ctrl, running: RunningMoments, tracker: dict,
-                    gen_dev=None) -> str:
+                    gen_dev=None, rank: int = 0, world: int = 1) -> str:
     """Atomic: the models go to a new checkpoint-<iteration>/ directory, then checkpoint.pt, which names that
     directory, is replaced in one rename (the commit point); older checkpoint-* directories are removed after.
-    A kill at any moment leaves a checkpoint.pt whose models are complete."""
+    A kill at any moment leaves a checkpoint.pt whose models are complete. Under torchrun every rank calls it (FSDP2
+    shards are gathered into full tensors) and rank 0 writes."""
     sub = f"checkpoint-{iteration}"
+    path = os.path.join(run_dir, "checkpoint.pt")
+    write_ref = gather_objects(not os.path.isdir(os.path.join(run_dir, "ref")), world)[0]  # written once
+    sd = {name: full_state(m.state_dict()) for name, m in (("policy", policy), ("critic", critic), ("ref", ref))
+          if m is not None and (name != "ref" or write_ref)}
+    optim_states = [full_state(o.state_dict()) for o in optimizers]
+    value_head_state = full_state(value_head.state_dict()) if value_head is not None else {}
+    dev_states = gather_objects(gen_dev.get_state() if gen_dev is not None and gen_dev is not gen else None, world)
+    if rank != 0:
+        return path
     tmp_dir = os.path.join(run_dir, sub + ".tmp")
     shutil.rmtree(tmp_dir, ignore_errors=True)
-    policy.save_pretrained(os.path.join(tmp_dir, "policy"))
+    policy.save_pretrained(os.path.join(tmp_dir, "policy"), state_dict=sd["policy"])
     tok.save_pretrained(os.path.join(tmp_dir, "policy"))
     if critic is not None:
-        critic.save_pretrained(os.path.join(tmp_dir, "critic"))
+        critic.save_pretrained(os.path.join(tmp_dir, "critic"), state_dict=sd["critic"])
     shutil.rmtree(os.path.join(run_dir, sub), ignore_errors=True)  # a leftover of a save killed after this point
     os.rename(tmp_dir, os.path.join(run_dir, sub))
-    if not os.path.isdir(os.path.join(run_dir, "ref")):  # the frozen reference: written once
-        ref.save_pretrained(os.path.join(run_dir, "ref.tmp"))
+    if write_ref:
+        ref.save_pretrained(os.path.join(run_dir, "ref.tmp"), state_dict=sd["ref"])
         os.rename(os.path.join(run_dir, "ref.tmp"), os.path.join(run_dir, "ref"))
     state = {
         "script": SCRIPT,
         "env_id": "sort" if args.dataset is None else os.path.basename(args.dataset),
         "model": {"policy": f"{sub}/policy", "ref": "ref", "critic": f"{sub}/critic" if critic is not None else "",
-                  "value_head": value_head.state_dict() if value_head is not None else {}},
-        "optimizer": [o.state_dict() for o in optimizers],
+                  "value_head": value_head_state},
+        "optimizer": optim_states,
         "scheduler": [s.state_dict() for s in schedulers],
         "global_step": global_step,
         "iteration": iteration,
-        "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state(),  # gen_dev: the sampling generator on CUDA
-                "gen_dev": gen_dev.get_state() if gen_dev is not None and gen_dev is not gen else None},
+        # gen: tasks and shuffles (the same on every rank); gen_dev: token sampling on CUDA or under torchrun, per rank
+        "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state(), "gen_dev": dev_states},
         "args": dataclasses.asdict(args),
         "kl_coef": kl_ctrl.value,
         "reward_running": running.state_dict(),
         "tracker": tracker,
     }
-    path = os.path.join(run_dir, "checkpoint.pt")
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
     for d in os.listdir(run_dir):  # earlier checkpoints (and .tmp leftovers of killed saves)
@@ -972,19 +1143,23 @@ def warm_start(policy, tok, sample_rows, args: Args, gen, device) -> None:
 
 
 @torch.no_grad()
-def evaluate(policy, tok, rows: list[dict], args: Args, gen, device) -> dict:
-    """Accuracy on held-out prompts: greedy, and sampled with the rollout's temperature / top-p / top-k."""
+def evaluate(policy, tok, rows: list[dict], args: Args, gen, device, rank: int = 0, world: int = 1,
+             all_done=None) -> dict:
+    """Accuracy on held-out prompts: greedy, and sampled with the rollout's temperature / top-p / top-k. Under
+    torchrun each rank scores an equal share of the rows (len(rows) // world each) and the counts are summed."""
+    per_rank = len(rows) // world
+    mine = rows[rank * per_rank:(rank + 1) * per_rank]
     res = {}
     for name, greedy in (("greedy", True), ("sampled", False)):
-        correct = 0
-        for s in range(0, len(rows), 256):
-            chunk = rows[s:s + 256]
+        correct = 0.0
+        for s in range(0, len(mine), 256):
+            chunk = mine[s:s + 256]
             ids, mask = encode_batch(tok, chunk, args.prompt_length)
             resp = generate(policy, ids.to(device), mask.to(device), args.response_length, tok.eos_token_id,
-                            tok.pad_token_id, args.temperature, args.top_p, args.top_k, gen, greedy).cpu()
+                            tok.pad_token_id, args.temperature, args.top_p, args.top_k, gen, greedy, all_done).cpu()
             texts = tok.batch_decode(resp * response_mask_from(resp, tok.eos_token_id), skip_special_tokens=True)
             correct += sum(rule_reward(t, r["answer"]) for t, r in zip(texts, chunk))
-        res[f"accuracy_{name}"] = correct / len(rows)
+        res[f"accuracy_{name}"] = float(all_ranks_sum(torch.tensor([correct]), world)) / (per_rank * world)
     return res
 
 
@@ -994,13 +1169,17 @@ def evaluate(policy, tok, rows: list[dict], args: Args, gen, device) -> dict:
 def main(args: Args) -> dict:
     from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
+    rank, world, device = setup_distributed(args)
+    quiet = rank > 0 and contextlib.redirect_stdout(open(os.devnull, "w"))  # under torchrun rank 0 alone prints
+    if quiet:
+        quiet.__enter__()
     ckpt = load_checkpoint(args.resume) if args.resume else None
     if ckpt is not None:
         run_dir = os.path.dirname(os.path.abspath(args.resume))
         run_name = os.path.basename(run_dir)
     else:
         task = "sort" if args.dataset is None else os.path.splitext(os.path.basename(args.dataset))[0]
-        run_name = f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_name = gather_objects(f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}", world)[0]
         run_dir = os.path.join(args.runs_dir, run_name)
     try:
         os.makedirs(run_dir, exist_ok=True)
@@ -1014,10 +1193,11 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
     torch.set_num_threads(args.torch_threads)
-    gen = torch.Generator().manual_seed(args.seed)  # tasks, sampling, shuffling
-    device = torch.device("cuda" if args.cuda else "cpu")
+    gen = torch.Generator().manual_seed(args.seed)  # tasks and shuffles (the same on every rank), CPU sampling
     autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if args.cuda else contextlib.nullcontext)
-    gen_dev = gen if device.type == "cpu" else torch.Generator(device).manual_seed(args.seed)
+    # token sampling: gen itself in one CPU process; on CUDA or under torchrun a generator of its own (per rank)
+    gen_dev = (gen if device.type == "cpu" and world == 1
+               else torch.Generator(device).manual_seed(args.seed + 1_000_003 * rank))
 
     # Models: policy, frozen reference, critic
     if ckpt is not None:
@@ -1045,6 +1225,7 @@ def main(args: Args) -> dict:
             return make_problems(k, gen)
         eval_rows = make_problems(args.eval_prompts, torch.Generator().manual_seed(10_000 + args.seed))
         has_answers = True
+    eval_rows = eval_rows[:len(eval_rows) - len(eval_rows) % world]  # an equal share for every rank
     if args.reward_model_path is None and not has_answers:
         die(f"--dataset {args.dataset}: rows without 'answer' need --reward-model-path")
 
@@ -1094,6 +1275,15 @@ def main(args: Args) -> dict:
         for m in (policy, critic):
             if m is not None:
                 m.forward = torch.compile(m.forward, dynamic=True)
+    train_policy, train_critic, train_value_head = policy, critic, value_head  # what the update calls
+    all_done = None  # generation: when to stop (FSDP2: when every rank is done)
+    if world > 1:  # after the warm-start (each rank ran the same one), before the optimizers take the parameters
+        train_policy = distribute(policy, args.strategy, device)
+        train_critic = distribute(critic, args.strategy, device)
+        train_value_head = distribute(value_head, args.strategy, device)
+        distribute(ref, args.strategy, device, trainable=False)
+        if args.strategy == "fsdp2":
+            all_done = lambda done: bool(all_ranks_sum(done.all().float()[None], world) == world)  # noqa: E731
 
     # Optimizers: actor (and shared value head at critic_lr), critic; linear lr warm-up then constant
     groups = [{"params": list(policy.parameters()), "lr": args.lr}]
@@ -1113,13 +1303,16 @@ def main(args: Args) -> dict:
             for o, s, so, ss in zip(optimizers, schedulers, ckpt["optimizer"], ckpt["scheduler"]):
                 o.load_state_dict(so)
                 s.load_state_dict(ss)
+                if world > 1 and args.strategy == "fsdp2":
+                    shard_optimizer_state(o)
         except (RuntimeError, ValueError, KeyError) as e:
             die(f"checkpoint {args.resume} does not fit these models: {str(e).splitlines()[0]}")
         start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
         torch.set_rng_state(ckpt["rng"]["torch"])
         gen.set_state(ckpt["rng"]["gen"])
-        if gen_dev is not gen and ckpt["rng"].get("gen_dev") is not None:
-            gen_dev.set_state(ckpt["rng"]["gen_dev"])
+        dev_states = ckpt["rng"].get("gen_dev") or [None]  # one per rank
+        if gen_dev is not gen and len(dev_states) == world and dev_states[rank] is not None:
+            gen_dev.set_state(dev_states[rank])
         kl_ctrl.value = ckpt["kl_coef"]
         running.__dict__.update(ckpt["reward_running"])
         tracker = ckpt["tracker"]
@@ -1127,12 +1320,12 @@ def main(args: Args) -> dict:
 
     from torch.utils.tensorboard import SummaryWriter
 
-    if args.track:
+    if args.track and rank == 0:
         import wandb
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
                    config=vars(args), name=run_name, dir=run_dir, resume="allow", id=run_name)
-    writer = SummaryWriter(run_dir)
+    writer = SummaryWriter(run_dir) if rank == 0 else Silent()
     if ckpt is None:
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
                         "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
@@ -1140,7 +1333,8 @@ def main(args: Args) -> dict:
     def log_eval(iteration):
         if not eval_rows:
             return
-        ev = evaluate(policy, tok, eval_rows, args, torch.Generator(device).manual_seed(args.seed + 1), device)
+        ev = evaluate(policy, tok, eval_rows, args, torch.Generator(device).manual_seed(args.seed + 1 + rank), device,
+                      rank, world, all_done)
         for k, v in ev.items():
             writer.add_scalar(f"eval/{k}", v, global_step)
         tracker["curve"].append([iteration, ev["accuracy_greedy"], ev["accuracy_sampled"]])
@@ -1152,23 +1346,26 @@ def main(args: Args) -> dict:
     R, n = args.response_length, args.n
     ckpt_path = None
     start_time, last_print, stats = time.time(), 0.0, {}
-    def save(iteration: int) -> str:
+
+    def save(iteration: int) -> str:  # every rank calls it at the same iteration; rank 0 writes
         return save_checkpoint(run_dir, policy, ref, critic, value_head, tok, optimizers, schedulers, args,
-                               global_step, iteration, gen, kl_ctrl, running, tracker, gen_dev)
+                               global_step, iteration, gen, kl_ctrl, running, tracker, gen_dev, rank, world)
 
     # SIGTERM / SIGINT: finish the current iteration, write a checkpoint, say how to resume, exit cleanly.
     stop_signal: list[int] = []
     previous_handlers = {sig: signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
                          for sig in (signal.SIGTERM, signal.SIGINT)}
     for iteration in range(start_iteration, args.num_iterations + 1):
-        # Collect rollout: rollout_batch_size prompts x n responses, grouped (response i answers prompt i // n)
+        # Collect rollout: rollout_batch_size prompts x n responses, grouped (response i answers prompt i // n);
+        # under torchrun every rank draws the same prompts and takes its share of whole groups
         t0 = time.time()
         rows = [r for r in sample_rows(args.rollout_batch_size) for _ in range(n)]
-        group_ids = torch.arange(args.rollout_batch_size).repeat_interleave(n)
+        share = len(rows) // world
+        rows = rows[rank * share:(rank + 1) * share]
         p_ids, p_mask = encode_batch(tok, rows, args.prompt_length)
         policy.eval()
         resp = generate(policy, p_ids.to(device), p_mask.to(device), R, tok.eos_token_id, tok.pad_token_id,
-                        args.temperature, args.top_p, args.top_k, gen_dev).cpu()
+                        args.temperature, args.top_p, args.top_k, gen_dev, all_done=all_done).cpu()
         t_gen = time.time() - t0
         resp_mask = response_mask_from(resp, tok.eos_token_id)
         ids = torch.cat([p_ids, resp], 1).to(device)
@@ -1204,22 +1401,14 @@ def main(args: Args) -> dict:
         else:
             raw = correct.clone()
         raw = raw - args.missing_eos_penalty * (~eos).float()
-        scores = normalize_scores(raw, group_ids, args.reward_norm, args.reward_shift, args.reward_scale,
-                                  args.reward_clip, running)
-        token_rewards = token_level_scores(scores, resp_mask)
         if need_full and args.kl_penalty == "full":
             kld = kl_penalty(torch.cat(old_full), torch.cat(ref_full), "full") * maskf
         else:
             kld = kl_penalty(old_logp, ref_logp, args.kl_penalty) * maskf
-        seq_kl = masked_mean(kld, maskf, dim=-1).mean().item()
-        if args.use_kl_in_reward:
-            token_rewards = token_rewards - kl_ctrl.value * kld
-            kl_ctrl.update(seq_kl, ids.shape[0])
 
-        # Compute advantages and returns (GAE)
-        adv, returns = compute_advantages(args.adv_estimator, token_rewards, maskf, group_ids, values, args.gamma,
-                                          args.lam, args.norm_adv_by_std_in_grpo, args.whiten_advantages,
-                                          args.advantage_clip)
+        # Compute advantages and returns (GAE or a critic-free estimator), over the global batch
+        adv, returns, scores, seq_kl = rewards_and_advantages(raw, maskf, values, kld, args, kl_ctrl, running,
+                                                              rank, world)
 
         # Optimise policy & value for E epochs
         t1 = time.time()
@@ -1228,30 +1417,35 @@ def main(args: Args) -> dict:
         if args.use_kl_loss and args.kl_loss_type == "full":
             batch["ref_logp_all"] = torch.cat(ref_full)
         batch = {k: v.to(device) for k, v in batch.items()}
-        for m in (policy, critic, value_head):
+        for m in (train_policy, train_critic, train_value_head):
             if m is not None:
                 m.train()
         update_actor = iteration > args.critic_warmup
-        stats, first = ppo_update(policy, critic, value_head, optimizers, schedulers, batch, args, gen,
-                                  update_actor, autocast)
+        stats, first = ppo_update(train_policy, train_critic, train_value_head, optimizers, schedulers, batch, args,
+                                  gen, update_actor, autocast, world)
         t_train = time.time() - t1
         # Update reference policy: theta_old <- theta (the next rollout is scored by the updated policy)
+        # Under torchrun: statistics averaged over ranks; in the same all-reduce, whether any rank got a stop signal
+        *means, signals = all_ranks_sum(torch.tensor([*stats.values(), len(stop_signal)], dtype=torch.float64),
+                                        world).tolist()
+        stats = {k: v / world for k, v in zip(stats, means)}
+        raw, correct, eos, maskf = (all_gather_cat(x, world) for x in (raw, correct, eos.float(), maskf))
         bad = [k for k, v in stats.items() if not math.isfinite(v)]
         if bad:  # stop before logging or saving: the last checkpoint written stays the last good one
             print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
                   file=sys.stderr)
             sys.exit(1)
 
-        global_step += ids.shape[0]
-        n_tok = maskf.sum().item()
+        global_step += ids.shape[0] * world
+        n_tok = maskf.sum().item()  # all ranks' response tokens
         metrics = {
             "rollout/reward_mean": raw.mean().item(), "rollout/reward_std": raw.std().item(),
             "rollout/score_mean": scores.mean().item(), "rollout/accuracy": correct.mean().item(),
             "charts/episodic_return": raw.mean().item(), "charts/episodic_length": maskf.sum(-1).mean().item(),
-            "response/length_mean": maskf.sum(-1).mean().item(), "response/eos_frac": eos.float().mean().item(),
+            "response/length_mean": maskf.sum(-1).mean().item(), "response/eos_frac": eos.mean().item(),
             "kl/kl_mean": seq_kl, "kl/kl_coef": kl_ctrl.value,
-            "losses/explained_variance": explained_variance(values, returns, maskf) if args.critic != "none"
-            else float("nan"),
+            "losses/explained_variance": explained_variance(values, returns, batch["response_mask"].cpu())
+            if args.critic != "none" else float("nan"),  # (this rank's rows)
             "losses/first_minibatch_approx_kl": first.get("approx_kl", 0.0),
             "charts/learning_rate": schedulers[0].get_last_lr()[0],
             "perf/gen_tokens_per_s": n_tok / max(t_gen, 1e-9),
@@ -1275,11 +1469,13 @@ def main(args: Args) -> dict:
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
             log_eval(iteration)
         stop_now = args.stop_after and iteration - start_iteration + 1 >= args.stop_after
-        if (stop_now or stop_signal) and iteration < args.num_iterations:
+        if (stop_now or signals) and iteration < args.num_iterations:  # signals: summed over ranks, all stop together
             ckpt_path = save(iteration)
-            why = signal.Signals(stop_signal[0]).name if stop_signal else f"--stop-after {args.stop_after}"
-            print(f"stopped at iteration {iteration} ({why}); continue with: python {SCRIPT} --resume {ckpt_path}",
-                  flush=True)
+            why = (signal.Signals(stop_signal[0]).name if stop_signal else "a signal to another rank" if signals
+                   else f"--stop-after {args.stop_after}")
+            launcher = f"torchrun --nproc-per-node {world}" if world > 1 else "python"
+            print(f"stopped at iteration {iteration} ({why}); continue with: {launcher} {SCRIPT} --resume "
+                  f"{ckpt_path}", flush=True)
             break
         if args.checkpoint_every and iteration % args.checkpoint_every == 0:
             ckpt_path = save(iteration)
@@ -1290,9 +1486,16 @@ def main(args: Args) -> dict:
     for sig, handler in previous_handlers.items():
         signal.signal(sig, handler)
     writer.close()
-    if args.track:
+    if args.track and rank == 0:
         wandb.finish()
     print(f"done in {time.time() - start_time:.1f}s; run directory {run_dir}")
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # no rank leaves while another still works (gloo aborts a process torn down mid-collective)
+        dist.destroy_process_group()
+    if quiet:
+        quiet.__exit__(None, None, None)
     return {"run_dir": run_dir, "curve": tracker["curve"], "stats": stats, "checkpoint": ckpt_path}
 
 

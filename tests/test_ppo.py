@@ -183,10 +183,10 @@ def test_agent_sampling_matches_categorical_and_entropy():
 # CLI
 # --------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("text,value", [("1e7", 10_000_000), ("5e5", 500_000), ("1_000_000", 1_000_000),
-                                        ("128", 128)])
+                                        ("1024", 1024)])
 def test_counts_accept_scientific_notation(text, value):
-    args = ppo.parse_args(["--total-timesteps", text, "--num-steps", text])
-    assert args.total_timesteps == value and args.num_steps == value
+    args = ppo.parse_args(["--total-timesteps", text, "--update-epochs", text])
+    assert args.total_timesteps == value and args.update_epochs == value
 
 
 def test_defaults_are_cleanrl_settings():
@@ -199,6 +199,7 @@ def test_defaults_are_cleanrl_settings():
 
 @pytest.mark.parametrize("argv,needle", [
     (["--total-timesteps", "1.5e0"], "not a whole number"),
+    (["--total-timesteps", "100"], "less than one rollout"),
     (["--num-envs", "abc"], "not a number"),
     (["--num-envs", "0"], "must be positive"),
     (["--num-steps", "-5"], "must be positive"),

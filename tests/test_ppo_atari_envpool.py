@@ -1,5 +1,5 @@
 """Tests for ppo_atari_envpool.py (CPU, small): CLI, whole-game episode statistics, envpool observations, the pure
-functions against plain loops, a smoke run, and stop -> resume."""
+functions against plain loops, a smoke run, stop -> resume, and 2 processes under torchrun."""
 
 import glob
 import os
@@ -366,3 +366,52 @@ def test_non_finite_update_stops_and_keeps_the_last_good_checkpoint(tmp_path, mo
     state = torch.load(ckpt, weights_only=True)
     assert state["iteration"] == 2  # the checkpoint of the last good update, not one of the NaN update
     assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torchrun: 2 processes on CPU (gloo), data parallel
+# ---------------------------------------------------------------------------------------------------------
+def torchrun(argv, cwd, nproc=2):
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+                        SCRIPT, *argv], cwd=cwd, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout
+
+
+def test_torchrun_two_ranks_stop_then_resume(tmp_path):
+    # 3 iterations of 2 ranks x 2 envs x 32 steps = 128 environment steps each
+    out = torchrun(["--total-timesteps", "384", "--runs-dir", str(tmp_path), *TINY, "--stop-after", "1"], tmp_path)
+    assert "stopped at iteration 1 (--stop-after 1); continue with: torchrun --nproc-per-node 2 " \
+           "ppo_atari_envpool.py --resume" in out
+    assert out.count("iter 1/3") == 1 and out.count("continue with") == 1  # rank 0 alone prints
+    (run_dir,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path)]  # one run name agreed by both ranks
+    ckpt_path = os.path.join(run_dir, "checkpoint.pt")
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    assert (ckpt["iteration"], ckpt["global_step"], ckpt["world_size"]) == (1, 128, 2)
+    assert len(ckpt["other_ranks"]) == 1  # rank 1's RNG: it drew its own actions and shuffles
+    assert not torch.equal(ckpt["rng"]["torch"], ckpt["other_ranks"][0]["rng"]["torch"])
+
+    out = torchrun(["--resume", ckpt_path, "--stop-after", "0", "--save-model"], tmp_path)
+    assert out.count("resumed") == 1 and "global step 128" in out and "iter 3/3" in out
+    final = torch.load(ckpt_path, weights_only=True)
+    assert (final["iteration"], final["global_step"], final["world_size"]) == (3, 384, 2)
+    assert len(final["other_ranks"]) == 1
+    assert not torch.equal(final["model"]["actor.weight"], ckpt["model"]["actor.weight"])  # it trained on
+    # rank 0 alone logs: one event file per launch, one point per iteration and step
+    assert len(glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))) == 2
+    for tag in ("charts/SPS", "charts/learning_rate"):
+        assert [s for s, _ in scalars(run_dir, tag)] == [128, 256, 384], tag
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--cudagraphs"], "--cudagraphs needs --cuda"),  # checked first: no GPU at all
+    (["--cuda", "--cudagraphs"], "--cudagraphs is not supported under torchrun"),  # before the CUDA device check
+])
+def test_cudagraphs_under_torchrun_one_line_exit_2(argv, needle, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets; validate reads it
+    with pytest.raises(SystemExit) as e:
+        pae.parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and needle in err, err

@@ -66,6 +66,62 @@ def test_running_mean_std_matches_numpy_over_the_whole_stream():
     assert other.count == default.count
 
 
+def test_merge_moments_of_ranks_equals_numpy_on_the_concatenated_data(monkeypatch):
+    """The torchrun merge of the normalisation statistics, without processes: 3 simulated ranks add their own batches
+    to running statistics that start from a shared state; after each merge every rank holds the mean/var/count of
+    all ranks' data (as numpy computes them on the concatenation), bit for bit the same on every rank."""
+    rng = np.random.default_rng(4)
+    # the pure function: disjoint sets (one empty) -> the moments of their union
+    sets = [rng.normal(-2.0, 5.0, size=(n, 4)) * np.arange(1, 5) + 100.0 for n in (1, 37, 0, 500, 3)]
+    parts = [(s.mean(0), s.var(0), len(s)) if len(s) else (np.zeros(4), np.ones(4), 0) for s in sets]
+    mean, var, count = pc.merge_moments(parts)
+    union = np.concatenate(sets)
+    assert count == len(union)
+    np.testing.assert_allclose(mean, union.mean(0), rtol=1e-13)
+    np.testing.assert_allclose(var, union.var(0), rtol=1e-10)
+
+    # the running statistics of 3 ranks over 3 rollouts, merged after each (gather_objects stands in for torchrun)
+    world, shape = 3, (4,)
+    ranks = []
+    for _ in range(world):
+        rms = pc.RunningMeanStd(shape, epsilon=0.0)
+        rms.track_additions()
+        ranks.append(rms)
+    seen = []
+    for rollout in range(3):
+        for r, rms in enumerate(ranks):
+            for n in (1, 5, 2) if r else (8,):  # ranks add batches of other sizes
+                b = rng.normal(r + rollout, 1.0 + r, size=(n,) + shape)
+                rms.update(b)
+                seen.append(b)
+        payloads = [[(rms.added.mean, rms.added.var, rms.added.count)] for rms in ranks]
+        monkeypatch.setattr(pc, "gather_objects", lambda obj, w: payloads)
+        for rms in ranks:
+            pc.merge_ranks([rms], world)
+        union = np.concatenate(seen)
+        for rms in ranks:
+            assert rms.count == len(union)
+            np.testing.assert_allclose(rms.mean, union.mean(0), rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(rms.var, union.var(0), rtol=1e-10)
+            np.testing.assert_array_equal(rms.mean, ranks[0].mean)
+            np.testing.assert_array_equal(rms.var, ranks[0].var)
+            assert rms.added.count == 0  # the next rollout's additions start afresh
+
+    # with gymnasium's prior (count 1e-4 at mean 0, var 1) the merge equals one statistics fed all the data
+    one = pc.RunningMeanStd(shape)
+    one.update(union)
+    prior = pc.RunningMeanStd(shape)
+    prior.track_additions()
+    prior.update(union[:30])
+    other = pc.RunningMeanStd(shape, epsilon=0.0)
+    other.update(union[30:])
+    mean, var, count = pc.merge_moments([prior.merged, (prior.added.mean, prior.added.var, prior.added.count),
+                                         (other.mean, other.var, other.count)])
+    assert count == pytest.approx(one.count, rel=1e-15)
+    np.testing.assert_allclose(mean, one.mean, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(var, one.var, rtol=1e-10)
+
+
 def test_normalize_obs_clips_and_does_not_update():
     rms = pc.RunningMeanStd((2,), epsilon=0.0)
     rms.update(np.array([[0.0, 10.0], [2.0, 10.0]]))  # mean (1, 10), var (1, 0)
@@ -407,6 +463,40 @@ def test_same_seed_same_run(tmp_path):
     c = pc.main(tiny(tmp_path / "c", total_timesteps=256, seed=2))
     assert a["returns"] and a["stats"] == b["stats"] and a["returns"] == b["returns"]
     assert a["stats"] != c["stats"] and a["returns"] != c["returns"]
+
+
+def test_trains_stops_and_resumes_under_torchrun(tmp_path):
+    """2 ranks on CPU (gloo), 3 iterations of 2 x 64 steps: stop after the first, resume under torchrun to the end.
+    The checkpoint holds both ranks' states, and the normalisation statistics of both ranks' data."""
+    def torchrun(*argv):
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                               SCRIPT, *argv], capture_output=True, text=True, cwd=ROOT, timeout=180,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+    common = ["--env-id", "Hopper-v5", "--total-timesteps", "384", "--num-steps", "64", "--num-minibatches", "2",
+              "--update-epochs", "1", "--runs-dir", str(tmp_path), "--save-model"]
+    first = torchrun(*common, "--stop-after", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "continue with: torchrun --nproc-per-node 2 ppo_continuous.py --resume" in first.stdout
+    assert first.stdout.count("iter 1/3") == 1  # rank 0 alone prints
+    (ckpt,) = glob.glob(str(tmp_path / "*" / "checkpoint.pt"))
+    state = torch.load(ckpt, weights_only=True)
+    assert state["iteration"] == 1 and state["global_step"] == 128
+    assert state["world_size"] == 2 and len(state["other_ranks"]) == 1
+    assert not torch.equal(state["rollout"]["next_obs"], state["other_ranks"][0]["rollout"]["next_obs"])
+    # both ranks' observations: each rank's reset observation and 64 steps, on top of the prior's 1e-4
+    assert state["obs_rms"]["count"].item() == pytest.approx(2 + 128 + 1e-4)
+    assert state["return_rms"]["count"].item() == pytest.approx(128 + 1e-4)
+
+    rest = torchrun("--resume", ckpt, "--stop-after", "0")
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert "iter 3/3  global_step=384" in rest.stdout
+    state = torch.load(ckpt, weights_only=True)
+    assert state["iteration"] == 3 and state["global_step"] == 384
+    assert state["world_size"] == 2 and len(state["other_ranks"]) == 1
+    # the episodes in flight continued on both ranks (no new reset observations): all 384 steps of both ranks
+    assert state["obs_rms"]["count"].item() == pytest.approx(2 + 384 + 1e-4)
+    assert state["return_rms"]["count"].item() == pytest.approx(384 + 1e-4)
 
 
 def test_non_finite_update_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):

@@ -1,0 +1,128 @@
+"""torchrun with 2 processes on CPU (gloo): DDP's averaged gradients equal one process's on the whole batch, and
+each RL script trains, stops and resumes under torchrun."""
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import distributed_worker  # noqa: E402
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(*argv, nproc=2, timeout=240):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                           "--standalone", *argv], capture_output=True, text=True, timeout=timeout, env=ENV,
+                          cwd=ROOT)
+
+
+@pytest.mark.parametrize("script", ["ppo", "ppo_continuous", "ppo_atari_envpool"])
+def test_two_rank_gradient_equals_one_process_on_the_concatenated_batch(tmp_path, script):
+    out = tmp_path / "grads.pt"
+    res = torchrun(os.path.join(ROOT, "tests", "distributed_worker.py"), script, str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    ddp = torch.load(out, weights_only=True)
+    agent, loss_fn = distributed_worker.make_case(script, 2 * distributed_worker.B)
+    loss_fn(agent, torch.arange(2 * distributed_worker.B)).backward()
+    for k, p in agent.named_parameters():
+        assert torch.allclose(ddp[k], p.grad, atol=1e-6, rtol=1e-5), k
+    # and the halves alone differ from the whole: the check can fail
+    agent.zero_grad()
+    loss_fn(agent, torch.arange(distributed_worker.B)).backward()
+    assert any(not torch.allclose(ddp[k], p.grad, atol=1e-6) for k, p in agent.named_parameters())
+
+
+def test_ppo_trains_stops_and_resumes_under_torchrun(tmp_path):
+    common = ["--total-timesteps", "3072", "--num-steps", "128", "--runs-dir", str(tmp_path)]  # 2 x 512 per iteration
+    first = torchrun(os.path.join(ROOT, "ppo.py"), *common, "--stop-after", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "continue with: torchrun --nproc-per-node 2 ppo.py --resume" in first.stdout
+    assert first.stdout.count("iter 1/3") == 1  # rank 0 alone prints
+    (ckpt,) = glob.glob(str(tmp_path / "*" / "checkpoint.pt"))
+    state = torch.load(ckpt, weights_only=True)
+    assert state["global_step"] == 1024 and state["world_size"] == 2 and len(state["other_ranks"]) == 1
+    # each rank played its own episodes and drew from its own RNG
+    assert not torch.equal(state["rollout"]["next_obs"], state["other_ranks"][0]["rollout"]["next_obs"])
+    assert not torch.equal(state["rng"]["torch"], state["other_ranks"][0]["rng"]["torch"])
+    # another number of processes would change the iterations and the lr schedule: refused in one line
+    alone = subprocess.run([sys.executable, os.path.join(ROOT, "ppo.py"), "--resume", ckpt], capture_output=True,
+                           text=True, timeout=120, env=ENV)
+    assert alone.returncode == 2 and "written by 2 process(es)" in alone.stderr, alone.stderr
+    assert len(alone.stderr.strip().splitlines()) == 1
+    rest = torchrun(os.path.join(ROOT, "ppo.py"), "--resume", ckpt, "--stop-after", "0", "--save-model")
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    state = torch.load(ckpt, weights_only=True)
+    assert state["global_step"] == 3072 and state["iteration"] == 3
+    assert len(glob.glob(str(tmp_path / "*" / "events.out.tfevents.*"))) == 2  # rank 0's, one per process run
+
+
+def test_cudagraphs_under_torchrun_is_one_line_error(monkeypatch, capsys):
+    sys.path.insert(0, ROOT)
+    import ppo
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit) as e:
+        ppo.parse_args(["--cuda", "--cudagraphs"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "not supported under torchrun" in err and "\n" not in err, err
+
+
+# ----- ppo_llm.py: statistics over the global batch, FSDP2 / DDP gradients -------------------------------------
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_ppo_llm_two_ranks_equal_one_process_on_the_whole_batch(tmp_path, strategy):
+    out = tmp_path / "llm"
+    res = torchrun(os.path.join(ROOT, "tests", "distributed_worker.py"), "ppo_llm", str(out), strategy)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+    W = distributed_worker
+    model, batch, rollout = W.llm_case()
+    # reward normalisation, group statistics, whitening and the KL controller over the global batch
+    single = W.llm_rewards(rollout, 0, 1)
+    for name, one in single.items():
+        two = [r["rewards"][name] for r in ranks]
+        assert torch.allclose(torch.cat([two[0]["adv"], two[1]["adv"]]), one["adv"], atol=1e-6), name
+        assert torch.allclose(torch.cat([two[0]["ret"], two[1]["ret"]]), one["ret"], atol=1e-6), name
+        for r in two:
+            assert torch.allclose(r["scores"], one["scores"]) and r["seq_kl"] == pytest.approx(one["seq_kl"])
+            assert r["kl_coef"] == pytest.approx(one["kl_coef"]) and r["running"] == pytest.approx(one["running"])
+    # whitening over each half alone differs: the comparison above can fail
+    half = W.llm_rewards({k: v[:4] for k, v in rollout.items()}, 0, 1)["gae_whiten_batchnorm"]["adv"]
+    assert not torch.allclose(half, single["gae_whiten_batchnorm"]["adv"][:4], atol=1e-3)
+    # the gradient of a 2-rank minibatch equals one process's on the concatenated minibatch, for every aggregation
+    for mode in W.AGG_MODES:
+        one = W.llm_grads(model, batch, mode, 0, 1)
+        for k, g in one.items():
+            for r in ranks:
+                assert torch.allclose(r["grads"][mode][k], g, atol=1e-6, rtol=1e-4), (mode, k)
+
+
+def test_ppo_llm_trains_stops_and_resumes_under_torchrun(tmp_path):
+    tiny = ["--sft-steps", "5", "--eval-prompts", "8", "--rollout-batch-size", "4", "--group-size", "2",
+            "--ppo-mini-batch-size", "2", "--micro-batch-size", "2", "--num-iterations", "3", "--runs-dir",
+            str(tmp_path)]
+    first = torchrun(os.path.join(ROOT, "ppo_llm.py"), *tiny, "--stop-after", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "continue with: torchrun --nproc-per-node 2 ppo_llm.py --resume" in first.stdout
+    assert first.stdout.count("iter 1/3") == 1  # rank 0 alone prints
+    (ckpt,) = glob.glob(str(tmp_path / "*" / "checkpoint.pt"))
+    state = torch.load(ckpt, weights_only=True)
+    assert state["global_step"] == 8 and len(state["rng"]["gen_dev"]) == 2  # 4 prompts x 2 responses, all ranks
+    rest = torchrun(os.path.join(ROOT, "ppo_llm.py"), "--resume", ckpt, "--stop-after", "0")
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    state = torch.load(ckpt, weights_only=True)
+    assert state["iteration"] == 3 and state["global_step"] == 24
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(os.path.dirname(ckpt), state["model"]["policy"]))
+    assert all(torch.isfinite(p).all() for p in policy.parameters())
+    # FSDP2 saved full tensors: the optimizer moments have the parameters' full shapes
+    shapes = sorted(tuple(p.shape) for p in policy.parameters())
+    moments = sorted(tuple(s["exp_avg"].shape) for s in state["optimizer"][0]["state"].values())
+    assert moments == shapes
