@@ -1406,7 +1406,7 @@ def main(args: Args) -> dict:
         else:
             kld = kl_penalty(old_logp, ref_logp, args.kl_penalty) * maskf
 
-        # Compute advantages and returns (GAE or a critic-free estimator), over the global batch
+        # Compute advantages and returns (GAE), or a critic-free estimator; over the global batch under torchrun
         adv, returns, scores, seq_kl = rewards_and_advantages(raw, maskf, values, kld, args, kl_ctrl, running,
                                                               rank, world)
 

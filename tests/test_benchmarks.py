@@ -284,3 +284,21 @@ def test_llm_throughput_tool_on_a_tiny_model(tmp_path):
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "llm_throughput.py"), "--hidden", "100"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "multiple of 64" in bad.stderr
+
+
+def test_scaling_efficiency_arithmetic_and_a_two_process_run(tmp_path):
+    import scaling
+
+    rows = scaling.efficiency_rows([{"nproc": 1, "sps": 100.0}, {"nproc": 2, "sps": 150.0}, {"nproc": 4, "error": "x"}])
+    assert rows[1]["speedup"] == pytest.approx(1.5) and rows[1]["efficiency"] == pytest.approx(0.75)
+    assert "speedup" not in rows[2]
+    assert scaling.command("s.py", 1, 10, "r", [])[1:] == ["s.py", "--total-timesteps", "10", "--runs-dir", "r"]
+    assert "--nproc-per-node" in scaling.command("s.py", 2, 10, "r", [])
+    out = tmp_path / "sc"
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "scaling.py"), "--script", "ppo.py",
+                          "--nprocs", "1", "2", "--iterations", "4", "--warmup-iters", "1", "--out", str(out), "--",
+                          "--num-steps", "32"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    data = json.loads((tmp_path / "sc.json").read_text())
+    assert [r["nproc"] for r in data["rows"]] == [1, 2] and all(r["sps"] > 0 for r in data["rows"])
+    assert "| 2 | 8 |" in (tmp_path / "sc.md").read_text()

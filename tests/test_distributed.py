@@ -114,6 +114,11 @@ def test_ppo_llm_trains_stops_and_resumes_under_torchrun(tmp_path):
     (ckpt,) = glob.glob(str(tmp_path / "*" / "checkpoint.pt"))
     state = torch.load(ckpt, weights_only=True)
     assert state["global_step"] == 8 and len(state["rng"]["gen_dev"]) == 2  # 4 prompts x 2 responses, all ranks
+    # checkpoints are full: FSDP2 (2 ranks) -> one plain process -> FSDP2 again
+    alone = subprocess.run([sys.executable, os.path.join(ROOT, "ppo_llm.py"), "--resume", ckpt, "--stop-after", "1"],
+                           capture_output=True, text=True, timeout=300, env=ENV)
+    assert alone.returncode == 0 and "continue with: python ppo_llm.py" in alone.stdout, alone.stderr[-3000:]
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 16
     rest = torchrun(os.path.join(ROOT, "ppo_llm.py"), "--resume", ckpt, "--stop-after", "0")
     assert rest.returncode == 0, rest.stderr[-3000:]
     state = torch.load(ckpt, weights_only=True)
