@@ -704,9 +704,8 @@ def main(args: Args) -> dict:
         # Update reference policy: theta_old <- theta happens implicitly, the next rollout samples from theta.
 
         # one host sync: the statistics averaged over updates (and ranks), and whether any rank got a stop signal
-        summed = all_ranks_sum(torch.stack([*stats_sum.values(), torch.tensor(len(stop_signal), device=device)]),
-                               world)
-        *means, signals = summed.tolist()
+        signal_count = torch.tensor(float(len(stop_signal)), device=device)
+        *means, signals = all_ranks_sum(torch.stack([*stats_sum.values(), signal_count]), world).tolist()
         last_stats = {k: v / (n_updates * world) for k, v in zip(stats_sum, means)}
         if not all(np.isfinite(v) for v in last_stats.values()):
             bad = [k for k, v in last_stats.items() if not np.isfinite(v)]

@@ -37,23 +37,33 @@ def test_two_rank_gradient_equals_one_process_on_the_concatenated_batch(tmp_path
     assert any(not torch.allclose(ddp[k], p.grad, atol=1e-6) for k, p in agent.named_parameters())
 
 
-def test_ppo_trains_stops_and_resumes_under_torchrun(tmp_path):
-    common = ["--total-timesteps", "3072", "--num-steps", "128", "--runs-dir", str(tmp_path)]  # 2 x 512 per iteration
-    first = torchrun(os.path.join(ROOT, "ppo.py"), *common, "--stop-after", "1")
+def stop_after_one_iteration(script, argv, tmp_path):
+    """`torchrun` 2 processes for one iteration of a 3-iteration run: (checkpoint path, its state)."""
+    first = torchrun(os.path.join(ROOT, script), *argv, "--runs-dir", str(tmp_path), "--stop-after", "1")
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "continue with: torchrun --nproc-per-node 2 ppo.py --resume" in first.stdout
+    assert f"continue with: torchrun --nproc-per-node 2 {script} --resume" in first.stdout
     assert first.stdout.count("iter 1/3") == 1  # rank 0 alone prints
     (ckpt,) = glob.glob(str(tmp_path / "*" / "checkpoint.pt"))
-    state = torch.load(ckpt, weights_only=True)
+    return ckpt, torch.load(ckpt, weights_only=True)
+
+
+def alone(script, *argv):
+    """SCRIPT in one plain process."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *argv], capture_output=True, text=True,
+                          timeout=300, env=ENV)
+
+
+def test_ppo_trains_stops_and_resumes_under_torchrun(tmp_path):
+    # 2 x 512 steps per iteration
+    ckpt, state = stop_after_one_iteration("ppo.py", ["--total-timesteps", "3072", "--num-steps", "128"], tmp_path)
     assert state["global_step"] == 1024 and state["world_size"] == 2 and len(state["other_ranks"]) == 1
     # each rank played its own episodes and drew from its own RNG
     assert not torch.equal(state["rollout"]["next_obs"], state["other_ranks"][0]["rollout"]["next_obs"])
     assert not torch.equal(state["rng"]["torch"], state["other_ranks"][0]["rng"]["torch"])
     # another number of processes would change the iterations and the lr schedule: refused in one line
-    alone = subprocess.run([sys.executable, os.path.join(ROOT, "ppo.py"), "--resume", ckpt], capture_output=True,
-                           text=True, timeout=120, env=ENV)
-    assert alone.returncode == 2 and "written by 2 process(es)" in alone.stderr, alone.stderr
-    assert len(alone.stderr.strip().splitlines()) == 1
+    one = alone("ppo.py", "--resume", ckpt)
+    assert one.returncode == 2 and "written by 2 process(es)" in one.stderr, one.stderr
+    assert len(one.stderr.strip().splitlines()) == 1
     rest = torchrun(os.path.join(ROOT, "ppo.py"), "--resume", ckpt, "--stop-after", "0", "--save-model")
     assert rest.returncode == 0, rest.stderr[-3000:]
     state = torch.load(ckpt, weights_only=True)
@@ -105,19 +115,12 @@ def test_ppo_llm_two_ranks_equal_one_process_on_the_whole_batch(tmp_path, strate
 
 def test_ppo_llm_trains_stops_and_resumes_under_torchrun(tmp_path):
     tiny = ["--sft-steps", "5", "--eval-prompts", "8", "--rollout-batch-size", "4", "--group-size", "2",
-            "--ppo-mini-batch-size", "2", "--micro-batch-size", "2", "--num-iterations", "3", "--runs-dir",
-            str(tmp_path)]
-    first = torchrun(os.path.join(ROOT, "ppo_llm.py"), *tiny, "--stop-after", "1")
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "continue with: torchrun --nproc-per-node 2 ppo_llm.py --resume" in first.stdout
-    assert first.stdout.count("iter 1/3") == 1  # rank 0 alone prints
-    (ckpt,) = glob.glob(str(tmp_path / "*" / "checkpoint.pt"))
-    state = torch.load(ckpt, weights_only=True)
+            "--ppo-mini-batch-size", "2", "--micro-batch-size", "2", "--num-iterations", "3"]
+    ckpt, state = stop_after_one_iteration("ppo_llm.py", tiny, tmp_path)
     assert state["global_step"] == 8 and len(state["rng"]["gen_dev"]) == 2  # 4 prompts x 2 responses, all ranks
     # checkpoints are full: FSDP2 (2 ranks) -> one plain process -> FSDP2 again
-    alone = subprocess.run([sys.executable, os.path.join(ROOT, "ppo_llm.py"), "--resume", ckpt, "--stop-after", "1"],
-                           capture_output=True, text=True, timeout=300, env=ENV)
-    assert alone.returncode == 0 and "continue with: python ppo_llm.py" in alone.stdout, alone.stderr[-3000:]
+    one = alone("ppo_llm.py", "--resume", ckpt, "--stop-after", "1")
+    assert one.returncode == 0 and "continue with: python ppo_llm.py" in one.stdout, one.stderr[-3000:]
     assert torch.load(ckpt, weights_only=True)["global_step"] == 16
     rest = torchrun(os.path.join(ROOT, "ppo_llm.py"), "--resume", ckpt, "--stop-after", "0")
     assert rest.returncode == 0, rest.stderr[-3000:]
