@@ -150,3 +150,5 @@ if __name__ == "__main__":
             torch.save({k: p.grad for k, p in agent.named_parameters()}, out)
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # as the scripts: gloo's threads can abort the interpreter's teardown
