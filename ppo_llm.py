@@ -112,6 +112,10 @@ class Args:
     # Models and data
     model_name_or_path: Optional[str] = None
     """local Hugging Face causal LM + tokenizer directory (default: a tiny Llama built here)"""
+    tiny_hidden_size: Count = 128
+    """hidden size of the tiny Llama built without --model-name-or-path (4 attention heads, MLP 2x wider)"""
+    tiny_num_layers: Count = 2
+    """decoder layers of the tiny Llama built without --model-name-or-path"""
     trust_remote_code: bool = False
     """allow custom model code from --model-name-or-path / --reward-model-path"""
     reward_model_path: Optional[str] = None
@@ -289,7 +293,8 @@ def validate(args: Args) -> None:
         if getattr(args, name) not in choices:
             die(f"--{name.replace('_', '-')} {getattr(args, name)!r}: choose one of {', '.join(choices)}")
     for name in ("num_iterations", "rollout_batch_size", "n", "prompt_length", "response_length", "ppo_epochs",
-                 "ppo_mini_batch_size", "micro_batch_size", "sft_batch_size", "torch_threads", "eval_every"):
+                 "ppo_mini_batch_size", "micro_batch_size", "sft_batch_size", "torch_threads", "eval_every",
+                 "tiny_hidden_size", "tiny_num_layers"):
         if getattr(args, name) <= 0:
             die(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.adv_estimator in ("grpo", "rloo") and args.n < 2:
@@ -310,6 +315,8 @@ def validate(args: Args) -> None:
         if (args.ppo_mini_batch_size // world * args.n) % args.micro_batch_size:
             die(f"ppo_mini_batch_size/world*n = {args.ppo_mini_batch_size // world * args.n} responses per rank is "
                 f"not divisible by --micro-batch-size {args.micro_batch_size}")
+    if args.tiny_hidden_size % 8:  # 4 heads of an even size (rotary embeddings)
+        die(f"--tiny-hidden-size must be a multiple of 8, got {args.tiny_hidden_size}")
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
         die("--temperature must be > 0 and --top-p in (0, 1]")
     if args.dual_clip_loss and args.clip_ratio_c <= 1:
@@ -380,11 +387,12 @@ def rule_reward(response: str, answer: Optional[str]) -> float:
 # ---------------------------------------------------------------------------------------------------------
 # Models: policy, frozen reference, critic (separate copy or shared trunk)
 # ---------------------------------------------------------------------------------------------------------
-def build_tiny_model(tok, seed: int):
+def build_tiny_model(tok, seed: int, hidden_size: int = 128, num_layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                      num_hidden_layers=num_layers,
                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
                       tie_word_embeddings=True)
@@ -799,16 +807,16 @@ def policy_loss(logp, old_logp, advantages, mask, clip_ratio_low=0.2, clip_ratio
     loss2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
     clipped = torch.maximum(loss1, loss2)
     losses = clipped
-    clipfrac_lower = torch.zeros(())
+    clipfrac_lower = torch.zeros((), device=logp.device)
     if dual_clip:
         loss3 = -advantages * clip_ratio_c
         losses = torch.where(advantages < 0, torch.minimum(clipped, loss3), clipped)
         clipfrac_lower = masked_mean(((clipped > loss3) & (advantages < 0)).float(), mask)
     with torch.no_grad():
-        stats = {"clipfrac": masked_mean((loss2 > loss1).float(), mask).item(),
-                 "clipfrac_lower": clipfrac_lower.item(),
-                 "old_approx_kl": masked_mean(-neg_kl, mask).item(),  # verl ppo_kl (k1)
-                 "approx_kl": masked_mean(ratio - 1 - neg_kl, mask).item()}  # k3, CleanRL's approx_kl
+        stats = {"clipfrac": masked_mean((loss2 > loss1).float(), mask),  # 0-dim tensors: no host sync here
+                 "clipfrac_lower": clipfrac_lower.detach(),
+                 "old_approx_kl": masked_mean(-neg_kl, mask),  # verl ppo_kl (k1)
+                 "approx_kl": masked_mean(ratio - 1 - neg_kl, mask)}  # k3, CleanRL's approx_kl
     return agg_loss(losses, mask, loss_agg_mode, **agg), stats
 
 
@@ -821,13 +829,13 @@ def value_loss(vpreds, old_values, returns, mask, value_clip=None, huber_delta=N
     """verl compute_value_loss (0.5 * max(unclipped, clipped) squared error) or RLinf's Huber version."""
     err = (lambda x: huber(x, huber_delta)) if huber_delta is not None else (lambda x: 0.5 * x**2)
     losses = err(returns - vpreds)
-    clipfrac = torch.zeros(())
+    clipfrac = torch.zeros((), device=vpreds.device)
     if value_clip is not None:
         vclipped = old_values + (vpreds - old_values).clamp(-value_clip, value_clip)
         losses2 = err(returns - vclipped)
         clipfrac = masked_mean((losses2 > losses).float(), mask)
         losses = torch.maximum(losses, losses2)
-    return agg_loss(losses, mask, loss_agg_mode, **agg), {"vf_clipfrac": clipfrac.item()}
+    return agg_loss(losses, mask, loss_agg_mode, **agg), {"vf_clipfrac": clipfrac.detach()}
 
 
 def explained_variance(values, returns, mask) -> float:
@@ -850,7 +858,7 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
     n_tokens = all_ranks_sum(mb["response_mask"].sum(), world).clamp(min=1).float() / world
     agg = {"n_tokens": n_tokens, "n_seqs": mb["response_mask"].shape[0], "norm_len": args.response_length}
     need_full = args.use_kl_loss and args.kl_loss_type == "full"
-    sums: dict[str, float] = {}
+    sums: dict[str, torch.Tensor] = {}  # 0-dim tensors, read once per update (no host sync per micro-batch)
     n_micro = math.ceil(mb["input_ids"].shape[0] / args.micro_batch_size)
     for s in range(0, mb["input_ids"].shape[0], args.micro_batch_size):
         m = {k: v[s:s + args.micro_batch_size] for k, v in mb.items()}
@@ -867,25 +875,25 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
                                         args.loss_agg_mode, **agg)
                 ent = agg_loss(out["entropy"], mask, args.loss_agg_mode, **agg)
                 loss = pg - args.entropy_coeff * ent
-                stats.update(policy_loss=pg.item(), entropy=ent.item())
+                stats.update(policy_loss=pg.detach(), entropy=ent.detach())
                 if args.use_kl_loss:
                     kl = (kl_penalty(out["logp_all"], m["ref_logp_all"], "full") if need_full
                           else kl_penalty(out["logp"], m["ref_logp"], args.kl_loss_type))
                     kl_loss = agg_loss(kl, mask, args.loss_agg_mode, **agg)
                     loss = loss + args.kl_loss_coef * kl_loss
-                    stats["kl_loss"] = kl_loss.item()
+                    stats["kl_loss"] = kl_loss.detach()
             if args.critic != "none":
                 v = out["values"] if args.critic == "shared" else critic_values(critic, m["input_ids"],
                                                                                 m["attention_mask"], R)
                 vl, vstats = value_loss(v, m["values"], m["returns"], mask, args.value_clip, args.huber_delta,
                                         args.loss_agg_mode, **agg)
                 loss = loss + args.vf_coef * vl
-                stats.update(value_loss=vl.item(), **vstats)
+                stats.update(value_loss=vl.detach(), **vstats)
         if loss.requires_grad:
             loss.backward()
         for k, val in stats.items():  # losses add up over micro-batches; ratios/fractions are averaged
-            sums[k] = sums.get(k, 0.0) + (val if k in ("policy_loss", "entropy", "kl_loss", "value_loss")
-                                          else val / n_micro)
+            val = val.float() if k in ("policy_loss", "entropy", "kl_loss", "value_loss") else val.float() / n_micro
+            sums[k] = sums[k] + val if k in sums else val
     return sums
 
 
@@ -908,16 +916,17 @@ def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, 
             norms = [nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], args.max_grad_norm)
                      for o in optimizers]  # actor and critic clipped separately, as verl
             norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]  # FSDP2: a DTensor
-            stats["grad_norm"] = norms[0].item()
+            stats["grad_norm"] = norms[0]
             if len(norms) > 1:
-                stats["critic_grad_norm"] = norms[1].item()
+                stats["critic_grad_norm"] = norms[1]
             for o, sch in zip(optimizers, schedulers):
                 o.step()
                 sch.step()
-            first = first or stats
             all_stats.append(stats)
-    mean = {k: sum(s[k] for s in all_stats) / len(all_stats) for k in all_stats[0]}
-    return mean, first
+    keys = list(all_stats[0])
+    table = torch.stack([torch.stack([s[k].float() for k in keys]) for s in all_stats]).tolist()  # the one sync
+    mean = {k: sum(row[j] for row in table) / len(table) for j, k in enumerate(keys)}
+    return mean, dict(zip(keys, table[0]))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -941,25 +950,35 @@ def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
     return dist.get_rank(), world, device
 
 
+def collective_device() -> torch.device:
+    """Where tensors must be for a collective: the rank's GPU under nccl, the CPU under gloo."""
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Sum of x over ranks (a new tensor; x itself with one process)."""
+    """Sum of x over ranks (a new tensor on x's device; x itself with one process)."""
     if world > 1:
         import torch.distributed as dist
 
-        x = x.clone()
-        dist.all_reduce(x)
+        y = x.to(collective_device(), copy=True)
+        dist.all_reduce(y)
+        x = y.to(x.device)
     return x
 
 
 def all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Every rank's x (same shape on all ranks) concatenated in rank order along dim 0; x itself with one process."""
+    """Every rank's x (same shape on all ranks) concatenated in rank order along dim 0, on x's device; x itself with
+    one process."""
     if world == 1:
         return x
     import torch.distributed as dist
 
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts)
+    y = x.to(collective_device()).contiguous()
+    parts = [torch.empty_like(y) for _ in range(world)]
+    dist.all_gather(parts, y)
+    return torch.cat(parts).to(x.device)
 
 
 def gather_objects(obj, world: int) -> list:
@@ -1209,7 +1228,7 @@ def main(args: Args) -> dict:
         policy = load_causal_lm(args.model_name_or_path, args.trust_remote_code)
     else:
         tok = build_char_tokenizer()
-        policy = build_tiny_model(tok, args.seed)
+        policy = build_tiny_model(tok, args.seed, args.tiny_hidden_size, args.tiny_num_layers)
     policy = disable_dropout(policy).to(device)
     print(f"policy: {type(policy).__name__}, {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters")
 

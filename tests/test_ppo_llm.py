@@ -112,8 +112,8 @@ def test_policy_loss(dual, mode):
                 n += 1
                 n_clip += l2 > l1
     assert loss.item() == pytest.approx(ref_agg(ref, mask, mode, 5), rel=1e-5)
-    assert stats["clipfrac"] == pytest.approx(n_clip / n)
-    assert 0 < stats["clipfrac"] < 1
+    assert stats["clipfrac"].item() == pytest.approx(n_clip / n)
+    assert 0 < stats["clipfrac"].item() < 1
 
 
 @pytest.mark.parametrize("clip,delta", [(None, None), (0.2, None), (None, 0.5), (0.2, 0.5)])
@@ -371,6 +371,8 @@ def test_first_minibatch_ratio_is_exactly_one(tiny):
     (["--dataset", "/nonexistent.jsonl"], "no such file"),
     (["--n", "1.5"], "whole number"),
     (["--resume", "/nonexistent/checkpoint.pt"], "no such file"),
+    (["--tiny-hidden-size", "12"], "multiple of 8"),
+    (["--tiny-num-layers", "0"], "must be positive"),
 ])
 def test_bad_input_one_line_exit_2(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
@@ -388,6 +390,18 @@ def test_unwritable_runs_dir_is_one_line_error(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: cannot create run directory") and "\n" not in err, err
+
+
+def test_tiny_model_size_flags(tmp_path):
+    tok = P.build_char_tokenizer()
+    small = P.build_tiny_model(tok, 0, 32, 1)
+    assert (small.config.hidden_size, small.config.intermediate_size, small.config.num_hidden_layers) == (32, 64, 1)
+    res = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--tiny-hidden-size", "32", "--tiny-num-layers",
+                               "1", "--save-model"]))
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(os.path.join(res["run_dir"], "checkpoint-2", "policy"))
+    assert sum(p.numel() for p in saved.parameters()) == sum(p.numel() for p in small.parameters())
 
 
 def test_counts_parse():
