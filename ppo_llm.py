@@ -924,6 +924,8 @@ def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, 
                 sch.step()
             all_stats.append(stats)
     keys = list(all_stats[0])
+    if not keys:  # nothing trained (critic warm-up without a critic)
+        return {}, {}
     table = torch.stack([torch.stack([s[k].float() for k in keys]) for s in all_stats]).tolist()  # the one sync
     mean = {k: sum(row[j] for row in table) / len(table) for j, k in enumerate(keys)}
     return mean, dict(zip(keys, table[0]))
