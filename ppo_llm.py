@@ -164,7 +164,8 @@ class Args:
 
     # KL to the reference policy
     use_kl_in_reward: bool = True
-    """token-level reward -= kl_coef * kl(logp, ref_logp) (verl algorithm.use_kl_in_reward)"""
+    """token-level reward -= kl_coef * kl(logp, ref_logp) (verl algorithm.use_kl_in_reward); off when --use-kl-loss
+    is given without this flag (verl applies one or the other)"""
     kl_penalty: Literal["kl", "abs", "mse", "low_var_kl", "full"] = "kl"
     """KL estimator in the reward"""
     kl_ctrl_type: Literal["fixed", "adaptive"] = "fixed"
@@ -274,6 +275,11 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
                 break
             message.append(ln)
         die(" ".join(message) or "invalid arguments (see --help)")
+    given = {a.split("=", 1)[0] for a in argv}
+    if "--use-kl-loss" in given and not given & {"--use-kl-in-reward", "--no-use-kl-in-reward"} and args.use_kl_in_reward:
+        # verl: "when use_kl_loss is used, we are not applying KL in the reward function"; --use-kl-in-reward adds it
+        print("note: --use-kl-loss: no KL penalty in the reward (as verl); add --use-kl-in-reward for both")
+        args.use_kl_in_reward = False
     validate(args)
     return args
 
@@ -297,8 +303,12 @@ def validate(args: Args) -> None:
                  "tiny_hidden_size", "tiny_num_layers"):
         if getattr(args, name) <= 0:
             die(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.adv_estimator in ("grpo", "rloo") and args.n < 2:
+    if args.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and args.n < 2:
         die(f"--adv-estimator {args.adv_estimator} compares responses within a group: needs --n >= 2, got {args.n}")
+    if args.reward_norm == "group" and args.n < 2:
+        die(f"--reward-norm group normalises within a prompt's responses: needs --n >= 2, got {args.n}")
+    if args.kl_ctrl_type == "adaptive" and (args.target_kl <= 0 or args.kl_horizon <= 0):
+        die("--kl-ctrl-type adaptive needs --target-kl > 0 and --kl-horizon > 0")
     if args.adv_estimator == "gae" and args.critic == "none":
         die("--adv-estimator gae needs a critic: --critic separate or shared (or choose grpo/rloo/reinforce_plus_plus)")
     if args.rollout_batch_size % args.ppo_mini_batch_size:
@@ -370,6 +380,8 @@ def load_dataset(path: str, tok, prompt_length: int) -> list[dict]:
                     raise ValueError
             except ValueError:  # json.JSONDecodeError is a ValueError
                 die(f"--dataset {path} line {i}: expected a JSON object with a string 'prompt'")
+            if not row["prompt"]:
+                die(f"--dataset {path} line {i}: empty prompt")
             rows.append({"prompt": row["prompt"], "answer": None if row.get("answer") is None else str(row["answer"])})
     kept = [r for r in rows if len(tok.encode(r["prompt"], add_special_tokens=False)) <= prompt_length]
     if len(kept) < len(rows):
@@ -428,6 +440,12 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
+        for name, value in vars(m).items():  # attention dropout is a float attribute in HF attention modules
+            if "dropout" in name and isinstance(value, float):
+                setattr(m, name, 0.0)
+    for name, value in vars(getattr(model, "config", object())).items():  # and in the config, for later copies
+        if "dropout" in name and isinstance(value, float):
+            setattr(model.config, name, 0.0)
     return model
 
 
@@ -483,6 +501,13 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: 
         logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+def decode_responses(tok, responses: torch.Tensor) -> list[str]:
+    """Text of each response up to its first EOS; what follows becomes pad and is skipped with the special tokens
+    (never id 0, a printable token such as '!' in many vocabularies)."""
+    keep = response_mask_from(responses, tok.eos_token_id).bool()
+    return tok.batch_decode(responses.masked_fill(~keep, tok.pad_token_id), skip_special_tokens=True)
 
 
 def response_mask_from(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -913,13 +938,15 @@ def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, 
                 o.zero_grad(set_to_none=True)
             stats = minibatch_backward(policy, critic, value_head, {k: v[idx] for k, v in batch.items()}, args,
                                        update_actor, autocast, world)
-            norms = [nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], args.max_grad_norm)
-                     for o in optimizers]  # actor and critic clipped separately, as verl
-            norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]  # FSDP2: a DTensor
-            stats["grad_norm"] = norms[0]
-            if len(norms) > 1:
-                stats["critic_grad_norm"] = norms[1]
-            for o, sch in zip(optimizers, schedulers):
+            # optimizers[0] is the actor's, optimizers[1] the critic's (separate model or shared value head); during
+            # critic warm-up the actor neither steps nor advances its learning-rate warm-up (a shared trunk's value
+            # gradients are dropped)
+            for i, (o, sch) in enumerate(zip(optimizers, schedulers)):
+                if i == 0 and not update_actor:
+                    continue
+                norm = nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], args.max_grad_norm)
+                stats["grad_norm" if i == 0 else "critic_grad_norm"] = (  # actor and critic clipped separately
+                    norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
                 o.step()
                 sch.step()
             all_stats.append(stats)
@@ -1178,7 +1205,7 @@ def evaluate(policy, tok, rows: list[dict], args: Args, gen, device, rank: int =
             ids, mask = encode_batch(tok, chunk, args.prompt_length)
             resp = generate(policy, ids.to(device), mask.to(device), args.response_length, tok.eos_token_id,
                             tok.pad_token_id, args.temperature, args.top_p, args.top_k, gen, greedy, all_done).cpu()
-            texts = tok.batch_decode(resp * response_mask_from(resp, tok.eos_token_id), skip_special_tokens=True)
+            texts = decode_responses(tok, resp)
             correct += sum(rule_reward(t, r["answer"]) for t, r in zip(texts, chunk))
         res[f"accuracy_{name}"] = float(all_ranks_sum(torch.tensor([correct]), world)) / (per_rank * world)
     return res
@@ -1306,13 +1333,11 @@ def main(args: Args) -> dict:
         if args.strategy == "fsdp2":
             all_done = lambda done: bool(all_ranks_sum(done.all().float()[None], world) == world)  # noqa: E731
 
-    # Optimizers: actor (and shared value head at critic_lr), critic; linear lr warm-up then constant
-    groups = [{"params": list(policy.parameters()), "lr": args.lr}]
-    if value_head is not None:
-        groups.append({"params": list(value_head.parameters()), "lr": args.critic_lr})
-    optimizers = [torch.optim.AdamW(groups, weight_decay=args.weight_decay)]
-    if critic is not None:
-        optimizers.append(torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay))
+    # Optimizers: actor; critic (the separate model, or the shared value head); linear lr warm-up then constant
+    optimizers = [torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)]
+    for m in (critic, value_head):
+        if m is not None:
+            optimizers.append(torch.optim.AdamW(m.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay))
     warm = max(args.lr_warmup_steps, 1)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / warm)) for o in optimizers]
     kl_ctrl = (AdaptiveKLController(args.init_kl_coef, args.target_kl, args.kl_horizon)
@@ -1321,9 +1346,18 @@ def main(args: Args) -> dict:
     start_iteration, global_step, tracker = 1, 0, {"curve": []}
     if ckpt is not None:
         try:
-            for o, s, so, ss in zip(optimizers, schedulers, ckpt["optimizer"], ckpt["scheduler"]):
+            if len(ckpt["optimizer"]) != len(optimizers):
+                raise ValueError(f"{len(ckpt['optimizer'])} optimizers saved, {len(optimizers)} here")
+            for o, s, so, ss, base in zip(optimizers, schedulers, ckpt["optimizer"], ckpt["scheduler"],
+                                          [args.lr, args.critic_lr]):
                 o.load_state_dict(so)
                 s.load_state_dict(ss)
+                # the saved state holds the old learning rate and weight decay: --lr, --critic-lr, --weight-decay
+                # (the checkpoint's values unless given now) apply from here, at the saved warm-up position
+                s.base_lrs = [base] * len(o.param_groups)
+                for g, f in zip(o.param_groups, s.lr_lambdas):
+                    g.update(lr=base * f(s.last_epoch), initial_lr=base, weight_decay=args.weight_decay)
+                s._last_lr = [g["lr"] for g in o.param_groups]
                 if world > 1 and args.strategy == "fsdp2":
                     shard_optimizer_state(o)
         except (RuntimeError, ValueError, KeyError) as e:
@@ -1410,7 +1444,7 @@ def main(args: Args) -> dict:
         values = torch.cat(values) * maskf if values else torch.zeros_like(old_logp)
 
         # Reward: score (rule or reward model) on the last response token, normalise, KL penalty
-        texts = tok.batch_decode(resp * resp_mask, skip_special_tokens=True)
+        texts = decode_responses(tok, resp)
         eos = (resp == tok.eos_token_id).any(-1)
         correct = torch.tensor([rule_reward(t, r["answer"]) for t, r in zip(texts, rows)])
         if rm is not None:

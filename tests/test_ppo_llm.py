@@ -355,6 +355,59 @@ def test_first_minibatch_ratio_is_exactly_one(tiny):
     assert mean["approx_kl"] > 0  # later minibatches see an updated policy
 
 
+@pytest.mark.parametrize("critic", ["separate", "shared"])
+def test_critic_warmup_leaves_the_actor_and_its_lr_warmup_alone(tiny, critic):
+    import copy
+
+    tok, m0 = tiny
+    m = copy.deepcopy(m0)
+    args = P.Args(rollout_batch_size=4, n=2, ppo_mini_batch_size=2, micro_batch_size=4, critic=critic)
+    model = P.make_critic(m) if critic == "separate" else torch.nn.Linear(m.config.hidden_size, 1)
+    batch = make_update_batch(tok, m, args)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2), torch.optim.AdamW(model.parameters(), lr=1e-2)]
+    schs = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 10)) for o in opts]
+    before = [p.clone() for p in m.parameters()]
+    critic_before = [p.clone() for p in model.parameters()]
+    mean, _ = P.ppo_update(m, model if critic == "separate" else None, model if critic == "shared" else None,
+                           opts, schs, batch, args, torch.Generator().manual_seed(0), update_actor=False)
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))  # the policy (a shared trunk too)
+    assert schs[0].last_epoch == 0 and schs[1].last_epoch == 2  # two minibatches
+    assert any(not torch.equal(a, b) for a, b in zip(critic_before, model.parameters()))
+    assert "critic_grad_norm" in mean and "grad_norm" not in mean and "policy_loss" not in mean
+
+
+def test_decode_stops_at_eos_with_a_printable_id_0():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"!": 0, "1": 1, "2": 2, "<eos>": 3, "<pad>": 4}  # id 0 is an ordinary character, as in GPT-2 or Qwen
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="!"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
+    resp = torch.tensor([[1, 2, 3, 4, 4], [2, 3, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert [t.replace(" ", "") for t in P.decode_responses(tok, resp)] == ["12", "2", "11111"]
+
+
+def test_disable_dropout_also_zeroes_attention_dropout():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, attention_dropout=0.5))
+    x = torch.randint(0, 16, (2, 6))
+    with torch.no_grad():
+        ref = m.eval()(x).logits
+        P.disable_dropout(m).train()
+        assert torch.equal(m(x).logits, ref) and m.config.attention_dropout == 0.0
+
+
+def test_kl_loss_turns_in_reward_kl_off_unless_asked():
+    assert P.parse_args([]).use_kl_in_reward
+    assert not P.parse_args(["--use-kl-loss"]).use_kl_in_reward
+    assert P.parse_args(["--use-kl-loss", "--use-kl-in-reward"]).use_kl_in_reward
+    assert not P.parse_args(["--no-use-kl-in-reward"]).use_kl_in_reward
+
+
 # ----- bad input: one line, exit 2 ----------------------------------------------------------------------------
 @pytest.mark.parametrize("argv,needle", [
     (["--kl-loss-type", "k5"], "low_var_kl"),
@@ -372,6 +425,9 @@ def test_first_minibatch_ratio_is_exactly_one(tiny):
     (["--n", "1.5"], "whole number"),
     (["--resume", "/nonexistent/checkpoint.pt"], "no such file"),
     (["--tiny-hidden-size", "12"], "multiple of 8"),
+    (["--adv-estimator", "reinforce_plus_plus_baseline", "--critic", "none", "--n", "1"], "n >= 2"),
+    (["--reward-norm", "group", "--n", "1"], "n >= 2"),
+    (["--kl-ctrl-type", "adaptive", "--target-kl", "0"], "target-kl > 0"),
     (["--tiny-num-layers", "0"], "must be positive"),
 ])
 def test_bad_input_one_line_exit_2(argv, needle, capsys):
@@ -419,7 +475,7 @@ def test_smoke_two_iterations_subprocess(tmp_path):
 
 
 @pytest.mark.parametrize("extra", [
-    ["--critic", "shared", "--use-kl-loss", "--kl-loss-type", "full", "--kl-penalty", "full",
+    ["--critic", "shared", "--use-kl-loss", "--use-kl-in-reward", "--kl-loss-type", "full", "--kl-penalty", "full",
      "--kl-ctrl-type", "adaptive", "--reward-norm", "group", "--gradient-checkpointing", "--critic-warmup", "1",
      "--huber-delta", "1.0", "--top-k", "5", "--top-p", "0.9", "--temperature", "0.8"],
     ["--adv-estimator", "reinforce_plus_plus", "--critic", "none", "--loss-agg-mode", "seq-mean-token-sum-norm",
@@ -463,6 +519,25 @@ def test_local_model_dataset_reward_model_and_resume(tmp_path):
     b = AutoModelForCausalLM.from_pretrained(os.path.join(resumed["run_dir"], "checkpoint-2", "policy"))
     for (n1, p1), (_, p2) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(p1, p2), n1
+
+
+def test_resume_takes_the_learning_rates_given_now(tmp_path):
+    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1", "--lr-warmup-steps", "10"]))
+    done = P.main(P.parse_args(["--resume", part["checkpoint"], "--lr", "1e-3", "--critic-lr", "5e-3",
+                                "--weight-decay", "0.1", "--save-model"]))
+    state = torch.load(done["checkpoint"], weights_only=True)
+    assert [s["last_epoch"] for s in state["scheduler"]] == [4, 4]  # 2 iterations x 2 minibatches
+    for opt, sch, lr in zip(state["optimizer"], state["scheduler"], (1e-3, 5e-3)):
+        assert sch["base_lrs"] == [lr]
+        assert opt["param_groups"][0]["lr"] == pytest.approx(lr * 5 / 10)  # at the warm-up position, new base
+        assert opt["param_groups"][0]["weight_decay"] == 0.1
+
+
+def test_empty_dataset_prompt_is_one_line_error(tmp_path, capsys):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "", "answer": "1"}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--dataset", str(tmp_path / "d.jsonl")]))
+    assert e.value.code == 2 and "line 1: empty prompt" in capsys.readouterr().err
 
 
 # ----- reliability: same seed, SIGTERM, non-finite updates, atomic checkpoints ----------------------------------
