@@ -395,6 +395,39 @@ def load_env_state(envs, snapshot: list) -> None:
         env.np_random.bit_generator.state = saved["np_random"]
 
 
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:
+    """optimizer.load_state_dict, keeping this run's settings: torch restores the saved ones (capturable, fused,
+    foreach, and lr as a tensor on the CPU after map_location), so a checkpoint of a CUDA-graph run would not
+    resume on the CPU, nor a CPU one stay free of host syncs on CUDA. Adam's step counters go where this run's
+    settings want them."""
+    own = [{k: g[k] for k in ("capturable", "fused", "foreach", "differentiable") if k in g}
+           for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for g, settings in zip(optimizer.param_groups, own):
+        g.update(settings)
+        g["lr"] = torch.tensor(float(g["lr"]), device=device)
+        for p in g["params"]:
+            st = optimizer.state.get(p, {})
+            if torch.is_tensor(st.get("step")):
+                on_param = g.get("capturable") or g.get("fused")
+                st["step"] = st["step"].to(p.device if on_param else torch.device("cpu"), torch.float32)
+
+
+def rng_state() -> dict:
+    """The script's randomness: torch's CPU generator, and the CUDA one of this process's GPU when it is in use
+    (sampling and shuffles on --cuda draw from it)."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
 def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step: int, iteration: int,
                     rollout: Optional[dict] = None, other_ranks: list = ()) -> None:
     """Atomic write (temporary file, then rename): a kill during the save keeps the previous checkpoint.
@@ -407,7 +440,7 @@ def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step:
         "optimizer": optimizer.state_dict(),
         "global_step": global_step,
         "iteration": iteration,
-        "rng": {"torch": torch.get_rng_state()},  # all of the script's own randomness is torch's
+        "rng": rng_state(),
         "args": dataclasses.asdict(args),
         "rollout": rollout,
         "world_size": 1 + len(other_ranks),
@@ -546,15 +579,21 @@ def main(args: Args) -> dict:
     if ckpt is not None:
         try:
             agent.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
+            load_optimizer_state(optimizer, ckpt["optimizer"], device)
         except (RuntimeError, ValueError, KeyError) as e:
             die(f"checkpoint {args.resume} does not fit this network: {str(e).splitlines()[0]}")
         start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
         if rank > 0:  # this rank's RNG and envs
             ckpt = ckpt["other_ranks"][rank - 1]
-        torch.set_rng_state(ckpt["rng"]["torch"])
+        set_rng_state(ckpt["rng"], device)
         if rank == 0:
             print(f"resumed {args.resume} at iteration {start_iteration - 1}, global step {global_step}")
+            saved_total = ckpt["args"].get("total_timesteps", args.total_timesteps)
+            if args.anneal_lr and saved_total != args.total_timesteps:  # not silent: the lr jumps
+                print(f"note: --total-timesteps {args.total_timesteps} differs from the checkpoint's {saved_total}: "
+                      "the learning rate now anneals to 0 at the new total")
+    for p in agent.parameters():  # gradients allocated here, outside any CUDA graph's memory pool; the update
+        p.grad = torch.zeros_like(p)  # zeroes them in place (zero_grad(set_to_none=False))
     train_agent = agent  # what the update calls: the agent itself, or DDP around it under torchrun
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -626,7 +665,7 @@ def main(args: Args) -> dict:
         """Called by every rank at the same iteration; rank 0 writes the states of all ranks."""
         rollout = dict(envs=env_state(envs), next_obs=next_obs.cpu(), next_done=next_done.cpu(),
                        ep_return=torch.from_numpy(ep_return), ep_length=torch.from_numpy(ep_length))
-        ranks = gather_objects({"rng": {"torch": torch.get_rng_state()}, "rollout": rollout}, world)
+        ranks = gather_objects({"rng": rng_state(), "rollout": rollout}, world)
         if rank == 0:
             save_checkpoint(path, agent, optimizer, args, global_step, iteration, rollout, ranks[1:])
     recent_returns: list[float] = []

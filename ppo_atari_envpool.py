@@ -449,6 +449,39 @@ def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
 SCRIPT = "ppo_atari_envpool.py"
 
 
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:
+    """optimizer.load_state_dict, keeping this run's settings: torch restores the saved ones (capturable, fused,
+    foreach, and lr as a tensor on the CPU after map_location), so a checkpoint of a CUDA-graph run would not
+    resume on the CPU, nor a CPU one stay free of host syncs on CUDA. Adam's step counters go where this run's
+    settings want them."""
+    own = [{k: g[k] for k in ("capturable", "fused", "foreach", "differentiable") if k in g}
+           for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for g, settings in zip(optimizer.param_groups, own):
+        g.update(settings)
+        g["lr"] = torch.tensor(float(g["lr"]), device=device)
+        for p in g["params"]:
+            st = optimizer.state.get(p, {})
+            if torch.is_tensor(st.get("step")):
+                on_param = g.get("capturable") or g.get("fused")
+                st["step"] = st["step"].to(p.device if on_param else torch.device("cpu"), torch.float32)
+
+
+def rng_state() -> dict:
+    """The script's randomness: torch's CPU generator, and the CUDA one of this process's GPU when it is in use
+    (sampling and shuffles on --cuda draw from it)."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
 def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step: int, iteration: int,
                     other_ranks: list = ()) -> None:
     """Atomic write (temporary file, then rename): a kill during the save keeps the previous checkpoint.
@@ -460,7 +493,7 @@ def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step:
         "optimizer": optimizer.state_dict(),
         "global_step": global_step,
         "iteration": iteration,
-        "rng": {"torch": torch.get_rng_state()},  # the policy's sampling and the shuffles draw from torch
+        "rng": rng_state(),
         "args": dataclasses.asdict(args),
         "world_size": 1 + len(other_ranks),
         "other_ranks": list(other_ranks),
@@ -606,19 +639,26 @@ def main(args: Args) -> dict:
     if not args.cuda:  # oneDNN's convolutions (backward above all) run ~20% faster on NHWC weights on CPU
         agent = agent.to(memory_format=torch.channels_last)
     # lr lives in a tensor so that annealing does not recompile the compiled/captured optimizer step; on CPU the
-    # fused Adam saves the elementwise passes over the 1.7M parameters
+    # fused Adam saves the elementwise passes over the 1.7M parameters; on CUDA `capturable` keeps the step counters
+    # on the GPU and reads the tensor lr there (without it, Adam reads lr on the host once per parameter)
     optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
-                                 capturable=args.cudagraphs, fused=True if not args.cuda else None)
+                                 capturable=args.cuda, fused=True if not args.cuda else None)
     if ckpt is not None:
         try:
             agent.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
+            load_optimizer_state(optimizer, ckpt["optimizer"], device)
         except (RuntimeError, ValueError, KeyError) as e:
             die(f"checkpoint {args.resume} does not fit this network: {str(e).splitlines()[0]}")
         own = ckpt if rank == 0 else ckpt["other_ranks"][rank - 1]  # this rank's RNG
-        torch.set_rng_state(own["rng"]["torch"])
+        set_rng_state(own["rng"], device)
         if rank == 0:
             print(f"resumed {args.resume} at iteration {ckpt['iteration']}, global step {global_step}")
+            saved_total = ckpt["args"].get("total_timesteps", args.total_timesteps)
+            if args.anneal_lr and saved_total != args.total_timesteps:  # not silent: the lr jumps
+                print(f"note: --total-timesteps {args.total_timesteps} differs from the checkpoint's {saved_total}: "
+                      "the learning rate now anneals to 0 at the new total")
+    for p in agent.parameters():  # gradients allocated here, outside any CUDA graph's memory pool; the update
+        p.grad = torch.zeros_like(p)  # zeroes them in place (zero_grad(set_to_none=False))
     train_agent = agent  # what the update calls: the agent itself, or DDP around it under torchrun
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -693,7 +733,7 @@ def main(args: Args) -> dict:
 
     def checkpoint(path: str, iteration: int) -> None:
         """Called by every rank at the same iteration; rank 0 writes the states of all ranks."""
-        ranks = gather_objects({"rng": {"torch": torch.get_rng_state()}}, world)
+        ranks = gather_objects({"rng": rng_state()}, world)
         if rank == 0:
             save_checkpoint(path, agent, optimizer, args, global_step, iteration, ranks[1:])
 
@@ -778,7 +818,9 @@ def main(args: Args) -> dict:
             print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
                   file=sys.stderr)
             sys.exit(1)
-        last_stats["explained_variance"] = explained_variance(b_values.cpu().numpy(), b_returns.cpu().numpy())
+        valid = b_mask.bool()  # envpool's reset steps are no transitions: left out, as from the losses
+        last_stats["explained_variance"] = explained_variance(b_values[valid].cpu().numpy(),
+                                                              b_returns[valid].cpu().numpy())
         sps = int((global_step - steps_at_start) / (time.time() - start_time))
         writer.add_scalar("charts/learning_rate", lr_now, global_step)
         for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",

@@ -619,6 +619,39 @@ def load_env_state(envs, snapshot: list) -> None:
             set_mujoco_state(env, saved["mujoco"])
 
 
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:
+    """optimizer.load_state_dict, keeping this run's settings: torch restores the saved ones (capturable, fused,
+    foreach, and lr as a tensor on the CPU after map_location), so a checkpoint of a CUDA-graph run would not
+    resume on the CPU, nor a CPU one stay free of host syncs on CUDA. Adam's step counters go where this run's
+    settings want them."""
+    own = [{k: g[k] for k in ("capturable", "fused", "foreach", "differentiable") if k in g}
+           for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for g, settings in zip(optimizer.param_groups, own):
+        g.update(settings)
+        g["lr"] = torch.tensor(float(g["lr"]), device=device)
+        for p in g["params"]:
+            st = optimizer.state.get(p, {})
+            if torch.is_tensor(st.get("step")):
+                on_param = g.get("capturable") or g.get("fused")
+                st["step"] = st["step"].to(p.device if on_param else torch.device("cpu"), torch.float32)
+
+
+def rng_state() -> dict:
+    """The script's randomness: torch's CPU generator, and the CUDA one of this process's GPU when it is in use
+    (sampling and shuffles on --cuda draw from it)."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
 def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step: int, iteration: int,
                     obs_rms: RunningMeanStd, reward_scaler: RewardScaler, rollout: Optional[dict] = None,
                     other_ranks: list = ()) -> None:
@@ -634,7 +667,7 @@ def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step:
         "optimizer": optimizer.state_dict(),
         "global_step": global_step,
         "iteration": iteration,
-        "rng": {"torch": torch.get_rng_state()},  # all of the script's own randomness is torch's
+        "rng": rng_state(),
         "args": dataclasses.asdict(args),
         "obs_rms": obs_rms.state_dict(),
         "return_rms": reward_scaler.rms.state_dict(),
@@ -795,16 +828,17 @@ def main(args: Args) -> dict:
     act_low, act_high = envs.single_action_space.low, envs.single_action_space.high
     agent = Agent(obs_dim, act_dim).to(device)
     # lr lives in a tensor so that annealing does not recompile the compiled/captured optimizer step;
-    # on CPU the fused Adam is one kernel instead of one per parameter (4x faster step for these small nets)
+    # on CPU the fused Adam is one kernel instead of one per parameter (4x faster step for these small nets); on CUDA
+    # `capturable` keeps the step counters on the GPU and reads the tensor lr there (no host sync per parameter)
     optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
-                                 capturable=args.cudagraphs, fused=True if not args.cuda else None)
+                                 capturable=args.cuda, fused=True if not args.cuda else None)
     obs_rms = RunningMeanStd((obs_dim,))
     reward_scaler = RewardScaler(args.num_envs, args.gamma, args.reward_clip)
     start_iteration, global_step = 1, 0
     if ckpt is not None:
         try:
             agent.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
+            load_optimizer_state(optimizer, ckpt["optimizer"], device)
             obs_rms.load_state_dict(ckpt["obs_rms"])
             reward_scaler.rms.load_state_dict(ckpt["return_rms"])
         except (RuntimeError, ValueError, KeyError) as e:
@@ -812,12 +846,18 @@ def main(args: Args) -> dict:
         start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
         if rank > 0:  # this rank's RNG and envs
             ckpt = ckpt["other_ranks"][rank - 1]
-        torch.set_rng_state(ckpt["rng"]["torch"])
+        set_rng_state(ckpt["rng"], device)
         if rank == 0:
             print(f"resumed {args.resume} at iteration {start_iteration - 1}, global step {global_step}")
+            saved_total = ckpt["args"].get("total_timesteps", args.total_timesteps)
+            if args.anneal_lr and saved_total != args.total_timesteps:  # not silent: the lr jumps
+                print(f"note: --total-timesteps {args.total_timesteps} differs from the checkpoint's {saved_total}: "
+                      "the learning rate now anneals to 0 at the new total")
     if world > 1:  # each rank's statistics see its own data during a rollout; merge_ranks combines them after it
         obs_rms.track_additions()
         reward_scaler.rms.track_additions()
+    for p in agent.parameters():  # gradients allocated here, outside any CUDA graph's memory pool; the update
+        p.grad = torch.zeros_like(p)  # zeroes them in place (zero_grad(set_to_none=False))
     train_agent = agent  # what the update calls: the agent itself, or DDP around it under torchrun
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -900,7 +940,7 @@ def main(args: Args) -> dict:
                        next_done=torch.from_numpy(next_done.copy()), ep_return=torch.from_numpy(ep_return.copy()),
                        ep_length=torch.from_numpy(ep_length.copy()),
                        reward_ret=torch.from_numpy(reward_scaler.ret.copy()))
-        ranks = gather_objects({"rng": {"torch": torch.get_rng_state()}, "rollout": rollout}, world)
+        ranks = gather_objects({"rng": rng_state(), "rollout": rollout}, world)
         if rank == 0:
             save_checkpoint(path, agent, optimizer, args, global_step, iteration, obs_rms, reward_scaler, rollout,
                             ranks[1:])

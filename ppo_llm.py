@@ -276,7 +276,8 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
             message.append(ln)
         die(" ".join(message) or "invalid arguments (see --help)")
     given = {a.split("=", 1)[0] for a in argv}
-    if "--use-kl-loss" in given and not given & {"--use-kl-in-reward", "--no-use-kl-in-reward"} and args.use_kl_in_reward:
+    kl_in_reward_given = bool(given & {"--use-kl-in-reward", "--no-use-kl-in-reward"})
+    if "--use-kl-loss" in given and not kl_in_reward_given and args.use_kl_in_reward:
         # verl: "when use_kl_loss is used, we are not applying KL in the reward function"; --use-kl-in-reward adds it
         print("note: --use-kl-loss: no KL penalty in the reward (as verl); add --use-kl-in-reward for both")
         args.use_kl_in_reward = False

@@ -274,6 +274,39 @@ def test_save_resume_continues_step_count_and_lr_schedule(tmp_path):
     np.testing.assert_allclose([v for _, v in lr_split], [v for _, v in lr_full], rtol=1e-6)
 
 
+def test_resume_with_another_total_says_the_schedule_changes(tmp_path, capsys):
+    first = ppo.main(small_args(tmp_path, total_timesteps=512, num_steps=32, stop_after=1))
+    args = ppo.parse_args(["--resume", os.path.join(first["run_dir"], "checkpoint.pt"), "--total-timesteps", "384",
+                           "--stop-after", "1"])
+    ppo.main(args)
+    assert "differs from the checkpoint's 512" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script", ["ppo", "ppo_continuous", "ppo_atari_envpool"])
+def test_optimizer_state_of_a_cuda_graph_run_resumes_here(script):
+    """A checkpoint written by a --cuda --cudagraphs run holds capturable=True (and a CPU lr after map_location):
+    loaded as torch does, the first step on the CPU fails; each script keeps its own optimizer settings instead."""
+    mod = __import__(script)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2)
+    saved = torch.optim.Adam(net.parameters(), lr=torch.tensor(1e-2), eps=1e-5, fused=True)
+    net(torch.randn(3, 4)).sum().backward()
+    saved.step()
+    state = saved.state_dict()
+    state["param_groups"][0].update(capturable=True, fused=None)  # as a CUDA-graph run saves it
+    mine = torch.optim.Adam(net.parameters(), lr=torch.tensor(5e-3), eps=1e-5, fused=True)
+    plain = torch.optim.Adam(net.parameters(), lr=torch.tensor(5e-3), eps=1e-5, fused=True)
+    plain.load_state_dict(state)
+    with pytest.raises(Exception):
+        plain.step()
+    mod.load_optimizer_state(mine, state, torch.device("cpu"))
+    g = mine.param_groups[0]
+    assert g["fused"] and not g["capturable"] and torch.is_tensor(g["lr"]) and float(g["lr"]) == pytest.approx(1e-2)
+    mine.step()
+    assert mine.state[next(net.parameters())]["step"].item() == 2  # the saved step, then this one
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
 def test_evaluate_a_saved_checkpoint(tmp_path):
     res = ppo.main(small_args(tmp_path, save_model=True))
     ckpt = os.path.join(res["run_dir"], "checkpoint.pt")
