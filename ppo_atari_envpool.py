@@ -818,9 +818,9 @@ def main(args: Args) -> dict:
             print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
                   file=sys.stderr)
             sys.exit(1)
-        valid = b_mask.bool()  # envpool's reset steps are no transitions: left out, as from the losses
-        last_stats["explained_variance"] = explained_variance(b_values[valid].cpu().numpy(),
-                                                              b_returns[valid].cpu().numpy())
+        valid = b_mask.cpu().numpy() > 0  # envpool's reset steps are no transitions: left out, as from the losses
+        last_stats["explained_variance"] = explained_variance(b_values.cpu().numpy()[valid],
+                                                              b_returns.cpu().numpy()[valid])
         sps = int((global_step - steps_at_start) / (time.time() - start_time))
         writer.add_scalar("charts/learning_rate", lr_now, global_step)
         for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",

@@ -438,15 +438,13 @@ def load_causal_lm(path: str, trust_remote_code: bool):
 
 def disable_dropout(model: nn.Module) -> nn.Module:
     """RLHF detail: dropout off, so that the log-probs of rollout and update agree (ratio exactly 1 at first)."""
-    for m in model.modules():
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
-        for name, value in vars(m).items():  # attention dropout is a float attribute in HF attention modules
+    # nn.Dropout modules, float attributes such as HF attention's `attention_dropout`, and the config (later copies)
+    for holder in [*model.modules(), *([model.config] if hasattr(model, "config") else [])]:
+        if isinstance(holder, nn.Dropout):
+            holder.p = 0.0
+        for name, value in list(vars(holder).items()):
             if "dropout" in name and isinstance(value, float):
-                setattr(m, name, 0.0)
-    for name, value in vars(getattr(model, "config", object())).items():  # and in the config, for later copies
-        if "dropout" in name and isinstance(value, float):
-            setattr(model.config, name, 0.0)
+                setattr(holder, name, 0.0)
     return model
 
 

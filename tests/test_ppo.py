@@ -297,7 +297,7 @@ def test_optimizer_state_of_a_cuda_graph_run_resumes_here(script):
     mine = torch.optim.Adam(net.parameters(), lr=torch.tensor(5e-3), eps=1e-5, fused=True)
     plain = torch.optim.Adam(net.parameters(), lr=torch.tensor(5e-3), eps=1e-5, fused=True)
     plain.load_state_dict(state)
-    with pytest.raises(Exception):
+    with pytest.raises((AssertionError, RuntimeError)):
         plain.step()
     mod.load_optimizer_state(mine, state, torch.device("cpu"))
     g = mine.param_groups[0]

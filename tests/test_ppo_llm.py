@@ -277,6 +277,14 @@ def tiny():
     return tok, P.disable_dropout(P.build_tiny_model(tok, 0))
 
 
+@pytest.fixture
+def tiny_copy(tiny):
+    """The tiny model's tokenizer and a copy of it that a test may train."""
+    import copy
+
+    return tiny[0], copy.deepcopy(tiny[1])
+
+
 def test_left_padding_matches_unpadded(tiny):
     tok, m = tiny
     a, b = tok.encode("98765=", add_special_tokens=False), tok.encode("12=", add_special_tokens=False)
@@ -341,10 +349,8 @@ def test_micro_batch_accumulation_same_gradients(acc_setup, mode):
     m.zero_grad()
 
 
-def test_first_minibatch_ratio_is_exactly_one(tiny):
-    tok, m0 = tiny
-    import copy
-    m = copy.deepcopy(m0)
+def test_first_minibatch_ratio_is_exactly_one(tiny_copy):
+    tok, m = tiny_copy
     args = P.Args(rollout_batch_size=8, n=2, ppo_mini_batch_size=2, micro_batch_size=2, critic="none",
                   adv_estimator="grpo", ppo_epochs=2)
     batch = make_update_batch(tok, m, args)
@@ -356,11 +362,8 @@ def test_first_minibatch_ratio_is_exactly_one(tiny):
 
 
 @pytest.mark.parametrize("critic", ["separate", "shared"])
-def test_critic_warmup_leaves_the_actor_and_its_lr_warmup_alone(tiny, critic):
-    import copy
-
-    tok, m0 = tiny
-    m = copy.deepcopy(m0)
+def test_critic_warmup_leaves_the_actor_and_its_lr_warmup_alone(tiny_copy, critic):
+    tok, m = tiny_copy
     args = P.Args(rollout_batch_size=4, n=2, ppo_mini_batch_size=2, micro_batch_size=4, critic=critic)
     model = P.make_critic(m) if critic == "separate" else torch.nn.Linear(m.config.hidden_size, 1)
     batch = make_update_batch(tok, m, args)
