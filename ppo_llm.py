@@ -2,6 +2,7 @@
 
     python ppo_llm.py                                   # offline, CPU, minutes: tiny Llama learns to sort digits
     python ppo_llm.py --adv-estimator grpo --critic none --use-kl-loss --kl-loss-type low_var_kl
+    python ppo_llm.py --adv-type gae --gae-lambda 0.95 --pg-clip 0.2    # verl / ROLL / RLinf option names work too
     python ppo_llm.py --model-name-or-path DIR --dataset prompts.jsonl --reward-model-path RM_DIR --cuda
     python ppo_llm.py --resume runs/<run>/checkpoint.pt
     torchrun --nproc-per-node 2 ppo_llm.py              # FSDP2 (--strategy ddp: DDP); batch sizes are global
@@ -32,6 +33,7 @@ import shutil
 import signal
 import sys
 import time
+import typing
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
@@ -72,6 +74,11 @@ Count = Annotated[
 ]
 
 
+def alias(*names: str):
+    """Other spellings of a flag: the option names of the verl / ROLL / RLinf docs (README: option mapping)."""
+    return tyro.conf.arg(aliases=names)
+
+
 @dataclass
 class Args:
     # Experiment
@@ -87,7 +94,7 @@ class Args:
     """torch.compile the forward of policy and critic"""
     strategy: Literal["fsdp2", "ddp"] = "fsdp2"
     """under torchrun: shard policy, reference and critic with FSDP2 (fully_shard), or replicate them with DDP"""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: Annotated[bool, alias("--enable-gradient-checkpointing")] = False
     """recompute activations in the backward pass (large models)"""
     torch_threads: Count = 1
     """torch CPU threads (1 is fastest for the tiny default model on a shared CPU)"""
@@ -124,6 +131,11 @@ class Args:
     """JSONL file of {"prompt": ..., "answer": ...} (default: synthetic digit sorting)"""
     critic: Literal["separate", "shared", "none"] = "separate"
     """value model: own copy of the trunk + value head (verl/RLinf), value head on the policy trunk, or none"""
+    use_critic_model: Optional[bool] = None
+    """RLinf critic.use_critic_model: True sets --critic separate, False --critic shared (None: --critic decides)"""
+    loss_type: Optional[Literal["actor_critic", "actor"]] = None
+    """RLinf loss_type: actor_critic sets --critic shared (one loss, one backward through the shared trunk), actor
+    --critic separate (None: --critic decides)"""
     sft_steps: Count = 60
     """warm-start: supervised steps on the task's answers before PPO (0: none); few, so the model is partly right"""
     sft_lr: float = 2e-3
@@ -134,14 +146,14 @@ class Args:
     # Rollout
     num_iterations: Count = 300
     """PPO iterations (rollout + update)"""
-    rollout_batch_size: Count = 32
+    rollout_batch_size: Annotated[Count, alias("--train-batch-size", "--data.train-batch-size")] = 32
     """prompts per iteration (verl data.train_batch_size, ROLL rollout_batch_size)"""
-    n: Annotated[Count, tyro.conf.arg(aliases=("--group-size",))] = 4
+    n: Annotated[Count, alias("--group-size", "--num-return-sequences-in-group")] = 4
     """responses per prompt (verl rollout.n, ROLL num_return_sequences_in_group, RLinf group_size); under torchrun
     write --group-size (torchrun reads --n as an abbreviation of its own --nnodes)"""
-    prompt_length: Count = 16
+    prompt_length: Annotated[Count, alias("--max-prompt-length")] = 16
     """maximum prompt tokens (longer dataset prompts are dropped)"""
-    response_length: Count = 8
+    response_length: Annotated[Count, alias("--max-response-length")] = 8
     """maximum response tokens"""
     temperature: float = 1.0
     """sampling temperature; log-probs for training are computed with the same temperature"""
@@ -149,6 +161,11 @@ class Args:
     """nucleus sampling threshold (1: off)"""
     top_k: Count = 0
     """sample among the k most likely tokens (0: off)"""
+    rollout_micro_batch_size: Optional[Count] = None
+    """generate at most this many responses at a time (RLinf; memory only; None: the whole batch at once)"""
+    logprob_forward_micro_batch_size: Annotated[Optional[Count], alias("--log-prob-micro-batch-size-per-gpu")] = None
+    """responses per no-grad forward when scoring with policy, reference and critic (RLinf; None: --micro-batch-size,
+    which makes the first minibatch's ratio exactly 1; another size only up to float rounding)"""
 
     # Reward
     reward_norm: Literal["none", "batch", "group", "running"] = "none"
@@ -163,18 +180,18 @@ class Args:
     """subtracted from the score of a response that hits response_length without EOS"""
 
     # KL to the reference policy
-    use_kl_in_reward: bool = True
+    use_kl_in_reward: Annotated[bool, alias("--add-token-level-kl")] = True
     """token-level reward -= kl_coef * kl(logp, ref_logp) (verl algorithm.use_kl_in_reward); off when --use-kl-loss
     is given without this flag (verl applies one or the other)"""
     kl_penalty: Literal["kl", "abs", "mse", "low_var_kl", "full"] = "kl"
     """KL estimator in the reward"""
-    kl_ctrl_type: Literal["fixed", "adaptive"] = "fixed"
+    kl_ctrl_type: Annotated[Literal["fixed", "adaptive"], alias("--kl-ctrl.type")] = "fixed"
     """in-reward KL coefficient: fixed, or adaptive towards target_kl"""
-    init_kl_coef: float = 0.001
+    init_kl_coef: Annotated[float, alias("--kl-ctrl.kl-coef", "--kl-coef")] = 0.001
     """(initial) in-reward KL coefficient (verl kl_ctrl.kl_coef)"""
-    target_kl: float = 0.1
-    """adaptive controller: target sequence KL"""
-    kl_horizon: Count = 10000
+    target_kl: Annotated[float, alias("--kl-ctrl.target-kl")] = 0.1
+    """adaptive controller: target sequence KL; given without --kl-ctrl-type it selects adaptive (as ROLL)"""
+    kl_horizon: Annotated[Count, alias("--kl-ctrl.horizon")] = 10000
     """adaptive controller: horizon in samples"""
     use_kl_loss: bool = False
     """add kl_loss_coef * kl(logp, ref_logp) to the actor loss (GRPO style)"""
@@ -184,21 +201,23 @@ class Args:
     """KL estimator of the KL loss"""
 
     # Advantages
-    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus",
-                            "reinforce_plus_plus_baseline"] = "gae"
+    adv_estimator: Annotated[Literal["gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus",
+                                     "reinforce_plus_plus_baseline"], alias("--adv-type")] = "gae"
     """advantage estimator"""
     gamma: float = 1.0
     """discount factor over response tokens"""
-    lam: float = 1.0
+    lam: Annotated[float, alias("--lambd", "--gae-lambda")] = 1.0
     """GAE lambda"""
     norm_adv_by_std_in_grpo: bool = True
     """grpo: divide by the group's std (off: Dr. GRPO)"""
-    whiten_advantages: bool = True
+    whiten_advantages: Annotated[bool, alias("--normalize-advantages")] = True
     """whiten advantages over the batch's response tokens (gae, grpo, rloo, reinforce; reinforce++ always does)"""
     advantage_clip: Optional[float] = None
     """clip advantages to [-c, c]"""
 
     # Policy loss
+    clip_ratio: Annotated[Optional[float], alias("--pg-clip")] = None
+    """sets clip_ratio_low and clip_ratio_high where those are not given (verl clip_ratio, ROLL pg_clip)"""
     clip_ratio_low: float = 0.2
     """ratio lower clip: 1 - clip_ratio_low"""
     clip_ratio_high: float = 0.2
@@ -207,14 +226,14 @@ class Args:
     """dual-clip PPO: for A < 0 the loss is at most -A * clip_ratio_c"""
     clip_ratio_c: float = 3.0
     """dual-clip bound (> 1)"""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean")
+    loss_agg_mode: Annotated[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                     "seq-mean-token-sum-norm"], alias("--loss-agg-func")] = "token-mean"
     """how token losses become one number (verl agg_loss)"""
-    entropy_coeff: float = 0.0
+    entropy_coeff: Annotated[float, alias("--entropy-bonus")] = 0.0
     """entropy bonus coefficient"""
 
     # Value loss
-    value_clip: Optional[float] = 0.5
+    value_clip: Annotated[Optional[float], alias("--cliprange-value")] = 0.5
     """clip the new value to old value +- value_clip (verl cliprange_value; None: off)"""
     huber_delta: Optional[float] = None
     """Huber loss with this delta instead of 0.5 * squared error (RLinf)"""
@@ -228,7 +247,7 @@ class Args:
     """epochs over each rollout"""
     ppo_mini_batch_size: Count = 8
     """prompts per minibatch (each brings its n responses), as in verl"""
-    micro_batch_size: Count = 16
+    micro_batch_size: Annotated[Count, alias("--ppo-micro-batch-size-per-gpu")] = 16
     """responses per forward/backward; gradient accumulation, does not change the result"""
     lr: float = 2e-4
     """actor learning rate (AdamW)"""
@@ -238,7 +257,7 @@ class Args:
     """linear learning-rate warm-up over this many optimizer steps"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, alias("--grad-clip")] = 1.0
     """gradient norm clip of actor and critic"""
 
     # Evaluation
@@ -275,14 +294,48 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
                 break
             message.append(ln)
         die(" ".join(message) or "invalid arguments (see --help)")
-    given = {a.split("=", 1)[0] for a in argv}
-    kl_in_reward_given = bool(given & {"--use-kl-in-reward", "--no-use-kl-in-reward"})
-    if "--use-kl-loss" in given and not kl_in_reward_given and args.use_kl_in_reward:
+    resolve_implied(args, given_fields(argv))
+    validate(args)
+    return args
+
+
+def given_fields(argv: list[str]) -> set[str]:
+    """The Args fields set on this command line, under any spelling (--name, an alias, --no-name)."""
+    hints = typing.get_type_hints(Args, include_extras=True)
+    spelling = {}
+    for f in dataclasses.fields(Args):
+        names = ["--" + f.name.replace("_", "-")]
+        for meta in getattr(hints[f.name], "__metadata__", ()):
+            names += list(getattr(meta, "aliases", None) or ())
+        for name in names:
+            spelling[name] = spelling["--no-" + name[2:]] = f.name
+    return {spelling[a.split("=", 1)[0]] for a in argv if a.split("=", 1)[0] in spelling}
+
+
+def resolve_implied(args: Args, given: set[str]) -> None:
+    """Flags that set others, as the frameworks do, unless those others are given too (notes say what changed)."""
+    if "use_kl_loss" in given and "use_kl_in_reward" not in given and args.use_kl_loss and args.use_kl_in_reward:
         # verl: "when use_kl_loss is used, we are not applying KL in the reward function"; --use-kl-in-reward adds it
         print("note: --use-kl-loss: no KL penalty in the reward (as verl); add --use-kl-in-reward for both")
         args.use_kl_in_reward = False
-    validate(args)
-    return args
+    if "target_kl" in given and "kl_ctrl_type" not in given and args.kl_ctrl_type == "fixed":
+        print("note: --target-kl given: adaptive KL controller (as ROLL); --kl-ctrl-type fixed keeps the fixed one")
+        args.kl_ctrl_type = "adaptive"
+    if "clip_ratio" in given and args.clip_ratio is not None:  # verl: clip_ratio_low/high default to clip_ratio
+        for name in ("clip_ratio_low", "clip_ratio_high"):
+            if name not in given:
+                setattr(args, name, args.clip_ratio)
+    implied = {}  # RLinf's two ways of choosing the critic
+    if "use_critic_model" in given and args.use_critic_model is not None:
+        implied["--use-critic-model"] = "separate" if args.use_critic_model else "shared"
+    if "loss_type" in given and args.loss_type is not None:
+        implied["--loss-type"] = "shared" if args.loss_type == "actor_critic" else "separate"
+    if "critic" in given:
+        implied["--critic"] = args.critic
+    if len(set(implied.values())) > 1:
+        die("contradictory critic choice: " + ", ".join(f"{k} means --critic {v}" for k, v in implied.items()))
+    if implied:
+        args.critic = next(iter(implied.values()))
 
 
 def resume_path(argv: list[str]) -> Optional[str]:
@@ -326,6 +379,11 @@ def validate(args: Args) -> None:
         if (args.ppo_mini_batch_size // world * args.n) % args.micro_batch_size:
             die(f"ppo_mini_batch_size/world*n = {args.ppo_mini_batch_size // world * args.n} responses per rank is "
                 f"not divisible by --micro-batch-size {args.micro_batch_size}")
+    for name in ("rollout_micro_batch_size", "logprob_forward_micro_batch_size"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            die(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.clip_ratio_low < 0 or args.clip_ratio_high < 0:
+        die("--clip-ratio-low and --clip-ratio-high must be >= 0")
     if args.tiny_hidden_size % 8:  # 4 heads of an even size (rotary embeddings)
         die(f"--tiny-hidden-size must be a multiple of 8, got {args.tiny_hidden_size}")
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
@@ -1199,8 +1257,9 @@ def evaluate(policy, tok, rows: list[dict], args: Args, gen, device, rank: int =
     res = {}
     for name, greedy in (("greedy", True), ("sampled", False)):
         correct = 0.0
-        for s in range(0, len(mine), 256):
-            chunk = mine[s:s + 256]
+        chunk_size = args.rollout_micro_batch_size or 256
+        for s in range(0, len(mine), chunk_size):
+            chunk = mine[s:s + chunk_size]
             ids, mask = encode_batch(tok, chunk, args.prompt_length)
             resp = generate(policy, ids.to(device), mask.to(device), args.response_length, tok.eos_token_id,
                             tok.pad_token_id, args.temperature, args.top_p, args.top_k, gen, greedy, all_done).cpu()
@@ -1418,17 +1477,20 @@ def main(args: Args) -> dict:
         rows = rows[rank * share:(rank + 1) * share]
         p_ids, p_mask = encode_batch(tok, rows, args.prompt_length)
         policy.eval()
-        resp = generate(policy, p_ids.to(device), p_mask.to(device), R, tok.eos_token_id, tok.pad_token_id,
-                        args.temperature, args.top_p, args.top_k, gen_dev, all_done=all_done).cpu()
+        gen_mb = args.rollout_micro_batch_size or p_ids.shape[0]  # (every rank runs the same number of chunks)
+        resp = torch.cat([generate(policy, p_ids[s:s + gen_mb].to(device), p_mask[s:s + gen_mb].to(device), R,
+                                   tok.eos_token_id, tok.pad_token_id, args.temperature, args.top_p, args.top_k,
+                                   gen_dev, all_done=all_done).cpu() for s in range(0, p_ids.shape[0], gen_mb)])
         t_gen = time.time() - t0
         resp_mask = response_mask_from(resp, tok.eos_token_id)
         ids = torch.cat([p_ids, resp], 1).to(device)
         attn = torch.cat([p_mask, resp_mask], 1).to(device)
         need_full = args.kl_penalty == "full" or (args.use_kl_loss and args.kl_loss_type == "full")
         old_logp, ref_logp, values, old_full, ref_full = [], [], [], [], []
-        with torch.no_grad(), autocast():  # scored in micro-batches exactly as in the update (ratio 1 at first)
-            for s in range(0, ids.shape[0], args.micro_batch_size):
-                sl = slice(s, s + args.micro_batch_size)
+        fwd_mb = args.logprob_forward_micro_batch_size or args.micro_batch_size  # as the update: ratio 1 at first
+        with torch.no_grad(), autocast():
+            for s in range(0, ids.shape[0], fwd_mb):
+                sl = slice(s, s + fwd_mb)
                 o = model_forward(policy, ids[sl], attn[sl], R, args.temperature, value_head, full=need_full)
                 r_ = model_forward(ref, ids[sl], attn[sl], R, args.temperature, full=need_full)
                 old_logp.append(o["logp"].cpu()), ref_logp.append(r_["logp"].cpu())

@@ -3,6 +3,7 @@ accumulation, left padding, ratio 1 on the first minibatch, bad input, smoke run
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -411,6 +412,101 @@ def test_kl_loss_turns_in_reward_kl_off_unless_asked():
     assert not P.parse_args(["--no-use-kl-in-reward"]).use_kl_in_reward
 
 
+# Every option name of the three framework docs (shared/seeds/) is a flag here, for the field it names
+DOC_OPTION_NAMES = {
+    # verl (the key's last part; kl_ctrl.* as written)
+    "train_batch_size": "rollout_batch_size", "data.train_batch_size": "rollout_batch_size",
+    "ppo_mini_batch_size": "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu": "micro_batch_size",
+    "use_kl_loss": "use_kl_loss", "clip_ratio": "clip_ratio", "ppo_epochs": "ppo_epochs",
+    "kl_loss_coef": "kl_loss_coef", "kl_loss_type": "kl_loss_type", "lam": "lam", "gamma": "gamma",
+    "adv_estimator": "adv_estimator", "use_kl_in_reward": "use_kl_in_reward", "kl_penalty": "kl_penalty",
+    "kl_ctrl.kl_coef": "init_kl_coef", "kl_ctrl.type": "kl_ctrl_type", "kl_ctrl.horizon": "kl_horizon",
+    "kl_ctrl.target_kl": "target_kl", "cliprange_value": "value_clip", "grad_clip": "max_grad_norm",
+    "enable_gradient_checkpointing": "gradient_checkpointing", "max_prompt_length": "prompt_length",
+    "max_response_length": "response_length", "log_prob_micro_batch_size_per_gpu": "logprob_forward_micro_batch_size",
+    # ROLL
+    "rollout_batch_size": "rollout_batch_size", "prompt_length": "prompt_length",
+    "response_length": "response_length", "num_return_sequences_in_group": "n", "loss_agg_mode": "loss_agg_mode",
+    "whiten_advantages": "whiten_advantages", "advantage_clip": "advantage_clip", "reward_clip": "reward_clip",
+    "dual_clip_loss": "dual_clip_loss", "lambd": "lam", "pg_clip": "clip_ratio", "value_clip": "value_clip",
+    "target_kl": "target_kl", "init_kl_coef": "init_kl_coef", "kl_horizon": "kl_horizon",
+    "add_token_level_kl": "use_kl_in_reward", "reward_norm": "reward_norm", "reward_shift": "reward_shift",
+    "reward_scale": "reward_scale",
+    # RLinf
+    "normalize_advantages": "whiten_advantages", "group_size": "n", "adv_type": "adv_estimator",
+    "loss_type": "loss_type", "loss_agg_func": "loss_agg_mode", "rollout_micro_batch_size": "rollout_micro_batch_size",
+    "logprob_forward_micro_batch_size": "logprob_forward_micro_batch_size", "entropy_bonus": "entropy_coeff",
+    "clip_ratio_high": "clip_ratio_high", "clip_ratio_low": "clip_ratio_low", "clip_ratio_c": "clip_ratio_c",
+    "gae_lambda": "lam", "huber_delta": "huber_delta", "use_critic_model": "use_critic_model",
+}
+
+
+@pytest.mark.parametrize("name,field", sorted(DOC_OPTION_NAMES.items()))
+def test_framework_option_names_are_flags(name, field):
+    assert P.given_fields(["--" + name.replace("_", "-")]) == {field}
+
+
+def readme_option_rows():
+    """(framework names, flag fields) of each row of README.md's option mapping table."""
+    text = open(os.path.join(os.path.dirname(SCRIPT), "README.md")).read()
+    table = text.split("### Option mapping")[1].split("\n\n| verl |")[1].split("\n\n")[0]
+    rows = []
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        names = []
+        for col, cell in enumerate(cells[:3]):
+            for name in re.findall(r"`([a-z_.]+)`", cell):
+                if name in ("critic.optim.lr", "model.path", "reward_model.model.path"):  # the documented exceptions
+                    continue
+                keep_prefix = name.startswith(("kl_ctrl.", "algorithm.kl_ctrl.", "data.train_batch_size"))
+                names.append(name.removeprefix("algorithm.") if keep_prefix else name.split(".")[-1])
+        fields = set().union(*(P.given_fields([f]) for f in re.findall(r"--[a-z][a-z.-]*", cells[3])))
+        rows.append((line[:40], names, fields))
+    return rows
+
+
+def test_readme_option_table_names_are_flags_of_their_row():
+    rows = readme_option_rows()
+    assert len(rows) > 40
+    for row, names, fields in rows:
+        assert fields, row
+        for name in names:
+            spelled = P.given_fields(["--" + name.replace("_", "-")])
+            assert spelled and spelled <= fields, (row, name, spelled, fields)
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--data.train-batch-size", "16"], {"rollout_batch_size": 16}),
+    (["--num-return-sequences-in-group", "2"], {"n": 2}),
+    (["--adv-type", "rloo", "--critic", "none"], {"adv_estimator": "rloo"}),
+    (["--lambd", "0.9"], {"lam": 0.9}), (["--gae-lambda", "0.8"], {"lam": 0.8}),
+    (["--no-normalize-advantages"], {"whiten_advantages": False}),
+    (["--loss-agg-func", "seq-mean-token-sum"], {"loss_agg_mode": "seq-mean-token-sum"}),
+    (["--entropy-bonus", "0.01"], {"entropy_coeff": 0.01}),
+    (["--kl-ctrl.kl-coef", "0.2"], {"init_kl_coef": 0.2}),
+    (["--kl-ctrl.type", "adaptive", "--kl-ctrl.horizon", "500"], {"kl_ctrl_type": "adaptive", "kl_horizon": 500}),
+    (["--cliprange-value", "0.2"], {"value_clip": 0.2}),
+    (["--ppo-micro-batch-size-per-gpu", "8"], {"micro_batch_size": 8}),
+    (["--grad-clip", "0.5"], {"max_grad_norm": 0.5}),
+    (["--enable-gradient-checkpointing"], {"gradient_checkpointing": True}),
+    (["--rollout-micro-batch-size", "1e1"], {"rollout_micro_batch_size": 10}),
+    # flags that set others unless those are given too
+    (["--pg-clip", "0.3"], {"clip_ratio_low": 0.3, "clip_ratio_high": 0.3}),
+    (["--clip-ratio", "0.3", "--clip-ratio-high", "0.28"], {"clip_ratio_low": 0.3, "clip_ratio_high": 0.28}),
+    (["--kl-ctrl.target-kl", "0.05"], {"kl_ctrl_type": "adaptive", "target_kl": 0.05}),
+    (["--target-kl", "0.05", "--kl-ctrl-type", "fixed"], {"kl_ctrl_type": "fixed"}),
+    (["--use-kl-loss", "--add-token-level-kl"], {"use_kl_in_reward": True}),
+    (["--use-kl-loss"], {"use_kl_in_reward": False}),
+    (["--use-critic-model", "False"], {"critic": "shared"}), (["--use-critic-model", "True"], {"critic": "separate"}),
+    (["--loss-type", "actor_critic"], {"critic": "shared"}),
+    (["--loss-type", "actor", "--use-critic-model", "True", "--critic", "separate"], {"critic": "separate"}),
+    ([], {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "kl_ctrl_type": "fixed", "critic": "separate"}),
+])
+def test_framework_spellings_set_the_fields(argv, expected):
+    args = P.parse_args(argv)
+    assert {k: getattr(args, k) for k in expected} == expected
+
+
 # ----- bad input: one line, exit 2 ----------------------------------------------------------------------------
 @pytest.mark.parametrize("argv,needle", [
     (["--kl-loss-type", "k5"], "low_var_kl"),
@@ -432,6 +528,10 @@ def test_kl_loss_turns_in_reward_kl_off_unless_asked():
     (["--reward-norm", "group", "--n", "1"], "n >= 2"),
     (["--kl-ctrl-type", "adaptive", "--target-kl", "0"], "target-kl > 0"),
     (["--tiny-num-layers", "0"], "must be positive"),
+    (["--loss-type", "actor_critic", "--critic", "separate"], "contradictory critic choice"),
+    (["--use-critic-model", "True", "--loss-type", "actor_critic"], "contradictory critic choice"),
+    (["--logprob-forward-micro-batch-size", "0"], "must be positive"),
+    (["--pg-clip", "-0.1"], "must be >= 0"),
 ])
 def test_bad_input_one_line_exit_2(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
@@ -483,6 +583,8 @@ def test_smoke_two_iterations_subprocess(tmp_path):
      "--huber-delta", "1.0", "--top-k", "5", "--top-p", "0.9", "--temperature", "0.8"],
     ["--adv-estimator", "reinforce_plus_plus", "--critic", "none", "--loss-agg-mode", "seq-mean-token-sum-norm",
      "--reward-norm", "running", "--reward-clip", "1.0", "--missing-eos-penalty", "1.0", "--advantage-clip", "2.0"],
+    ["--adv-type", "gae", "--use-critic-model", "False", "--loss-agg-func", "seq-mean-token-mean", "--gae-lambda",
+     "0.95", "--pg-clip", "0.1", "--rollout-micro-batch-size", "2", "--logprob-forward-micro-batch-size", "4"],
 ])
 def test_option_combinations_run(tmp_path, extra):
     res = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), *extra]))
