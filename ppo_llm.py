@@ -129,6 +129,10 @@ class Args:
     """local sequence-classification reward model (default: rule-based reward, response == answer)"""
     dataset: Optional[str] = None
     """JSONL file of {"prompt": ..., "answer": ...} (default: synthetic digit sorting)"""
+    apply_chat_template: bool = False
+    """give each prompt to the model as a user message in its tokenizer's chat template (instruct models; the reward
+    model sees the exchange in its own template when it has one); off: the plain prompt with BOS where the tokenizer
+    adds one"""
     critic: Literal["separate", "shared", "none"] = "separate"
     """value model: own copy of the trunk + value head (verl/RLinf), value head on the policy trunk, or none"""
     use_critic_model: Optional[bool] = None
@@ -427,7 +431,19 @@ def make_problems(count: int, gen: torch.Generator) -> list[dict]:
     return [{"prompt": "".join(map(str, d)) + "=", "answer": "".join(map(str, sorted(d)))} for d in digits]
 
 
-def load_dataset(path: str, tok, prompt_length: int) -> list[dict]:
+def prompt_token_ids(tok, prompt: str, chat: bool = False) -> list[int]:
+    """A prompt's token ids with the tokenizer's own special tokens (BOS where its model expects one; a trailing EOS
+    some tokenizers add is dropped: the response follows). chat (--apply-chat-template): the prompt as one user
+    message in the tokenizer's chat template, ending with the assistant's turn."""
+    if chat:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                       tokenize=False)
+        return tok.encode(text, add_special_tokens=False)  # (the template writes BOS itself where it wants one)
+    ids = tok.encode(prompt)
+    return ids[:-1] if len(ids) > 1 and ids[-1] == tok.eos_token_id else ids
+
+
+def load_dataset(path: str, tok, prompt_length: int, chat: bool = False) -> list[dict]:
     rows = []
     with open(path) as f:
         for i, line in enumerate(f, 1):
@@ -442,7 +458,7 @@ def load_dataset(path: str, tok, prompt_length: int) -> list[dict]:
             if not row["prompt"]:
                 die(f"--dataset {path} line {i}: empty prompt")
             rows.append({"prompt": row["prompt"], "answer": None if row.get("answer") is None else str(row["answer"])})
-    kept = [r for r in rows if len(tok.encode(r["prompt"], add_special_tokens=False)) <= prompt_length]
+    kept = [r for r in rows if len(prompt_token_ids(tok, r["prompt"], chat)) <= prompt_length]
     if len(kept) < len(rows):
         print(f"note: dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than --prompt-length {prompt_length}")
     if not kept:
@@ -1216,9 +1232,22 @@ def load_checkpoint(path: str) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Warm start (supervised) and evaluation
 # ---------------------------------------------------------------------------------------------------------
-def encode_batch(tok, rows: list[dict], prompt_length: int):
-    return left_pad([tok.encode(r["prompt"], add_special_tokens=False)[-prompt_length:] for r in rows],
-                    tok.pad_token_id, prompt_length)
+def encode_batch(tok, rows: list[dict], prompt_length: int, chat: bool = False):
+    return left_pad([prompt_token_ids(tok, r["prompt"], chat)[-prompt_length:] for r in rows], tok.pad_token_id,
+                    prompt_length)
+
+
+def reward_model_inputs(rm_tok, prompts: list[str], responses: list[str], chat: bool = False) -> dict:
+    """Prompt + response for the reward model, right-padded (it scores the last real token): as a user / assistant
+    exchange in its chat template with --apply-chat-template when it has one, else the plain text with its own
+    special tokens."""
+    if chat and rm_tok.chat_template:
+        texts = [rm_tok.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": r}],
+                                            tokenize=False) for p, r in zip(prompts, responses)]
+    else:
+        texts = [p + r for p, r in zip(prompts, responses)]
+    return rm_tok(texts, return_tensors="pt", padding=True, padding_side="right",
+                  add_special_tokens=not (chat and rm_tok.chat_template))
 
 
 def warm_start(policy, tok, sample_rows, args: Args, gen, device) -> None:
@@ -1231,7 +1260,7 @@ def warm_start(policy, tok, sample_rows, args: Args, gen, device) -> None:
         for r in rows:
             targets.append(tok.encode(r["answer"], add_special_tokens=False)[:args.response_length - 1]
                            + [tok.eos_token_id])
-        p_ids, p_mask = encode_batch(tok, rows, args.prompt_length)
+        p_ids, p_mask = encode_batch(tok, rows, args.prompt_length, args.apply_chat_template)
         R = max(len(t) for t in targets)
         r_ids = torch.full((len(rows), R), tok.pad_token_id, dtype=torch.long)
         r_mask = torch.zeros((len(rows), R), dtype=torch.long)
@@ -1260,7 +1289,7 @@ def evaluate(policy, tok, rows: list[dict], args: Args, gen, device, rank: int =
         chunk_size = args.rollout_micro_batch_size or 256
         for s in range(0, len(mine), chunk_size):
             chunk = mine[s:s + chunk_size]
-            ids, mask = encode_batch(tok, chunk, args.prompt_length)
+            ids, mask = encode_batch(tok, chunk, args.prompt_length, args.apply_chat_template)
             resp = generate(policy, ids.to(device), mask.to(device), args.response_length, tok.eos_token_id,
                             tok.pad_token_id, args.temperature, args.top_p, args.top_k, gen, greedy, all_done).cpu()
             texts = decode_responses(tok, resp)
@@ -1316,11 +1345,14 @@ def main(args: Args) -> dict:
     else:
         tok = build_char_tokenizer()
         policy = build_tiny_model(tok, args.seed, args.tiny_hidden_size, args.tiny_num_layers)
+    if args.apply_chat_template and not tok.chat_template:
+        die("--apply-chat-template: the tokenizer has no chat template (" +
+            (f"none in {args.model_name_or_path})" if args.model_name_or_path else "the built-in one has none)"))
     policy = disable_dropout(policy).to(device)
     print(f"policy: {type(policy).__name__}, {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters")
 
     if args.dataset is not None:
-        data = load_dataset(args.dataset, tok, args.prompt_length)
+        data = load_dataset(args.dataset, tok, args.prompt_length, args.apply_chat_template)
 
         def sample_rows(k):
             return [data[i] for i in torch.randint(0, len(data), (k,), generator=gen).tolist()]
@@ -1475,7 +1507,7 @@ def main(args: Args) -> dict:
         rows = [r for r in sample_rows(args.rollout_batch_size) for _ in range(n)]
         share = len(rows) // world
         rows = rows[rank * share:(rank + 1) * share]
-        p_ids, p_mask = encode_batch(tok, rows, args.prompt_length)
+        p_ids, p_mask = encode_batch(tok, rows, args.prompt_length, args.apply_chat_template)
         policy.eval()
         gen_mb = args.rollout_micro_batch_size or p_ids.shape[0]  # (every rank runs the same number of chunks)
         resp = torch.cat([generate(policy, p_ids[s:s + gen_mb].to(device), p_mask[s:s + gen_mb].to(device), R,
@@ -1509,8 +1541,7 @@ def main(args: Args) -> dict:
         eos = (resp == tok.eos_token_id).any(-1)
         correct = torch.tensor([rule_reward(t, r["answer"]) for t, r in zip(texts, rows)])
         if rm is not None:
-            enc = rm_tok([r["prompt"] + t for r, t in zip(rows, texts)], return_tensors="pt", padding=True,
-                         padding_side="right", add_special_tokens=False)
+            enc = reward_model_inputs(rm_tok, [r["prompt"] for r in rows], texts, args.apply_chat_template)
             with torch.no_grad(), autocast():
                 raw = rm(input_ids=enc["input_ids"].to(device),
                          attention_mask=enc["attention_mask"].to(device)).logits[:, 0].float().cpu()

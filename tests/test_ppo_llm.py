@@ -286,6 +286,48 @@ def tiny_copy(tiny):
     return tiny[0], copy.deepcopy(tiny[1])
 
 
+CHAT = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_prompt_token_ids_special_tokens_and_chat_template():
+    from tokenizers import processors
+
+    tok = P.build_char_tokenizer()
+    plain = tok.encode("31=", add_special_tokens=False)
+    assert P.prompt_token_ids(tok, "31=") == plain  # the built-in tokenizer adds nothing: the default task as before
+    # a tokenizer that adds BOS keeps it; one that also appends EOS loses the EOS (the response follows the prompt)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    assert P.prompt_token_ids(tok, "31=") == [tok.bos_token_id, *plain]
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A <eos>", special_tokens=[("<bos>", 2), ("<eos>", 1)])
+    assert P.prompt_token_ids(tok, "31=") == [tok.bos_token_id, *plain]
+    # chat template: the rendered user turn + generation prompt, special-token text mapped to its id
+    tok.chat_template = CHAT
+    want = [tok.bos_token_id, *tok.encode("<user>31=<assistant>", add_special_tokens=False)]
+    assert P.prompt_token_ids(tok, "31=", chat=True) == want
+    ids, mask = P.encode_batch(tok, [{"prompt": "31="}, {"prompt": "7="}], 24, chat=True)
+    assert ids[0, -len(want):].tolist() == want and mask.sum(1).tolist() == [len(want), len(want) - 1]
+    # the reward model sees the exchange in its template (with the chat flag), else the plain text
+    enc = P.reward_model_inputs(tok, ["31="], ["13"], chat=True)
+    assert tok.decode(enc["input_ids"][0]) == "<bos><user>31=<assistant>13"
+    enc = P.reward_model_inputs(P.build_char_tokenizer(), ["31=", "7="], ["13", "7"])
+    assert enc["input_ids"][1].tolist()[-1] == tok.pad_token_id and enc["attention_mask"].sum(1).tolist() == [5, 3]
+
+
+def test_apply_chat_template_run_and_missing_template(tmp_path, capsys):
+    tok = P.build_char_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the plain prompt: still learns
+    P.build_tiny_model(tok, 3).save_pretrained(tmp_path / "lm")
+    tok.save_pretrained(tmp_path / "lm")
+    res = P.main(P.parse_args([*TINY, "--num-iterations", "1", "--runs-dir", str(tmp_path / "r"),
+                               "--model-name-or-path", str(tmp_path / "lm"), "--apply-chat-template"]))
+    assert all(math.isfinite(v) for v in res["stats"].values())
+    with pytest.raises(SystemExit) as e:
+        P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path / "r"), "--apply-chat-template"]))
+    assert e.value.code == 2 and "no chat template" in capsys.readouterr().err
+
+
 def test_left_padding_matches_unpadded(tiny):
     tok, m = tiny
     a, b = tok.encode("98765=", add_special_tokens=False), tok.encode("12=", add_special_tokens=False)
