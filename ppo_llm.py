@@ -1303,7 +1303,9 @@ def evaluate(policy, tok, rows: list[dict], args: Args, gen, device, rank: int =
 # ---------------------------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # (a bar per save_pretrained / from_pretrained would bury the progress lines)
     rank, world, device = setup_distributed(args)
     quiet = rank > 0 and contextlib.redirect_stdout(open(os.devnull, "w"))  # under torchrun rank 0 alone prints
     if quiet:
@@ -1486,8 +1488,13 @@ def main(args: Args) -> dict:
         print(f"eval iter {iteration}: accuracy greedy {ev['accuracy_greedy']:.3f}  sampled "
               f"{ev['accuracy_sampled']:.3f}")
 
+    finished = ckpt is not None and start_iteration > args.num_iterations
     if ckpt is None:
         log_eval(0)
+    elif finished:  # nothing left to train: evaluate the checkpoint (a larger --num-iterations trains on)
+        print(f"the checkpoint is at iteration {ckpt['iteration']} of --num-iterations {args.num_iterations}: "
+              "evaluating it")
+        log_eval(ckpt["iteration"])
     R, n = args.response_length, args.n
     ckpt_path = None
     start_time, last_print, stats = time.time(), 0.0, {}
@@ -1627,7 +1634,7 @@ def main(args: Args) -> dict:
         if args.checkpoint_every and iteration % args.checkpoint_every == 0:
             ckpt_path = save(iteration)
     else:
-        if args.save_model:
+        if args.save_model and not finished:
             ckpt_path = save(args.num_iterations)
             print(f"checkpoint written to {ckpt_path}")
     for sig, handler in previous_handlers.items():

@@ -678,6 +678,11 @@ def test_resume_takes_the_learning_rates_given_now(tmp_path):
         assert sch["base_lrs"] == [lr]
         assert opt["param_groups"][0]["lr"] == pytest.approx(lr * 5 / 10)  # at the warm-up position, new base
         assert opt["param_groups"][0]["weight_decay"] == 0.1
+    # resuming the finished run evaluates it, with the same held-out accuracy as its end, and writes nothing
+    before = os.stat(done["checkpoint"]).st_mtime_ns
+    again = P.main(P.parse_args(["--resume", done["checkpoint"]]))
+    assert again["checkpoint"] is None and os.stat(done["checkpoint"]).st_mtime_ns == before
+    assert again["curve"][-1] == done["curve"][-1] and done["curve"][-1][0] == 2
 
 
 def test_empty_dataset_prompt_is_one_line_error(tmp_path, capsys):
