@@ -127,8 +127,11 @@ class Args:
     """allow custom model code from --model-name-or-path / --reward-model-path"""
     reward_model_path: Optional[str] = None
     """local sequence-classification reward model (default: rule-based reward, response == answer)"""
-    dataset: Optional[str] = None
+    dataset: Annotated[Optional[str], alias("--train-files", "--data.train-files")] = None
     """JSONL file of {"prompt": ..., "answer": ...} (default: synthetic digit sorting)"""
+    eval_dataset: Annotated[Optional[str], alias("--val-files", "--data.val-files")] = None
+    """JSONL file of held-out {"prompt": ..., "answer": ...} rows for evaluation (verl data.val_files); default: with
+    --dataset its first --eval-prompts rows with answers (seen in training), else fresh synthetic prompts"""
     apply_chat_template: bool = False
     """give each prompt to the model as a user message in its tokenizer's chat template (instruct models; the reward
     model sees the exchange in its own template when it has one); off: the plain prompt with BOS where the tokenizer
@@ -402,8 +405,9 @@ def validate(args: Args) -> None:
         path = getattr(args, name)
         if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
             die(f"--{name.replace('_', '-')} {path}: not a local model directory (no config.json)")
-    if args.dataset is not None and not os.path.isfile(args.dataset):
-        die(f"--dataset {args.dataset}: no such file")
+    for name in ("dataset", "eval_dataset"):
+        if getattr(args, name) is not None and not os.path.isfile(getattr(args, name)):
+            die(f"--{name.replace('_', '-')} {getattr(args, name)}: no such file")
     if args.cuda and not torch.cuda.is_available():
         die("--cuda given but torch finds no CUDA device")
 
@@ -443,7 +447,7 @@ def prompt_token_ids(tok, prompt: str, chat: bool = False) -> list[int]:
     return ids[:-1] if len(ids) > 1 and ids[-1] == tok.eos_token_id else ids
 
 
-def load_dataset(path: str, tok, prompt_length: int, chat: bool = False) -> list[dict]:
+def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: str = "--dataset") -> list[dict]:
     rows = []
     with open(path) as f:
         for i, line in enumerate(f, 1):
@@ -454,15 +458,15 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False) -> list
                 if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                     raise ValueError
             except ValueError:  # json.JSONDecodeError is a ValueError
-                die(f"--dataset {path} line {i}: expected a JSON object with a string 'prompt'")
+                die(f"{flag} {path} line {i}: expected a JSON object with a string 'prompt'")
             if not row["prompt"]:
-                die(f"--dataset {path} line {i}: empty prompt")
+                die(f"{flag} {path} line {i}: empty prompt")
             rows.append({"prompt": row["prompt"], "answer": None if row.get("answer") is None else str(row["answer"])})
     kept = [r for r in rows if len(prompt_token_ids(tok, r["prompt"], chat)) <= prompt_length]
     if len(kept) < len(rows):
         print(f"note: dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than --prompt-length {prompt_length}")
     if not kept:
-        die(f"--dataset {path}: no prompt fits --prompt-length {prompt_length}")
+        die(f"{flag} {path}: no prompt fits --prompt-length {prompt_length}")
     return kept
 
 
@@ -1359,12 +1363,21 @@ def main(args: Args) -> dict:
         def sample_rows(k):
             return [data[i] for i in torch.randint(0, len(data), (k,), generator=gen).tolist()]
         eval_rows = [r for r in data if r["answer"] is not None][:args.eval_prompts]
+        if args.eval_prompts and args.eval_dataset is None:
+            print("note: evaluating on the first --eval-prompts rows of --dataset, which training also samples; "
+                  "--eval-dataset FILE holds prompts out")
         has_answers = all(r["answer"] is not None for r in data)
     else:
         def sample_rows(k):
             return make_problems(k, gen)
         eval_rows = make_problems(args.eval_prompts, torch.Generator().manual_seed(10_000 + args.seed))
         has_answers = True
+    if args.eval_dataset is not None:
+        eval_rows = load_dataset(args.eval_dataset, tok, args.prompt_length, args.apply_chat_template,
+                                 "--eval-dataset")
+        if any(r["answer"] is None for r in eval_rows):
+            die(f"--eval-dataset {args.eval_dataset}: every row needs an 'answer' (accuracy is exact match)")
+        eval_rows = eval_rows[:args.eval_prompts]
     eval_rows = eval_rows[:len(eval_rows) - len(eval_rows) % world]  # an equal share for every rank
     if args.reward_model_path is None and not has_answers:
         die(f"--dataset {args.dataset}: rows without 'answer' need --reward-model-path")

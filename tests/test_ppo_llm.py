@@ -466,6 +466,7 @@ DOC_OPTION_NAMES = {
     "kl_ctrl.target_kl": "target_kl", "cliprange_value": "value_clip", "grad_clip": "max_grad_norm",
     "enable_gradient_checkpointing": "gradient_checkpointing", "max_prompt_length": "prompt_length",
     "max_response_length": "response_length", "log_prob_micro_batch_size_per_gpu": "logprob_forward_micro_batch_size",
+    "val_files": "eval_dataset", "data.val_files": "eval_dataset", "train_files": "dataset",
     # ROLL
     "rollout_batch_size": "rollout_batch_size", "prompt_length": "prompt_length",
     "response_length": "response_length", "num_return_sequences_in_group": "n", "loss_agg_mode": "loss_agg_mode",
@@ -563,6 +564,7 @@ def test_framework_spellings_set_the_fields(argv, expected):
     (["--model-name-or-path", "/nonexistent/model"], "no config.json"),
     (["--reward-model-path", "/nonexistent/rm"], "no config.json"),
     (["--dataset", "/nonexistent.jsonl"], "no such file"),
+    (["--eval-dataset", "/nonexistent.jsonl"], "--eval-dataset /nonexistent.jsonl: no such file"),
     (["--n", "1.5"], "whole number"),
     (["--resume", "/nonexistent/checkpoint.pt"], "no such file"),
     (["--tiny-hidden-size", "12"], "multiple of 8"),
@@ -683,6 +685,29 @@ def test_resume_takes_the_learning_rates_given_now(tmp_path):
     again = P.main(P.parse_args(["--resume", done["checkpoint"]]))
     assert again["checkpoint"] is None and os.stat(done["checkpoint"]).st_mtime_ns == before
     assert again["curve"][-1] == done["curve"][-1] and done["curve"][-1][0] == 2
+
+
+def test_eval_dataset_holds_prompts_out(tmp_path, monkeypatch, capsys):
+    train = P.make_problems(16, torch.Generator().manual_seed(0))
+    held = P.make_problems(12, torch.Generator().manual_seed(1))
+    for name, rows in (("train.jsonl", train), ("held.jsonl", held)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen = []
+    real = P.evaluate
+    monkeypatch.setattr(P, "evaluate", lambda policy, tok, rows, *a, **k: seen.append(rows) or real(policy, tok, rows,
+                                                                                                      *a, **k))
+    argv = [*TINY, "--num-iterations", "1", "--runs-dir", str(tmp_path), "--dataset", str(tmp_path / "train.jsonl")]
+    P.main(P.parse_args([*argv, "--val-files", str(tmp_path / "held.jsonl")]))
+    assert [r["prompt"] for r in seen[0]] == [r["prompt"] for r in held[:8]]  # --eval-prompts 8 of the file
+    assert "training also samples" not in capsys.readouterr().out
+    seen.clear()
+    P.main(P.parse_args(argv))  # without it: the dataset's first rows, with a note saying they are not held out
+    assert [r["prompt"] for r in seen[0]] == [r["prompt"] for r in train[:8]]
+    assert "training also samples" in capsys.readouterr().out
+    (tmp_path / "noanswer.jsonl").write_text(json.dumps({"prompt": "12="}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        P.main(P.parse_args([*argv, "--eval-dataset", str(tmp_path / "noanswer.jsonl")]))
+    assert e.value.code == 2 and "--eval-dataset" in capsys.readouterr().err
 
 
 def test_empty_dataset_prompt_is_one_line_error(tmp_path, capsys):
