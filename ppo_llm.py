@@ -316,7 +316,8 @@ def given_fields(argv: list[str]) -> set[str]:
             names += list(getattr(meta, "aliases", None) or ())
         for name in names:
             spelling[name] = spelling["--no-" + name[2:]] = f.name
-    return {spelling[a.split("=", 1)[0]] for a in argv if a.split("=", 1)[0] in spelling}
+    flags = [a.split("=", 1)[0].replace("_", "-") for a in argv if a.startswith("--")]  # (tyro takes --a_b too)
+    return {spelling[f] for f in flags if f in spelling}
 
 
 def resolve_implied(args: Args, given: set[str]) -> None:

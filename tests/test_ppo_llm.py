@@ -540,6 +540,8 @@ def test_readme_option_table_names_are_flags_of_their_row():
     (["--target-kl", "0.05", "--kl-ctrl-type", "fixed"], {"kl_ctrl_type": "fixed"}),
     (["--use-kl-loss", "--add-token-level-kl"], {"use_kl_in_reward": True}),
     (["--use-kl-loss"], {"use_kl_in_reward": False}),
+    (["--use_kl_loss"], {"use_kl_in_reward": False}),  # tyro also takes underscores
+    (["--use_kl_loss", "--add_token_level_kl"], {"use_kl_in_reward": True}),
     (["--use-critic-model", "False"], {"critic": "shared"}), (["--use-critic-model", "True"], {"critic": "separate"}),
     (["--loss-type", "actor_critic"], {"critic": "shared"}),
     (["--loss-type", "actor", "--use-critic-model", "True", "--critic", "separate"], {"critic": "separate"}),
