@@ -497,7 +497,7 @@ def readme_option_rows():
     for line in table.splitlines()[2:]:
         cells = [c.strip() for c in line.strip("|").split(" | ")]
         names = []
-        for col, cell in enumerate(cells[:3]):
+        for cell in cells[:3]:
             for name in re.findall(r"`([a-z_.]+)`", cell):
                 if name in ("critic.optim.lr", "model.path", "reward_model.model.path"):  # the documented exceptions
                     continue
