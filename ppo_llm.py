@@ -952,15 +952,18 @@ def explained_variance(values, returns, mask) -> float:
 # Optimise policy & value: one minibatch, accumulated over micro-batches
 # ---------------------------------------------------------------------------------------------------------
 def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_actor: bool = True,
-                       autocast=contextlib.nullcontext, world: int = 1):
+                       autocast=contextlib.nullcontext, world: int = 1, ref=None):
     """Forward/backward of one minibatch in micro-batches of args.micro_batch_size; the loss of each micro-batch is
     normalised by the minibatch's token / sequence count, so the summed gradients equal one big batch's. Under
     torchrun `mb` is this rank's share of the global minibatch and gradients are averaged over ranks: token-mean
-    then divides by the global token count / world, so the result is the global minibatch's token mean."""
+    then divides by the global token count / world, so the result is the global minibatch's token mean. ref: the
+    reference policy, for --kl-loss-type full (its distributions are recomputed per micro-batch, never stored)."""
     R = mb["response_mask"].shape[1]
     n_tokens = all_ranks_sum(mb["response_mask"].sum(), world).clamp(min=1).float() / world
     agg = {"n_tokens": n_tokens, "n_seqs": mb["response_mask"].shape[0], "norm_len": args.response_length}
     need_full = args.use_kl_loss and args.kl_loss_type == "full"
+    if need_full and ref is None:
+        raise ValueError("--kl-loss-type full needs the reference policy (ref=...)")
     sums: dict[str, torch.Tensor] = {}  # 0-dim tensors, read once per update (no host sync per micro-batch)
     n_micro = math.ceil(mb["input_ids"].shape[0] / args.micro_batch_size)
     for s in range(0, mb["input_ids"].shape[0], args.micro_batch_size):
@@ -980,8 +983,13 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
                 loss = pg - args.entropy_coeff * ent
                 stats.update(policy_loss=pg.detach(), entropy=ent.detach())
                 if args.use_kl_loss:
-                    kl = (kl_penalty(out["logp_all"], m["ref_logp_all"], "full") if need_full
-                          else kl_penalty(out["logp"], m["ref_logp"], args.kl_loss_type))
+                    if need_full:  # the reference's distributions: recomputed here, never stored for the batch
+                        with torch.no_grad():
+                            ref_all = model_forward(ref, m["input_ids"], m["attention_mask"], R, args.temperature,
+                                                    full=True)["logp_all"]
+                        kl = kl_penalty(out["logp_all"], ref_all, "full")
+                    else:
+                        kl = kl_penalty(out["logp"], m["ref_logp"], args.kl_loss_type)
                     kl_loss = agg_loss(kl, mask, args.loss_agg_mode, **agg)
                     loss = loss + args.kl_loss_coef * kl_loss
                     stats["kl_loss"] = kl_loss.detach()
@@ -1001,7 +1009,7 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
 
 
 def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, args: Args, gen,
-               update_actor: bool = True, autocast=contextlib.nullcontext, world: int = 1):
+               update_actor: bool = True, autocast=contextlib.nullcontext, world: int = 1, ref=None):
     """ppo_epochs x shuffled minibatches of ppo_mini_batch_size prompts (n responses each; under torchrun this rank's
     share, ppo_mini_batch_size / world prompts); returns this rank's mean stats and the first minibatch's (ratio
     exactly 1 there: approx_kl 0, clipfrac 0)."""
@@ -1015,7 +1023,7 @@ def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, 
             for o in optimizers:
                 o.zero_grad(set_to_none=True)
             stats = minibatch_backward(policy, critic, value_head, {k: v[idx] for k, v in batch.items()}, args,
-                                       update_actor, autocast, world)
+                                       update_actor, autocast, world, ref)
             # optimizers[0] is the actor's, optimizers[1] the critic's (separate model or shared value head); during
             # critic warm-up the actor neither steps nor advances its learning-rate warm-up (a shared trunk's value
             # gradients are dropped)
@@ -1538,17 +1546,17 @@ def main(args: Args) -> dict:
         resp_mask = response_mask_from(resp, tok.eos_token_id)
         ids = torch.cat([p_ids, resp], 1).to(device)
         attn = torch.cat([p_mask, resp_mask], 1).to(device)
-        need_full = args.kl_penalty == "full" or (args.use_kl_loss and args.kl_loss_type == "full")
-        old_logp, ref_logp, values, old_full, ref_full = [], [], [], [], []
+        full_in_reward = args.kl_penalty == "full"
+        old_logp, ref_logp, values, kl_full = [], [], [], []
         fwd_mb = args.logprob_forward_micro_batch_size or args.micro_batch_size  # as the update: ratio 1 at first
         with torch.no_grad(), autocast():
             for s in range(0, ids.shape[0], fwd_mb):
                 sl = slice(s, s + fwd_mb)
-                o = model_forward(policy, ids[sl], attn[sl], R, args.temperature, value_head, full=need_full)
-                r_ = model_forward(ref, ids[sl], attn[sl], R, args.temperature, full=need_full)
+                o = model_forward(policy, ids[sl], attn[sl], R, args.temperature, value_head, full=full_in_reward)
+                r_ = model_forward(ref, ids[sl], attn[sl], R, args.temperature, full=full_in_reward)
                 old_logp.append(o["logp"].cpu()), ref_logp.append(r_["logp"].cpu())
-                if need_full:
-                    old_full.append(o["logp_all"].cpu()), ref_full.append(r_["logp_all"].cpu())
+                if full_in_reward:  # exact KL over the vocabulary per token; the (B, R, V) distributions are not kept
+                    kl_full.append(kl_penalty(o["logp_all"], r_["logp_all"], "full").cpu())
                 if args.critic == "shared":
                     values.append(o["values"].cpu())
                 elif args.critic == "separate":
@@ -1569,10 +1577,7 @@ def main(args: Args) -> dict:
         else:
             raw = correct.clone()
         raw = raw - args.missing_eos_penalty * (~eos).float()
-        if need_full and args.kl_penalty == "full":
-            kld = kl_penalty(torch.cat(old_full), torch.cat(ref_full), "full") * maskf
-        else:
-            kld = kl_penalty(old_logp, ref_logp, args.kl_penalty) * maskf
+        kld = (torch.cat(kl_full) if full_in_reward else kl_penalty(old_logp, ref_logp, args.kl_penalty)) * maskf
 
         # Compute advantages and returns (GAE), or a critic-free estimator; over the global batch under torchrun
         adv, returns, scores, seq_kl = rewards_and_advantages(raw, maskf, values, kld, args, kl_ctrl, running,
@@ -1582,15 +1587,13 @@ def main(args: Args) -> dict:
         t1 = time.time()
         batch = {"input_ids": ids.cpu(), "attention_mask": attn.cpu(), "response_mask": maskf, "old_logp": old_logp,
                  "ref_logp": ref_logp, "advantages": adv, "returns": returns, "values": values}
-        if args.use_kl_loss and args.kl_loss_type == "full":
-            batch["ref_logp_all"] = torch.cat(ref_full)
         batch = {k: v.to(device) for k, v in batch.items()}
         for m in (train_policy, train_critic, train_value_head):
             if m is not None:
                 m.train()
         update_actor = iteration > args.critic_warmup
         stats, first = ppo_update(train_policy, train_critic, train_value_head, optimizers, schedulers, batch, args,
-                                  gen, update_actor, autocast, world)
+                                  gen, update_actor, autocast, world, ref)
         t_train = time.time() - t1
         # Update reference policy: theta_old <- theta (the next rollout is scored by the updated policy)
         # Under torchrun: statistics averaged over ranks; in the same all-reduce, whether any rank got a stop signal

@@ -392,6 +392,35 @@ def test_micro_batch_accumulation_same_gradients(acc_setup, mode):
     m.zero_grad()
 
 
+def test_full_kl_loss_recomputes_the_reference_per_micro_batch(acc_setup):
+    import copy
+
+    m, critic, base, batch = acc_setup
+    ref = copy.deepcopy(m)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    R = batch["response_mask"].shape[1]
+    with torch.no_grad():  # the exact KL over the vocabulary, token-mean over the response tokens
+        logp_all = P.model_forward(m, batch["input_ids"], batch["attention_mask"], R, base.temperature, full=True)
+        ref_all = P.model_forward(ref, batch["input_ids"], batch["attention_mask"], R, base.temperature, full=True)
+        probs = logp_all["logp_all"].exp()
+        per_token = (probs * (logp_all["logp_all"] - ref_all["logp_all"])).sum(-1)
+        want = (per_token * batch["response_mask"]).sum() / batch["response_mask"].sum()
+    grads = []
+    for micro in (8, 2):
+        args = P.Args(**{**vars(base), "micro_batch_size": micro, "kl_loss_type": "full"})
+        m.zero_grad(), critic.zero_grad()
+        stats = P.minibatch_backward(m, critic, None, batch, args, ref=ref)
+        assert float(stats["kl_loss"]) == pytest.approx(float(want), rel=1e-5) and float(want) > 1e-4
+        grads.append([p.grad.clone() for p in m.parameters()])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    m.zero_grad(), critic.zero_grad()
+    with pytest.raises(ValueError, match="reference"):
+        P.minibatch_backward(m, critic, None, batch, P.Args(**{**vars(base), "kl_loss_type": "full"}))
+
+
 def test_first_minibatch_ratio_is_exactly_one(tiny_copy):
     tok, m = tiny_copy
     args = P.Args(rollout_batch_size=8, n=2, ppo_mini_batch_size=2, micro_batch_size=2, critic="none",
