@@ -130,19 +130,15 @@ class Args:
     dataset: Annotated[Optional[str], alias("--train-files", "--data.train-files")] = None
     """JSONL file of {"prompt": ..., "answer": ...} (default: synthetic digit sorting)"""
     eval_dataset: Annotated[Optional[str], alias("--val-files", "--data.val-files")] = None
-    """JSONL file of held-out {"prompt": ..., "answer": ...} rows for evaluation (verl data.val_files); default: with
-    --dataset its first --eval-prompts rows with answers (seen in training), else fresh synthetic prompts"""
+    """held-out JSONL {"prompt", "answer"} rows to evaluate on (verl data.val_files; default: first --dataset rows)"""
     apply_chat_template: bool = False
-    """give each prompt to the model as a user message in its tokenizer's chat template (instruct models; the reward
-    model sees the exchange in its own template when it has one); off: the plain prompt with BOS where the tokenizer
-    adds one"""
+    """each prompt as a user turn in the tokenizer's chat template (instruct models); off: plain text (+ BOS)"""
     critic: Literal["separate", "shared", "none"] = "separate"
     """value model: own copy of the trunk + value head (verl/RLinf), value head on the policy trunk, or none"""
     use_critic_model: Optional[bool] = None
-    """RLinf critic.use_critic_model: True sets --critic separate, False --critic shared (None: --critic decides)"""
+    """RLinf critic.use_critic_model: True = --critic separate, False = --critic shared (None: --critic decides)"""
     loss_type: Optional[Literal["actor_critic", "actor"]] = None
-    """RLinf loss_type: actor_critic sets --critic shared (one loss, one backward through the shared trunk), actor
-    --critic separate (None: --critic decides)"""
+    """RLinf loss_type: actor_critic = --critic shared (one loss, one backward), actor = --critic separate"""
     sft_steps: Count = 60
     """warm-start: supervised steps on the task's answers before PPO (0: none); few, so the model is partly right"""
     sft_lr: float = 2e-3
@@ -171,8 +167,7 @@ class Args:
     rollout_micro_batch_size: Optional[Count] = None
     """generate at most this many responses at a time (RLinf; memory only; None: the whole batch at once)"""
     logprob_forward_micro_batch_size: Annotated[Optional[Count], alias("--log-prob-micro-batch-size-per-gpu")] = None
-    """responses per no-grad forward when scoring with policy, reference and critic (RLinf; None: --micro-batch-size,
-    which makes the first minibatch's ratio exactly 1; another size only up to float rounding)"""
+    """responses per no-grad scoring forward (RLinf; None: --micro-batch-size, so the first ratio is exactly 1)"""
 
     # Reward
     reward_norm: Literal["none", "batch", "group", "running"] = "none"
@@ -1361,8 +1356,8 @@ def main(args: Args) -> dict:
         tok = build_char_tokenizer()
         policy = build_tiny_model(tok, args.seed, args.tiny_hidden_size, args.tiny_num_layers)
     if args.apply_chat_template and not tok.chat_template:
-        die("--apply-chat-template: the tokenizer has no chat template (" +
-            (f"none in {args.model_name_or_path})" if args.model_name_or_path else "the built-in one has none)"))
+        die(f"--apply-chat-template: the tokenizer of {args.model_name_or_path or 'the built-in model'} has no chat "
+            "template")
     policy = disable_dropout(policy).to(device)
     print(f"policy: {type(policy).__name__}, {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters")
 
