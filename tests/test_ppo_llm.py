@@ -723,10 +723,12 @@ def test_eval_dataset_holds_prompts_out(tmp_path, monkeypatch, capsys):
     held = P.make_problems(12, torch.Generator().manual_seed(1))
     for name, rows in (("train.jsonl", train), ("held.jsonl", held)):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    seen = []
-    real = P.evaluate
-    monkeypatch.setattr(P, "evaluate", lambda policy, tok, rows, *a, **k: seen.append(rows) or real(policy, tok, rows,
-                                                                                                      *a, **k))
+    seen, real = [], P.evaluate
+
+    def spy(policy, tok, rows, *a, **k):  # the rows main() evaluates on
+        seen.append(rows)
+        return real(policy, tok, rows, *a, **k)
+    monkeypatch.setattr(P, "evaluate", spy)
     argv = [*TINY, "--num-iterations", "1", "--runs-dir", str(tmp_path), "--dataset", str(tmp_path / "train.jsonl")]
     P.main(P.parse_args([*argv, "--val-files", str(tmp_path / "held.jsonl")]))
     assert [r["prompt"] for r in seen[0]] == [r["prompt"] for r in held[:8]]  # --eval-prompts 8 of the file
