@@ -1249,13 +1249,13 @@ def reward_model_inputs(rm_tok, prompts: list[str], responses: list[str], chat: 
     """Prompt + response for the reward model, right-padded (it scores the last real token): as a user / assistant
     exchange in its chat template with --apply-chat-template when it has one, else the plain text with its own
     special tokens."""
-    if chat and rm_tok.chat_template:
+    templated = bool(chat and rm_tok.chat_template)
+    if templated:  # (the template writes its special tokens itself)
         texts = [rm_tok.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": r}],
                                             tokenize=False) for p, r in zip(prompts, responses)]
     else:
         texts = [p + r for p, r in zip(prompts, responses)]
-    return rm_tok(texts, return_tensors="pt", padding=True, padding_side="right",
-                  add_special_tokens=not (chat and rm_tok.chat_template))
+    return rm_tok(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=not templated)
 
 
 def warm_start(policy, tok, sample_rows, args: Args, gen, device) -> None:
@@ -1291,10 +1291,9 @@ def evaluate(policy, tok, rows: list[dict], args: Args, gen, device, rank: int =
     torchrun each rank scores an equal share of the rows (len(rows) // world each) and the counts are summed."""
     per_rank = len(rows) // world
     mine = rows[rank * per_rank:(rank + 1) * per_rank]
-    res = {}
+    res, chunk_size = {}, args.rollout_micro_batch_size or 256
     for name, greedy in (("greedy", True), ("sampled", False)):
         correct = 0.0
-        chunk_size = args.rollout_micro_batch_size or 256
         for s in range(0, len(mine), chunk_size):
             chunk = mine[s:s + chunk_size]
             ids, mask = encode_batch(tok, chunk, args.prompt_length, args.apply_chat_template)
@@ -1549,16 +1548,17 @@ def main(args: Args) -> dict:
                 sl = slice(s, s + fwd_mb)
                 o = model_forward(policy, ids[sl], attn[sl], R, args.temperature, value_head, full=full_in_reward)
                 r_ = model_forward(ref, ids[sl], attn[sl], R, args.temperature, full=full_in_reward)
-                old_logp.append(o["logp"].cpu()), ref_logp.append(r_["logp"].cpu())
+                old_logp.append(o["logp"]), ref_logp.append(r_["logp"])  # (to the host once, after the loop)
                 if full_in_reward:  # exact KL over the vocabulary per token; the (B, R, V) distributions are not kept
-                    kl_full.append(kl_penalty(o["logp_all"], r_["logp_all"], "full").cpu())
+                    kl_full.append(kl_penalty(o["logp_all"], r_["logp_all"], "full"))
                 if args.critic == "shared":
-                    values.append(o["values"].cpu())
+                    values.append(o["values"])
                 elif args.critic == "separate":
-                    values.append(critic_values(critic, ids[sl], attn[sl], R).cpu())
-        old_logp, ref_logp = torch.cat(old_logp), torch.cat(ref_logp)
+                    values.append(critic_values(critic, ids[sl], attn[sl], R))
+        old_logp, ref_logp, values, kl_full = (torch.cat(x).cpu() if x else None
+                                               for x in (old_logp, ref_logp, values, kl_full))
         maskf = resp_mask.float()
-        values = torch.cat(values) * maskf if values else torch.zeros_like(old_logp)
+        values = values * maskf if values is not None else torch.zeros_like(old_logp)
 
         # Reward: score (rule or reward model) on the last response token, normalise, KL penalty
         texts = decode_responses(tok, resp)
@@ -1572,7 +1572,7 @@ def main(args: Args) -> dict:
         else:
             raw = correct.clone()
         raw = raw - args.missing_eos_penalty * (~eos).float()
-        kld = (torch.cat(kl_full) if full_in_reward else kl_penalty(old_logp, ref_logp, args.kl_penalty)) * maskf
+        kld = (kl_full if full_in_reward else kl_penalty(old_logp, ref_logp, args.kl_penalty)) * maskf
 
         # Compute advantages and returns (GAE), or a critic-free estimator; over the global batch under torchrun
         adv, returns, scores, seq_kl = rewards_and_advantages(raw, maskf, values, kld, args, kl_ctrl, running,

@@ -1,5 +1,6 @@
 """Tests of ppo_llm.py: every estimator / KL type / loss / aggregation mode against plain references, micro-batch
 accumulation, left padding, ratio 1 on the first minibatch, bad input, smoke runs, local model loading, resume."""
+import inspect
 import json
 import math
 import os
@@ -716,6 +717,25 @@ def test_resume_takes_the_learning_rates_given_now(tmp_path):
     again = P.main(P.parse_args(["--resume", done["checkpoint"]]))
     assert again["checkpoint"] is None and os.stat(done["checkpoint"]).st_mtime_ns == before
     assert again["curve"][-1] == done["curve"][-1] and done["curve"][-1][0] == 2
+
+
+def test_rollout_micro_batches_generate_the_same_rollout(tmp_path, monkeypatch):
+    # greedy generation (no random draws whose order chunking would change): generating the rollout and the
+    # evaluation in chunks of 2 gives the same responses, hence the same run, as generating each batch at once
+    sizes, real = [], P.generate
+
+    def greedy(*a, **k):
+        call = inspect.signature(real).bind(*a, **k)
+        call.arguments["greedy"] = True
+        sizes.append(call.arguments["prompt_ids"].shape[0])
+        return real(*call.args, **call.kwargs)
+    monkeypatch.setattr(P, "generate", greedy)
+    runs = []
+    for extra in ([], ["--rollout-micro-batch-size", "2"]):
+        sizes.clear()
+        runs.append(P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path / str(len(runs))), *extra])))
+        assert set(sizes) == ({8} if not extra else {2})  # 4 prompts x 2 responses; 8 evaluation prompts
+    assert runs[0]["curve"] == runs[1]["curve"] and runs[0]["stats"] == runs[1]["stats"]
 
 
 def test_eval_dataset_holds_prompts_out(tmp_path, monkeypatch, capsys):
