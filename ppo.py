@@ -222,9 +222,8 @@ def make_env(env_id: str, idx: int = 0, capture_video: bool = False, video_dir: 
     return thunk
 
 
-def make_vector_env(args: Args):
-    """Vector env in SAME_STEP autoreset mode: a finished episode is reset inside the same step() call and its last
-    observation comes back in info["final_obs"], so every stored transition is a real one (no reset transitions)."""
+def check_env(args: Args) -> None:
+    """Bad env ids and spaces ppo.py cannot drive are one-line errors, found before anything is written."""
     import gymnasium as gym
 
     try:
@@ -247,6 +246,13 @@ def make_vector_env(args: Args):
             env.close()
         except Exception as e:
             die(f"--capture-video: {args.env_id} cannot render here ({type(e).__name__}: {e})")
+
+
+def make_vector_env(args: Args):
+    """Vector env in SAME_STEP autoreset mode: a finished episode is reset inside the same step() call and its last
+    observation comes back in info["final_obs"], so every stored transition is a real one (no reset transitions)."""
+    import gymnasium as gym
+
     fns = [make_env(args.env_id, i) for i in range(args.num_envs)]
     cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
     return cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
@@ -549,6 +555,7 @@ def main(args: Args) -> dict:
         n = ckpt.get("world_size", 1)
         die(f"{args.resume} was written by {n} process(es); resume it with as many: "
             f"{'python' if n == 1 else f'torchrun --nproc-per-node {n}'} {SCRIPT} --resume {args.resume}")
+    check_env(args)
     if ckpt is not None:
         run_dir = os.path.dirname(os.path.abspath(args.resume))
         run_name = os.path.basename(run_dir)

@@ -211,22 +211,37 @@ def test_defaults_are_cleanrl_settings():
     (["--env-id", "NoSuchEnv-v0", "--total-timesteps", "512"], "unknown"),
     (["--env-id", "Pendulum-v1", "--total-timesteps", "512"], "Discrete"),
 ])
-def test_bad_input_one_line_exit_2(tmp_path, argv, needle):
-    r = run_script(*argv, "--runs-dir", str(tmp_path), cwd=tmp_path)
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
-    assert "Traceback" not in r.stderr
+def test_bad_input_one_line_exit_2(tmp_path, capsys, monkeypatch, argv, needle):
+    """In-process (a subprocess each costs a torch import); the command line itself is tested below."""
+    monkeypatch.setattr(ppo, "make_vector_env", lambda *a, **k: pytest.fail("bad input reached the envs"))
+    with pytest.raises(SystemExit) as e:
+        ppo.main(ppo.parse_args([*argv, "--runs-dir", str(tmp_path / "runs")]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+    assert not (tmp_path / "runs").exists()  # bad input leaves no run directory behind
 
 
-def test_foreign_and_corrupt_checkpoints_are_rejected(tmp_path):
+def test_bad_input_from_the_command_line_is_one_line_exit_2(tmp_path):
+    """As a user meets it: tyro's parse error and an error found in main(), exit code 2, one line, no traceback."""
+    for argv, needle in [(["--num-envs", "abc"], "error: Error parsing --num-envs: 'abc' is not a number"),
+                         (["--env-id", "Pendulum-v1", "--total-timesteps", "512"], "error: Pendulum-v1 has a Box")]:
+        r = run_script(*argv, "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr.startswith(needle) and r.stderr.count("\n") == 1, r.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_foreign_and_corrupt_checkpoints_are_rejected(tmp_path, capsys):
     foreign = tmp_path / "foreign.pt"
     torch.save({"script": "ppo_continuous.py", "env_id": "HalfCheetah-v5", "args": {}}, foreign)
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(b"not a checkpoint")
     for path, needle in [(foreign, "not a ppo.py checkpoint"), (corrupt, "cannot read checkpoint")]:
-        r = run_script("--resume", str(path), cwd=tmp_path)
-        assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        with pytest.raises(SystemExit) as e:
+            ppo.parse_args(["--resume", str(path)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err and err.count("\n") == 1, err
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -372,12 +387,13 @@ def test_exact_resume_equals_uninterrupted_run(tmp_path):
         assert read_scalars(full["run_dir"], tag) == read_scalars(part["run_dir"], tag), tag
 
 
-def test_unwritable_runs_dir_is_one_line_error(tmp_path):
+def test_unwritable_runs_dir_is_one_line_error(tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    r = run_script("--total-timesteps", "512", "--runs-dir", str(blocker / "runs"), cwd=tmp_path)
-    assert r.returncode == 2 and "cannot create run directory" in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as e:
+        ppo.main(small_args(tmp_path, runs_dir=str(blocker / "runs")))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "cannot create run directory" in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("argv,needle", [(["--num-envs", "abc"], "Error parsing --num-envs: 'abc' is not a number"),

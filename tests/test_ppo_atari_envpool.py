@@ -45,7 +45,9 @@ def test_cli_total_timesteps_1e7_and_cleanrl_defaults():
     (["--resume", "{corrupt}"], "cannot read checkpoint"),
     (["--runs-dir", "{file}/runs"], "cannot create run directory"),
 ])
-def test_bad_input_one_line_exit_2(tmp_path, argv, needle):
+def test_bad_input_one_line_exit_2(tmp_path, argv, needle, capsys, monkeypatch):
+    """In-process (a subprocess each costs a torch import); the command line itself is tested below."""
+    monkeypatch.setattr(pae, "make_envs", lambda *a, **k: pytest.fail("bad input reached the envs"))
     torch.save({"script": "ppo.py", "env_id": "CartPole-v1", "args": {}}, tmp_path / "foreign.pt")
     (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
     (tmp_path / "file").write_text("")
@@ -54,11 +56,13 @@ def test_bad_input_one_line_exit_2(tmp_path, argv, needle):
     argv = [a.format(**paths) for a in argv]
     if "--runs-dir" not in argv:
         argv += ["--runs-dir", str(tmp_path / "runs")]
-    p = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert p.returncode == 2, p.stderr[-2000:]
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], p.stderr
-    assert "Traceback" not in p.stderr and not (tmp_path / "runs").exists()
+    with pytest.raises(SystemExit) as e:
+        pae.main(pae.parse_args(argv))
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -75,9 +79,15 @@ def test_bad_sizes_in_process_one_line_exit_2(argv, needle, capsys):  # cheaper 
     assert err.count("\n") == 1 and err.startswith("error: ") and needle in err
 
 
-def test_tyro_parse_error_one_line_exit_2():  # as a user meets it: tyro's box condensed to one line
+def test_bad_input_from_the_command_line_is_one_line_exit_2(tmp_path):
+    """As a user meets it: tyro's box condensed to one line, and an error found in main(); exit code 2."""
     p = subprocess.run([sys.executable, SCRIPT, "--num-envs", "1.5"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr == "error: Error parsing --num-envs: '1.5' is not a whole number\n"
+    (tmp_path / "file").write_text("")
+    p = subprocess.run([sys.executable, SCRIPT, "--runs-dir", str(tmp_path / "file" / "runs")], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith("error: cannot create run directory"), p.stderr
+    assert p.stderr.count("\n") == 1
 
 
 def test_atari_ids_are_atari_only():
