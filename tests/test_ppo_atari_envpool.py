@@ -272,17 +272,8 @@ def scalars(run_dir, tag):
     return [(e.step, e.value) for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
 
 
-def test_smoke_run_logs_the_shared_tags(tmp_path):
-    out = run(["--total-timesteps", "384", "--runs-dir", str(tmp_path), *TINY], tmp_path)
-    assert "iter 6/6" in out and "global_step=384" in out
-    (run_dir,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path)]
-    for tag in ("charts/learning_rate", "charts/SPS", "losses/value_loss", "losses/policy_loss", "losses/entropy",
-                "losses/approx_kl", "losses/clipfrac", "losses/explained_variance"):
-        values = scalars(run_dir, tag)
-        assert len(values) == 6 and all(np.isfinite(v) for _, v in values), tag
-
-
-def test_stop_then_resume_continues_steps_and_lr_schedule(tmp_path):
+def test_smoke_run_stops_then_resumes_with_steps_lr_schedule_and_tags(tmp_path):
+    """A smoke run of 512 steps in two pieces (one subprocess each: the run as a user starts it)."""
     common = ["--total-timesteps", "512", "--runs-dir", str(tmp_path), *TINY]  # 8 iterations of 64 steps
     out = run([*common, "--stop-after", "3"], tmp_path)
     assert "stopped at iteration 3 (--stop-after 3); continue with: python ppo_atari_envpool.py --resume" in out
@@ -301,6 +292,11 @@ def test_stop_then_resume_continues_steps_and_lr_schedule(tmp_path):
     lr = scalars(run_dir, "charts/learning_rate")
     assert [s for s, _ in lr] == [64 * k for k in range(1, 9)]  # one point per iteration, no gap, no repeat
     assert np.allclose([v for _, v in lr], [(1 - (k - 1) / 8) * 2.5e-4 for k in range(1, 9)])
+    assert "global_step=512" in out
+    for tag in ("charts/SPS", "losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/approx_kl",
+                "losses/clipfrac", "losses/explained_variance"):
+        values = scalars(run_dir, tag)
+        assert [s for s, _ in values] == [64 * k for k in range(1, 9)] and all(np.isfinite(v) for _, v in values), tag
 
 
 # ---------------------------------------------------------------------------------------------------------
