@@ -348,7 +348,9 @@ def test_left_padding_matches_unpadded(tiny):
         assert g[i].tolist() == alone[0].tolist()
 
 
-def make_update_batch(tok, m, args, critic=None, seed=0):
+def make_update_batch(tok, m, args, critic=None, seed=0, forward_chunk=None):
+    """A rollout batch whose old log-probs come from forwards of forward_chunk rows (default: the micro-batch)."""
+    chunk = forward_chunk or args.micro_batch_size
     gen = torch.Generator().manual_seed(seed)
     rows = P.make_problems(args.rollout_batch_size * args.n, gen)
     ids, mask = P.encode_batch(tok, rows, args.prompt_length)
@@ -356,9 +358,8 @@ def make_update_batch(tok, m, args, critic=None, seed=0):
     rm = P.response_mask_from(resp, tok.eos_token_id)
     ids, attn = torch.cat([ids, resp], 1), torch.cat([mask, rm], 1)
     with torch.no_grad():
-        old = torch.cat([P.model_forward(m, ids[s:s + args.micro_batch_size], attn[s:s + args.micro_batch_size],
-                                         args.response_length, args.temperature)["logp"]
-                         for s in range(0, len(ids), args.micro_batch_size)])
+        old = torch.cat([P.model_forward(m, ids[s:s + chunk], attn[s:s + chunk], args.response_length,
+                                         args.temperature)["logp"] for s in range(0, len(ids), chunk)])
         values = P.critic_values(critic, ids, attn, args.response_length) if critic is not None else torch.zeros_like(old)
     maskf = rm.float()
     adv = torch.randn(maskf.shape, generator=gen) * maskf
@@ -432,6 +433,19 @@ def test_first_minibatch_ratio_is_exactly_one(tiny_copy):
     mean, first = P.ppo_update(m, None, None, [opt], [sch], batch, args, torch.Generator().manual_seed(0))
     assert first["approx_kl"] == 0.0 and first["old_approx_kl"] == 0.0 and first["clipfrac"] == 0.0
     assert mean["approx_kl"] > 0  # later minibatches see an updated policy
+
+
+def test_first_minibatch_ratio_with_another_logprob_forward_size_is_one_up_to_rounding(tiny_copy):
+    """--logprob-forward-micro-batch-size other than --micro-batch-size: other matmul shapes, so the old log-probs
+    may differ from the update's in the last bits; the first ratio is then 1 to within float rounding."""
+    tok, m = tiny_copy
+    args = P.Args(rollout_batch_size=8, n=2, ppo_mini_batch_size=2, micro_batch_size=2, critic="none",
+                  adv_estimator="grpo", ppo_epochs=1)
+    batch = make_update_batch(tok, m, args, forward_chunk=16)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    _, first = P.ppo_update(m, None, None, [opt], [sch], batch, args, torch.Generator().manual_seed(0))
+    assert abs(first["approx_kl"]) < 1e-10 and first["clipfrac"] == 0.0
 
 
 @pytest.mark.parametrize("critic", ["separate", "shared"])
