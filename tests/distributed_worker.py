@@ -73,7 +73,7 @@ def llm_case():
     import ppo_llm
 
     tok = ppo_llm.build_char_tokenizer()
-    model = ppo_llm.disable_dropout(ppo_llm.build_tiny_model(tok, 0))
+    model = ppo_llm.disable_dropout(ppo_llm.build_tiny_model(tok, 0, 128, 2))
     g = torch.Generator().manual_seed(1)
     N, R = LLM_N, LLM_R
     lengths = torch.tensor([5, 3, 1, 4, 2, 5, 2, 3])

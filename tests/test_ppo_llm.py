@@ -17,8 +17,10 @@ import ppo_llm as P  # noqa: E402
 torch.set_num_threads(1)  # tiny models: one thread is fastest on a shared 2-core machine
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ppo_llm.py")
+SMALL = (128, 2)  # hidden size, layers: a 0.34M model for the tests (the default is 2M)
 TINY = ["--sft-steps", "5", "--eval-prompts", "8", "--rollout-batch-size", "4", "--n", "2",
-        "--ppo-mini-batch-size", "2", "--micro-batch-size", "2", "--num-iterations", "2", "--no-save-model"]
+        "--ppo-mini-batch-size", "2", "--micro-batch-size", "2", "--num-iterations", "2", "--no-save-model",
+        "--tiny-hidden-size", "128", "--tiny-num-layers", "2", "--torch-threads", "1"]
 
 
 def hand_batch(seed=0, B=6, T=5):
@@ -276,7 +278,7 @@ def test_response_mask_and_sampling_filters():
 @pytest.fixture(scope="module")
 def tiny():
     tok = P.build_char_tokenizer()
-    return tok, P.disable_dropout(P.build_tiny_model(tok, 0))
+    return tok, P.disable_dropout(P.build_tiny_model(tok, 0, *SMALL))
 
 
 @pytest.fixture
@@ -319,7 +321,7 @@ def test_prompt_token_ids_special_tokens_and_chat_template():
 def test_apply_chat_template_run_and_missing_template(tmp_path, capsys):
     tok = P.build_char_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the plain prompt: still learns
-    P.build_tiny_model(tok, 3).save_pretrained(tmp_path / "lm")
+    P.build_tiny_model(tok, 3, *SMALL).save_pretrained(tmp_path / "lm")
     tok.save_pretrained(tmp_path / "lm")
     res = P.main(P.parse_args([*TINY, "--num-iterations", "1", "--runs-dir", str(tmp_path / "r"),
                                "--model-name-or-path", str(tmp_path / "lm"), "--apply-chat-template"]))
@@ -653,6 +655,12 @@ def test_tiny_model_size_flags(tmp_path):
     assert sum(p.numel() for p in saved.parameters()) == sum(p.numel() for p in small.parameters())
 
 
+def test_default_model_has_a_few_million_parameters():
+    a = P.Args()
+    m = P.build_tiny_model(P.build_char_tokenizer(), 0, a.tiny_hidden_size, a.tiny_num_layers)
+    assert 1.5e6 < sum(p.numel() for p in m.parameters()) < 1e7
+
+
 def test_counts_parse():
     assert P.parse_args(["--num-iterations", "1e2", "--rollout-batch-size", "1_6"]).num_iterations == 100
 
@@ -686,7 +694,7 @@ def test_local_model_dataset_reward_model_and_resume(tmp_path):
     from transformers import LlamaForSequenceClassification
 
     tok = P.build_char_tokenizer()
-    model = P.build_tiny_model(tok, 3)
+    model = P.build_tiny_model(tok, 3, *SMALL)
     model.save_pretrained(tmp_path / "lm")
     tok.pad_token = None  # a tokenizer without pad token: the script uses EOS and says so
     tok.save_pretrained(tmp_path / "lm")
@@ -836,7 +844,7 @@ def test_non_finite_update_stops_and_keeps_the_last_good_checkpoint(tmp_path, mo
 def test_checkpoint_killed_during_save_keeps_the_previous_one(tmp_path, monkeypatch):
     """A save that dies halfway (here: while writing the critic) leaves the previous checkpoint whole."""
     tok = P.build_char_tokenizer()
-    m = P.build_tiny_model(tok, 0)
+    m = P.build_tiny_model(tok, 0, *SMALL)
     critic = P.make_critic(m)
     opt = [torch.optim.AdamW(m.parameters(), lr=1e-3)]
     sch = [torch.optim.lr_scheduler.LambdaLR(opt[0], lambda s: 1.0)]
