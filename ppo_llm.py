@@ -8,8 +8,9 @@
     torchrun --nproc-per-node 2 ppo_llm.py              # FSDP2 (--strategy ddp: DDP); batch sizes are global
 
 Default run: a character-level tokenizer and a tiny LlamaConfig model (2.0M parameters) are built here, warm-started
-by a short supervised phase on "31415=" -> "11345" (it stops while its sampled answers are about half right), then trained with
-PPO on the rule-based reward "response == sorted digits"; reward and accuracy rise. A response is the episode, a token is an action.
+by a short supervised phase on "31415=" -> "11345" (it stops while a third to a half of its sampled answers are
+right), then trained with PPO on the rule-based reward "response == sorted digits"; reward and accuracy rise. A
+response is the episode, a token is an action.
 
 The loop follows the note (shared/seeds/ppo_note.md); each step is a section comment in main():
 Collect rollout (sample n responses per prompt, score them with policy, reference and critic) -> Reward (score,
