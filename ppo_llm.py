@@ -475,7 +475,7 @@ def rule_reward(response: str, answer: Optional[str]) -> float:
 # ---------------------------------------------------------------------------------------------------------
 # Models: policy, frozen reference, critic (separate copy or shared trunk)
 # ---------------------------------------------------------------------------------------------------------
-def build_tiny_model(tok, seed: int, hidden_size: int = 256, num_layers: int = 3):
+def build_tiny_model(tok, seed: int, hidden_size: int, num_layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
