@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import math
 import os
 import random
 import signal
@@ -191,16 +192,29 @@ def validate(args: Args) -> None:
             + (f", times {world} processes)" if world > 1 else ")"))
     if batch % args.num_minibatches:
         die(f"num_envs*num_steps = {batch} is not divisible by --num-minibatches {args.num_minibatches}")
+    if args.norm_adv and batch // args.num_minibatches < 2:
+        die(f"minibatches of {batch // args.num_minibatches} sample: --norm-adv needs at least 2 (their std)")
+    if not 0 <= args.seed < 2**31:
+        die(f"--seed must lie in [0, 2**31), got {args.seed}")
     if not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1):
         die("--gamma and --gae-lambda must lie in [0, 1]")
+    for f in dataclasses.fields(Args):  # nan / inf pass the range checks below unnoticed
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            die(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
     if args.learning_rate <= 0 or args.clip_coef <= 0 or args.max_grad_norm <= 0:
         die("--learning-rate, --clip-coef and --max-grad-norm must be positive")
+    if args.ent_coef < 0 or args.vf_coef < 0:
+        die("--ent-coef and --vf-coef must be >= 0")
+    if args.target_kl is not None and args.target_kl <= 0:
+        die(f"--target-kl must be positive, got {args.target_kl}")
     if args.cudagraphs and not args.cuda:
         die("--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
     if args.cudagraphs and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         die("--cudagraphs is not supported under torchrun (DDP's gradient all-reduce runs outside the graph)")
     if args.cuda and not torch.cuda.is_available():
-        die("--cuda given but torch finds no CUDA device")
+        die("--cuda given (or taken from the checkpoint: --no-cuda resumes on the CPU) but torch finds no CUDA "
+            "device")
     if args.resume is not None and not os.path.isfile(args.resume):
         die(f"--resume: no such file {args.resume}")
 
@@ -238,6 +252,8 @@ def check_env(args: Args) -> None:
     if not isinstance(probe.observation_space, gym.spaces.Box):
         die(f"{args.env_id} has a {type(probe.observation_space).__name__} observation space; ppo.py needs a Box")
     probe.close()
+    if args.capture_video and not args.eval_episodes:
+        print("note: --capture-video records the --eval-episodes only; none asked")
     if args.capture_video:  # fail now, not after training, if this machine cannot render
         try:
             env = gym.make(args.env_id, render_mode="rgb_array")
@@ -480,7 +496,8 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, vide
     ep_ret = 0.0
     while len(returns) < episodes:
         with torch.inference_mode():
-            action, _, _, _ = agent.get_action_and_value(torch.as_tensor(obs, dtype=torch.float32, device=device))
+            action, _, _, _ = agent.get_action_and_value(
+                torch.as_tensor(obs, dtype=torch.float32, device=device).reshape(1, -1))  # flat, as in training
         obs, r, term, trunc, _ = env.step(int(action))
         ep_ret += float(r)
         if term or trunc:
@@ -555,6 +572,10 @@ def main(args: Args) -> dict:
         n = ckpt.get("world_size", 1)
         die(f"{args.resume} was written by {n} process(es); resume it with as many: "
             f"{'python' if n == 1 else f'torchrun --nproc-per-node {n}'} {SCRIPT} --resume {args.resume}")
+    if ckpt is not None and (ckpt["args"]["num_envs"], ckpt["args"]["num_steps"]) != (args.num_envs, args.num_steps):
+        die(f"{args.resume} was written with --num-envs {ckpt['args']['num_envs']} --num-steps "
+            f"{ckpt['args']['num_steps']}; its iteration count and learning-rate schedule hold for that rollout: "
+            "resume with the same")
     check_env(args)
     if ckpt is not None:
         run_dir = os.path.dirname(os.path.abspath(args.resume))
@@ -613,7 +634,7 @@ def main(args: Args) -> dict:
         import wandb
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                   config=vars(args), name=run_name, dir=args.runs_dir, resume="allow", id=run_name)
+                   config=vars(args), name=run_name, dir=run_dir, resume="allow", id=run_name)
     writer = SummaryWriter(run_dir) if rank == 0 else Silent()  # rank 0 alone logs
     if ckpt is None:
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
@@ -660,13 +681,13 @@ def main(args: Args) -> dict:
     ep_return = np.zeros(args.num_envs)
     ep_length = np.zeros(args.num_envs, dtype=np.int64)
     saved = ckpt.get("rollout") if ckpt is not None else None
-    if saved is not None and saved["envs"] is not None and args.vector_mode == "sync" and len(saved["envs"]) == \
-            args.num_envs:  # exact resume: the episodes in flight continue where they stopped
+    if saved is not None and saved["envs"] is not None and args.vector_mode == "sync":
+        # exact resume: the episodes in flight continue where they stopped
         load_env_state(envs, saved["envs"])
         next_obs, next_done = saved["next_obs"].to(device), saved["next_done"].to(device)
         ep_return, ep_length = saved["ep_return"].numpy().copy(), saved["ep_length"].numpy().copy()
     elif ckpt is not None and rank == 0:
-        print("note: environments start new episodes (their state was not saved: async vector mode)")
+        print("note: environments start new episodes (exact resume needs --vector-mode sync, then and now)")
 
     def checkpoint(path: str, iteration: int) -> None:
         """Called by every rank at the same iteration; rank 0 writes the states of all ranks."""
@@ -787,7 +808,9 @@ def main(args: Args) -> dict:
             break
         if args.checkpoint_every and iteration % args.checkpoint_every == 0:
             checkpoint(ckpt_path, iteration)
-    if finished and args.save_model:
+    checkpointed = ckpt is not None or args.checkpoint_every or args.stop_after  # a checkpoint.pt along the way
+    if finished and (args.save_model or (checkpointed and start_iteration <= num_iterations)):
+        # brought up to the end of the run, so that a --resume of the finished run evaluates instead of training
         path = os.path.join(run_dir, "checkpoint.pt")
         checkpoint(path, max(num_iterations, start_iteration - 1))
         if rank == 0:

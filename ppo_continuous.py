@@ -216,6 +216,10 @@ def validate(args: Args) -> None:
     batch = args.num_envs * args.num_steps
     if batch % args.num_minibatches:
         die(f"num_envs*num_steps = {batch} is not divisible by --num-minibatches {args.num_minibatches}")
+    if args.norm_adv and batch // args.num_minibatches < 2:
+        die(f"minibatches of {batch // args.num_minibatches} sample: --norm-adv needs at least 2 (their std)")
+    if not 0 <= args.seed < 2**31:
+        die(f"--seed must lie in [0, 2**31), got {args.seed}")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun: one rollout of every process
     if 0 < args.total_timesteps < batch * world:
         die(f"--total-timesteps {args.total_timesteps} is less than one rollout (num_envs*num_steps = {batch}"
@@ -239,7 +243,8 @@ def validate(args: Args) -> None:
     if args.cudagraphs and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         die("--cudagraphs is not supported under torchrun (DDP's gradient all-reduce runs outside the graph)")
     if args.cuda and not torch.cuda.is_available():
-        die("--cuda given but torch finds no CUDA device")
+        die("--cuda given (or taken from the checkpoint: --no-cuda resumes on the CPU) but torch finds no CUDA "
+            "device")
     if args.resume is not None and not os.path.isfile(args.resume):
         die(f"--resume: no such file {args.resume}")
 
@@ -793,6 +798,10 @@ def main(args: Args) -> dict:
         n = ckpt.get("world_size", 1)
         die(f"{args.resume} was written by {n} process(es); resume it with as many: "
             f"{'python' if n == 1 else f'torchrun --nproc-per-node {n}'} {SCRIPT} --resume {args.resume}")
+    if ckpt is not None and (ckpt["args"]["num_envs"], ckpt["args"]["num_steps"]) != (args.num_envs, args.num_steps):
+        die(f"{args.resume} was written with --num-envs {ckpt['args']['num_envs']} --num-steps "
+            f"{ckpt['args']['num_steps']}; its iteration count and learning-rate schedule hold for that rollout: "
+            "resume with the same")
     check_env(args.env_id)  # before anything is written: bad input leaves no run directory behind
     if ckpt is not None:
         for name in ("norm_obs", "norm_reward"):  # the network was trained on these inputs / value scale
@@ -892,6 +901,10 @@ def main(args: Args) -> dict:
         return stats
 
     if args.compile:
+        if args.torch_deterministic:  # compiled code draws the same random numbers as eager code
+            import torch._inductor.config as inductor_config
+
+            inductor_config.fallback_random = True
         policy = torch.compile(policy, mode="reduce-overhead" if args.cudagraphs else None)
         update = torch.compile(update, mode="reduce-overhead" if args.cudagraphs else None)
     elif args.cudagraphs:  # CUDA graphs without inductor: dynamo's cudagraphs backend records and replays
@@ -919,8 +932,8 @@ def main(args: Args) -> dict:
     ep_return = np.zeros(args.num_envs)
     ep_length = np.zeros(args.num_envs, dtype=np.int64)
     saved = ckpt.get("rollout") if ckpt is not None else None
-    if saved is not None and saved["envs"] is not None and args.vector_mode == "sync" and len(saved["envs"]) == \
-            args.num_envs:  # exact resume: the episodes in flight continue where they stopped
+    if saved is not None and saved["envs"] is not None and args.vector_mode == "sync":
+        # exact resume: the episodes in flight continue where they stopped
         try:
             load_env_state(envs, saved["envs"])
         except (ValueError, KeyError, AttributeError) as e:
@@ -931,7 +944,7 @@ def main(args: Args) -> dict:
         reward_scaler.ret = saved["reward_ret"].numpy().astype(np.float64)
     else:
         if ckpt is not None and rank == 0:
-            print("note: environments start new episodes (their state was not saved: async vector mode)")
+            print("note: environments start new episodes (exact resume needs --vector-mode sync, then and now)")
         next_obs = prepare_obs(next_obs_np, update_stats=num_iterations >= start_iteration).astype(np.float32)
 
     def checkpoint(path: str, iteration: int) -> None:
@@ -1069,7 +1082,9 @@ def main(args: Args) -> dict:
             break
         if args.checkpoint_every and iteration % args.checkpoint_every == 0:
             checkpoint(ckpt_path, iteration)
-    if finished and args.save_model:
+    checkpointed = ckpt is not None or args.checkpoint_every or args.stop_after  # a checkpoint.pt along the way
+    if finished and (args.save_model or (checkpointed and start_iteration <= num_iterations)):
+        # brought up to the end of the run, so that a --resume of the finished run evaluates instead of training
         path = os.path.join(run_dir, "checkpoint.pt")
         checkpoint(path, max(num_iterations, start_iteration - 1))
         if rank == 0:

@@ -204,6 +204,10 @@ def test_defaults_are_cleanrl_settings():
     (["--num-envs", "0"], "must be positive"),
     (["--num-steps", "-5"], "must be positive"),
     (["--num-minibatches", "3"], "not divisible"),
+    (["--num-envs", "2", "--num-steps", "2", "--num-minibatches", "4", "--total-timesteps", "512"], "at least 2"),
+    (["--learning-rate", "nan"], "finite"),
+    (["--target-kl", "-1"], "must be positive"),
+    (["--seed", "-1"], "[0, 2**31)"),
     (["--vector-mode", "fast"], "sync"),
     (["--cudagraphs"], "needs --cuda"),
     (["--resume", "/nonexistent/checkpoint.pt"], "no such file"),
@@ -280,13 +284,28 @@ def test_save_resume_continues_step_count_and_lr_schedule(tmp_path):
     ckpt = os.path.join(first["run_dir"], "checkpoint.pt")
     args = ppo.parse_args(["--resume", ckpt])  # everything else comes from the checkpoint
     assert args.total_timesteps == 512 and args.num_steps == 32 and args.stop_after == 3
-    args.stop_after = 0
-    second = ppo.main(args)
-    assert second["run_dir"] == first["run_dir"] and second["global_step"] == full["global_step"] == 512
+    second = ppo.main(args)  # the printed command again: iterations 4-6
+    assert second["run_dir"] == first["run_dir"] and second["global_step"] == 6 * 64
+    third = ppo.main(ppo.parse_args(["--resume", ckpt]))  # 7-8: the run's end, which the checkpoint is brought to
+    assert third["global_step"] == full["global_step"] == 512
+    assert torch.load(ckpt, weights_only=True)["iteration"] == 8  # without --save-model
     lr_full = read_scalars(full["run_dir"], "charts/learning_rate")
     lr_split = read_scalars(first["run_dir"], "charts/learning_rate")
     assert [s for s, _ in lr_split] == [s for s, _ in lr_full] == [64 * i for i in range(1, 9)]
     np.testing.assert_allclose([v for _, v in lr_split], [v for _, v in lr_full], rtol=1e-6)
+    before = os.stat(ckpt).st_mtime_ns
+    done = ppo.main(ppo.parse_args(["--resume", ckpt]))  # a finished run: nothing trains, nothing is written
+    assert done["global_step"] == 512 and done["stats"] == {} and os.stat(ckpt).st_mtime_ns == before
+
+
+def test_resume_with_another_rollout_size_is_one_line_error(tmp_path, capsys):
+    first = ppo.main(small_args(tmp_path, total_timesteps=512, num_steps=32, stop_after=1))
+    ckpt = os.path.join(first["run_dir"], "checkpoint.pt")
+    for flag in ("--num-steps", "--num-envs"):
+        with pytest.raises(SystemExit) as e:
+            ppo.main(ppo.parse_args(["--resume", ckpt, flag, "16"]))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "resume with the same" in err and err.count("\n") == 1, err
 
 
 def test_resume_with_another_total_says_the_schedule_changes(tmp_path, capsys):
@@ -322,6 +341,15 @@ def test_optimizer_state_of_a_cuda_graph_run_resumes_here(script):
     assert all(torch.isfinite(p).all() for p in net.parameters())
 
 
+def test_evaluate_flattens_observations_as_training_does(monkeypatch):
+    import gymnasium as gym
+
+    monkeypatch.setattr(ppo, "make_env", lambda *a, **k: lambda: gym.wrappers.ReshapeObservation(
+        gym.make("CartPole-v1"), (2, 2)))
+    returns = ppo.evaluate(ppo.Agent(4, 2), ppo.Args(), torch.device("cpu"), 2)
+    assert len(returns) == 2 and all(r >= 1 for r in returns)
+
+
 def test_evaluate_a_saved_checkpoint(tmp_path):
     res = ppo.main(small_args(tmp_path, save_model=True))
     ckpt = os.path.join(res["run_dir"], "checkpoint.pt")
@@ -348,7 +376,7 @@ def test_wandb_offline_and_video_of_evaluation(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     videos = glob.glob(str(tmp_path / "CartPole-v1__ppo__1__*" / "videos" / "*.mp4"))
     assert len(videos) == 2
-    assert glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))
+    assert glob.glob(str(tmp_path / "CartPole-v1__ppo__1__*" / "wandb" / "offline-run-*" / "*.wandb"))  # in the run
 
 
 def test_sigterm_writes_checkpoint_and_exits_cleanly(tmp_path):

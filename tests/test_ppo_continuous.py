@@ -263,7 +263,7 @@ def test_smoke_async_vector_env(tmp_path):
 
 def test_stop_resume_eval_keeps_normalisation_statistics(tmp_path, capsys):
     common = ["--total-timesteps", "768", "--num-steps", "256", "--num-minibatches", "4", "--update-epochs", "1",
-              "--runs-dir", str(tmp_path), "--save-model"]
+              "--runs-dir", str(tmp_path)]  # no --save-model: a run stopped along the way saves its end anyway
     r = run_script(*common, "--stop-after", "1")
     assert r.returncode == 0, r.stderr[-2000:]
     (run,) = os.listdir(tmp_path)
@@ -348,6 +348,8 @@ def error_lines(stderr):
     (["--gamma", "1.5"], "must lie in [0, 1]"),
     (["--learning-rate", "-3e-4"], "must be positive"),
     (["--learning-rate", "nan"], "finite"),
+    (["--seed", "5e9"], "[0, 2**31)"),
+    (["--num-envs", "1", "--num-steps", "4", "--num-minibatches", "4"], "at least 2"),
     (["--vector-mode", "fast"], "fast"),
     (["--no-such-flag"], "Unrecognized"),
     (["--env-id", "CartPole-v1"], "use ppo.py"),
