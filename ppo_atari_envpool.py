@@ -14,8 +14,8 @@ Optimise policy & value for E epochs (clipped policy loss + value loss + entropy
 
 envpool semantics this script relies on (checked by experiment with envpool 1.2.5, env_type="gymnasium"):
 - autoreset is "next step": the step() after a done returns the reset observation, reward 0, and ignores the
-  action. With episodic_life a life loss is such a done too (the reset step then only presses FIRE and the game
-  goes on; info["elapsed_step"] does not advance). Those reset steps carry no real transition: they are stored
+  action. With episodic_life a life loss is such a done too (the reset step then continues the same game;
+  info["elapsed_step"] does not advance). Those reset steps carry no real transition: they are stored
   (static shapes for compile / CUDA graphs) but masked out of the loss.
 - returned `terminated` is True on a life loss (episodic life: GAE treats it as terminal); info["terminated"] is
   True only when the game is over; `truncated` (max_episode_steps, 27000 agent steps = 108000 frames) ends the
@@ -236,6 +236,11 @@ def validate(args: Args) -> None:
     if args.target_kl is not None and args.target_kl <= 0:
         die(f"--target-kl must be positive, got {args.target_kl}")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun: one rollout of every process
+    if args.seed < 0 or args.seed + args.total_timesteps + world * args.num_envs >= 2**31:
+        die(f"--seed {args.seed}: envpool seeds (seed + global step + env index) must lie in [0, 2**31)")
+    for name in ("max_episode_steps", "num_threads", "num_envs"):
+        if getattr(args, name) >= 2**31:
+            die(f"--{name.replace('_', '-')} must be below 2**31, got {getattr(args, name)}")
     if 0 < args.total_timesteps < batch * world:
         die(f"--total-timesteps {args.total_timesteps} is less than one rollout (num_envs*num_steps = {batch}"
             + (f", times {world} processes)" if world > 1 else ")"))
@@ -244,7 +249,8 @@ def validate(args: Args) -> None:
     if args.cudagraphs and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         die("--cudagraphs is not supported under torchrun (DDP's gradient all-reduce runs outside the graph)")
     if args.cuda and not torch.cuda.is_available():
-        die("--cuda given but torch finds no CUDA device")
+        die("--cuda given (or taken from the checkpoint: --no-cuda resumes on the CPU) but torch finds no CUDA "
+            "device")
     if args.resume is not None and not os.path.isfile(args.resume):
         die(f"--resume: no such file {args.resume}")
     check_env_id(args.env_id)
@@ -395,6 +401,13 @@ def bootstrap_truncated(rewards, values, next_value, truncated, gamma: float):
     return rewards + gamma * next_values * truncated
 
 
+def to_bootstrap(terminations: np.ndarray, truncations: np.ndarray, lives_before: np.ndarray,
+                 lives_after: np.ndarray) -> np.ndarray:
+    """The steps whose next value is bootstrapped: cut by the time limit and not terminal. envpool reports a life
+    lost (or the game over) on the time limit's last step as truncated and not terminated: the drop in lives tells."""
+    return truncations & ~terminations & (lives_after >= lives_before)
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
@@ -462,6 +475,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: 
         g["lr"] = torch.tensor(float(g["lr"]), device=device)
         for p in g["params"]:
             st = optimizer.state.get(p, {})
+            for k, v in st.items():  # moments in the parameter's memory layout (channels_last on the CPU, not on
+                if torch.is_tensor(v) and v.shape == p.shape:  # CUDA): the fused kernel pairs them by raw memory
+                    st[k] = torch.empty_like(p).copy_(v)
             if torch.is_tensor(st.get("step")):
                 on_param = g.get("capturable") or g.get("fused")
                 st["step"] = st["step"].to(p.device if on_param else torch.device("cpu"), torch.float32)
@@ -607,6 +623,10 @@ def main(args: Args) -> dict:
         n = ckpt.get("world_size", 1)
         die(f"{args.resume} was written by {n} process(es); resume it with as many: "
             f"{'python' if n == 1 else f'torchrun --nproc-per-node {n}'} {SCRIPT} --resume {args.resume}")
+    if ckpt is not None and (ckpt["args"]["num_envs"], ckpt["args"]["num_steps"]) != (args.num_envs, args.num_steps):
+        die(f"{args.resume} was written with --num-envs {ckpt['args']['num_envs']} --num-steps "
+            f"{ckpt['args']['num_steps']}; its iteration count and learning-rate schedule hold for that rollout: "
+            "resume with the same")
     if ckpt is not None:
         run_dir = os.path.dirname(os.path.abspath(args.resume))
         run_name = os.path.basename(run_dir)
@@ -696,6 +716,10 @@ def main(args: Args) -> dict:
         return stats
 
     if args.compile:
+        if args.torch_deterministic:  # compiled code draws the same random numbers as eager code
+            import torch._inductor.config as inductor_config
+
+            inductor_config.fallback_random = True
         policy = torch.compile(policy, mode="reduce-overhead" if args.cudagraphs else None)
         update = torch.compile(update, mode="reduce-overhead" if args.cudagraphs else None)
     elif args.cudagraphs:  # CUDA graphs without inductor: dynamo's cudagraphs backend records and replays
@@ -721,8 +745,9 @@ def main(args: Args) -> dict:
         obs_h.numpy()[:] = obs_np  # the previous copy out of obs_h finished: action.cpu() synchronised since
         return next_obs_d.copy_(obs_h, non_blocking=True)
 
-    next_obs_np, _ = envs.reset()
+    next_obs_np, reset_info = envs.reset()
     next_obs = to_device(next_obs_np)
+    lives = reset_info["lives"]
     next_done = np.zeros(args.num_envs, dtype=bool)
     episode_stats = EpisodeStats(args.num_envs)
     recent_returns: list[float] = []
@@ -761,7 +786,8 @@ def main(args: Args) -> dict:
 
             next_obs_np, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
             rewards_h[step] = torch.from_numpy(reward)  # clipped to its sign by envpool (reward_clip)
-            truncs_h[step] = torch.from_numpy(np.logical_and(truncations, np.logical_not(terminations)))
+            truncs_h[step] = torch.from_numpy(to_bootstrap(terminations, truncations, lives, infos["lives"]))
+            lives = infos["lives"]
             next_done = np.logical_or(terminations, truncations)  # detail: a life loss is terminal for GAE
             for i, ret, length in episode_stats.update(infos["reward"], terminations, truncations,
                                                        infos["terminated"]):
@@ -818,9 +844,9 @@ def main(args: Args) -> dict:
             print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
                   file=sys.stderr)
             sys.exit(1)
-        valid = b_mask.cpu().numpy() > 0  # envpool's reset steps are no transitions: left out, as from the losses
-        last_stats["explained_variance"] = explained_variance(b_values.cpu().numpy()[valid],
-                                                              b_returns.cpu().numpy()[valid])
+        mask_np, values_np, returns_np = torch.stack([b_mask, b_values, b_returns]).cpu().numpy()
+        valid = mask_np > 0  # envpool's reset steps are no transitions: left out, as from the losses
+        last_stats["explained_variance"] = explained_variance(values_np[valid], returns_np[valid])
         sps = int((global_step - steps_at_start) / (time.time() - start_time))
         writer.add_scalar("charts/learning_rate", lr_now, global_step)
         for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
@@ -849,7 +875,9 @@ def main(args: Args) -> dict:
             break
         if args.checkpoint_every and iteration % args.checkpoint_every == 0:
             checkpoint(ckpt_path, iteration)
-    if finished and args.save_model:
+    checkpointed = ckpt is not None or args.checkpoint_every or args.stop_after  # a checkpoint.pt along the way
+    if finished and (args.save_model or (checkpointed and start_iteration <= num_iterations)):
+        # brought up to the end of the run, so that a --resume of the finished run evaluates instead of training
         path = os.path.join(run_dir, "checkpoint.pt")
         checkpoint(path, max(num_iterations, start_iteration - 1))
         if rank == 0:

@@ -1,6 +1,7 @@
 """Tests for ppo_atari_envpool.py (CPU, small): CLI, whole-game episode statistics, envpool observations, the pure
 functions against plain loops, a smoke run, stop -> resume, and 2 processes under torchrun."""
 
+import copy
 import glob
 import os
 import signal
@@ -39,6 +40,8 @@ def test_cli_total_timesteps_1e7_and_cleanrl_defaults():
     (["--gamma", "-0.1"], "must lie in [0, 1]"),
     (["--learning-rate", "inf"], "finite"),
     (["--total-timesteps", "100"], "less than one rollout"),
+    (["--seed", "-1"], "envpool seeds"),
+    (["--seed", "2147000000"], "envpool seeds"),  # + 10M steps passes envpool's int32
     (["--no-such-flag"], "Unrecognized"),
     (["--resume", "{missing}"], "no such file"),
     (["--resume", "{foreign}"], "not a ppo_atari_envpool.py checkpoint"),
@@ -184,6 +187,22 @@ def test_episode_stats_on_real_breakout_game():
     assert life_losses == 4  # Breakout: 5 lives
 
 
+def test_life_lost_on_the_time_limit_step_is_not_bootstrapped():
+    """Breakout with NOOP: the ball is missed on step 24. With a 24-step limit that step is a life loss and the
+    time limit at once, which envpool reports as truncated only; with 37 steps the truncation is a plain one."""
+    for limit, plain in ((24, False), (37, True)):
+        env = pae.make_envs(pae.Args(max_episode_steps=limit), 2, seed=1)
+        _, info = env.reset()
+        lives, cut, bootstrapped = info["lives"], [], []
+        for t in range(1, limit + 3):  # (the reset step after a life loss is not counted by the limit)
+            _, _, term, trunc, info = env.step(np.zeros(2, dtype=np.int64))
+            cut += [t] if trunc[0] else []
+            bootstrapped += [t] if pae.to_bootstrap(term, trunc, lives, info["lives"])[0] else []
+            lives = info["lives"]
+        env.close()
+        assert len(cut) == 1 and bootstrapped == (cut if plain else [])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Observations and network
 # ---------------------------------------------------------------------------------------------------------
@@ -281,8 +300,9 @@ def test_smoke_run_stops_then_resumes_with_steps_lr_schedule_and_tags(tmp_path):
     ckpt_path = os.path.join(run_dir, "checkpoint.pt")
     ckpt = torch.load(ckpt_path, weights_only=True)
     assert (ckpt["iteration"], ckpt["global_step"], ckpt["script"]) == (3, 192, "ppo_atari_envpool.py")
-    # --stop-after is kept from the checkpoint (pieces of equal size); 0 runs to the end
-    out = run(["--resume", ckpt_path, "--stop-after", "0", "--save-model", "--eval-episodes", "1"], tmp_path)
+    # --stop-after is kept from the checkpoint (pieces of equal size); 0 runs to the end, and the checkpoint is
+    # brought to the end without --save-model
+    out = run(["--resume", ckpt_path, "--stop-after", "0", "--eval-episodes", "1"], tmp_path)
     assert "resumed" in out and "global step 192" in out and "iter 8/8" in out and "eval: 1 games" in out
     assert os.listdir(tmp_path) == [os.path.basename(run_dir)]  # same run directory
     final = torch.load(ckpt_path, weights_only=True)
@@ -327,6 +347,42 @@ def test_resume_restores_network_optimizer_rng_and_counters(tmp_path):
         for k, v in st.items():
             assert torch.equal(again["optimizer"]["state"][i][k], v), (i, k)
     assert torch.equal(again["rng"]["torch"], saved["rng"]["torch"])
+
+
+def test_resume_with_another_rollout_size_is_one_line_error(tmp_path, capsys):
+    part = pae.main(tiny(tmp_path, stop_after=1))
+    path = os.path.join(part["run_dir"], "checkpoint.pt")
+    for flag in ("--num-steps", "--num-envs"):
+        with pytest.raises(SystemExit) as e:
+            pae.main(pae.parse_args(["--resume", path, flag, "4"]))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "resume with the same" in err and err.count("\n") == 1, err
+
+
+def test_adam_moments_of_a_contiguous_run_resume_into_channels_last():
+    """A --cuda run saves Adam moments in the default layout; on the CPU the network is channels_last and the
+    fused Adam pairs tensors by raw memory: the loaded moments take the parameters' layout, so the next step
+    equals plain Adam's on the same numbers (the same gradients are given to both)."""
+    torch.manual_seed(0)
+    cuda_like = pae.Agent(4)
+    cpu = pae.Agent(4).to(memory_format=torch.channels_last)
+    grads = [[torch.randn_like(p, memory_format=torch.contiguous_format) for p in cuda_like.parameters()]
+             for _ in range(3)]
+
+    def step(net, opt, g):
+        for p, gp in zip(net.parameters(), g):
+            p.grad = torch.empty_like(p).copy_(gp)  # each network's own layout
+        opt.step()
+    saved = torch.optim.Adam(cuda_like.parameters(), lr=1e-3, eps=1e-5)
+    step(cuda_like, saved, grads[0])
+    step(cuda_like, saved, grads[1])
+    cpu.load_state_dict(cuda_like.state_dict())
+    fused = torch.optim.Adam(cpu.parameters(), lr=torch.tensor(1e-3), eps=1e-5, fused=True)
+    pae.load_optimizer_state(fused, copy.deepcopy(saved.state_dict()), torch.device("cpu"))  # (as torch.load)
+    step(cuda_like, saved, grads[2])
+    step(cpu, fused, grads[2])
+    for (name, a), b in zip(cuda_like.named_parameters(), cpu.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_sigterm_writes_checkpoint_and_exits_cleanly(tmp_path):
