@@ -214,7 +214,7 @@ class Args:
     norm_adv_by_std_in_grpo: bool = True
     """grpo: divide by the group's std (off: Dr. GRPO)"""
     whiten_advantages: Annotated[bool, alias("--normalize-advantages")] = True
-    """whiten advantages over the batch's response tokens (gae, grpo, rloo, reinforce; reinforce++ always does)"""
+    """whiten (A - mean)/std over the batch's response tokens: gae, reinforce, grpo/rloo as ROLL/RLinf (verl: off)"""
     advantage_clip: Optional[float] = None
     """clip advantages to [-c, c]"""
 
@@ -325,6 +325,8 @@ def resolve_implied(args: Args, given: set[str]) -> None:
     if "target_kl" in given and "kl_ctrl_type" not in given and args.kl_ctrl_type == "fixed":
         print("note: --target-kl given: adaptive KL controller (as ROLL); --kl-ctrl-type fixed keeps the fixed one")
         args.kl_ctrl_type = "adaptive"
+    if args.kl_ctrl_type == "adaptive" and not args.use_kl_in_reward:
+        print("note: the adaptive KL controller adapts the KL penalty in the reward, which is off: it stays inert")
     if "clip_ratio" in given and args.clip_ratio is not None:  # verl: clip_ratio_low/high default to clip_ratio
         for name in ("clip_ratio_low", "clip_ratio_high"):
             if name not in given:
@@ -361,12 +363,30 @@ def validate(args: Args) -> None:
                  "tiny_hidden_size", "tiny_num_layers"):
         if getattr(args, name) <= 0:
             die(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("checkpoint_every", "stop_after", "sft_steps", "top_k", "critic_warmup", "lr_warmup_steps",
+                 "eval_prompts"):
+        if getattr(args, name) < 0:
+            die(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not 0 <= args.seed < 2**31:
+        die(f"--seed must lie in [0, 2**31), got {args.seed}")
+    for f in dataclasses.fields(Args):  # nan / inf pass the range checks below unnoticed
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            die(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
+    for name in ("reward_clip", "advantage_clip", "value_clip", "huber_delta"):  # None: off
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            die(f"--{name.replace('_', '-')} must be positive (or left unset), got {getattr(args, name)}")
+    for name in ("init_kl_coef", "kl_loss_coef", "vf_coef", "weight_decay"):
+        if getattr(args, name) < 0:
+            die(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and args.n < 2:
         die(f"--adv-estimator {args.adv_estimator} compares responses within a group: needs --n >= 2, got {args.n}")
     if args.reward_norm == "group" and args.n < 2:
         die(f"--reward-norm group normalises within a prompt's responses: needs --n >= 2, got {args.n}")
     if args.kl_ctrl_type == "adaptive" and (args.target_kl <= 0 or args.kl_horizon <= 0):
         die("--kl-ctrl-type adaptive needs --target-kl > 0 and --kl-horizon > 0")
+    if args.critic_warmup and (args.adv_estimator != "gae" or args.critic == "none"):
+        die("--critic-warmup trains the critic alone first: it needs --adv-estimator gae and a critic")
     if args.adv_estimator == "gae" and args.critic == "none":
         die("--adv-estimator gae needs a critic: --critic separate or shared (or choose grpo/rloo/reinforce_plus_plus)")
     if args.rollout_batch_size % args.ppo_mini_batch_size:
@@ -396,8 +416,8 @@ def validate(args: Args) -> None:
         die(f"--clip-ratio-c must be > 1 for dual clip, got {args.clip_ratio_c}")
     if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
         die("--gamma and --lam must lie in [0, 1]")
-    if args.lr <= 0 or args.critic_lr <= 0 or args.max_grad_norm <= 0:
-        die("--lr, --critic-lr and --max-grad-norm must be positive")
+    if args.lr <= 0 or args.critic_lr <= 0 or args.sft_lr <= 0 or args.max_grad_norm <= 0:
+        die("--lr, --critic-lr, --sft-lr and --max-grad-norm must be positive")
     for name in ("model_name_or_path", "reward_model_path"):
         path = getattr(args, name)
         if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
@@ -405,8 +425,11 @@ def validate(args: Args) -> None:
     for name in ("dataset", "eval_dataset"):
         if getattr(args, name) is not None and not os.path.isfile(getattr(args, name)):
             die(f"--{name.replace('_', '-')} {getattr(args, name)}: no such file")
+    if args.dataset is None and args.eval_prompts > 10_000:
+        die(f"--eval-prompts {args.eval_prompts}: the synthetic task holds out at most 10000 of its 100000 prompts")
     if args.cuda and not torch.cuda.is_available():
-        die("--cuda given but torch finds no CUDA device")
+        die("--cuda given (or taken from the checkpoint: --no-cuda resumes on the CPU) but torch finds no CUDA "
+            "device")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -426,10 +449,17 @@ def build_char_tokenizer():
                                    unk_token="<unk>")
 
 
-def make_problems(count: int, gen: torch.Generator) -> list[dict]:
-    """Sort five digits: prompt "31415=", answer "11345"."""
-    digits = torch.randint(0, 10, (count, 5), generator=gen).tolist()
-    return [{"prompt": "".join(map(str, d)) + "=", "answer": "".join(map(str, sorted(d)))} for d in digits]
+def make_problems(count: int, gen: torch.Generator, exclude=frozenset(), distinct: bool = False) -> list[dict]:
+    """Sort five digits: prompt "31415=", answer "11345". A prompt in `exclude` (the held-out set, for training rows)
+    is drawn again, and so is one drawn before when `distinct` (to build the held-out set)."""
+    taken, rows = set(exclude), []
+    for d in torch.randint(0, 10, (count, 5), generator=gen).tolist():
+        while "".join(map(str, d)) + "=" in taken:
+            d = torch.randint(0, 10, (5,), generator=gen).tolist()
+        rows.append({"prompt": "".join(map(str, d)) + "=", "answer": "".join(map(str, sorted(d)))})
+        if distinct:
+            taken.add(rows[-1]["prompt"])
+    return rows
 
 
 def prompt_token_ids(tok, prompt: str, chat: bool = False) -> list[int]:
@@ -445,20 +475,24 @@ def prompt_token_ids(tok, prompt: str, chat: bool = False) -> list[int]:
 
 
 def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: str = "--dataset") -> list[dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as e:
+        die(f"{flag} {path}: cannot read it as UTF-8 text ({e})")
     rows = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                    raise ValueError
-            except ValueError:  # json.JSONDecodeError is a ValueError
-                die(f"{flag} {path} line {i}: expected a JSON object with a string 'prompt'")
-            if not row["prompt"]:
-                die(f"{flag} {path} line {i}: empty prompt")
-            rows.append({"prompt": row["prompt"], "answer": None if row.get("answer") is None else str(row["answer"])})
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ValueError
+        except ValueError:  # json.JSONDecodeError is a ValueError
+            die(f"{flag} {path} line {i}: expected a JSON object with a string 'prompt'")
+        if not row["prompt"]:
+            die(f"{flag} {path} line {i}: empty prompt")
+        rows.append({"prompt": row["prompt"], "answer": None if row.get("answer") is None else str(row["answer"])})
     kept = [r for r in rows if len(prompt_token_ids(tok, r["prompt"], chat)) <= prompt_length]
     if len(kept) < len(rows):
         print(f"note: dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than --prompt-length {prompt_length}")
@@ -578,10 +612,10 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: 
 
 
 def decode_responses(tok, responses: torch.Tensor) -> list[str]:
-    """Text of each response up to its first EOS; what follows becomes pad and is skipped with the special tokens
-    (never id 0, a printable token such as '!' in many vocabularies)."""
-    keep = response_mask_from(responses, tok.eos_token_id).bool()
-    return tok.batch_decode(responses.masked_fill(~keep, tok.pad_token_id), skip_special_tokens=True)
+    """Text of each response before its first EOS. Special tokens sampled inside it (pad, BOS, ...) stay in the text,
+    so that "1<pad>2" is not scored as "12"."""
+    keep = response_mask_from(responses, tok.eos_token_id).bool() & (responses != tok.eos_token_id)
+    return [tok.decode(r[k].tolist(), skip_special_tokens=False) for r, k in zip(responses, keep)]
 
 
 def response_mask_from(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -1326,12 +1360,6 @@ def main(args: Args) -> dict:
         task = "sort" if args.dataset is None else os.path.splitext(os.path.basename(args.dataset))[0]
         run_name = gather_objects(f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}", world)[0]
         run_dir = os.path.join(args.runs_dir, run_name)
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-    except OSError as e:
-        die(f"cannot create run directory {run_dir}: {e.strerror}")
-    if not os.access(run_dir, os.W_OK):
-        die(f"run directory {run_dir} is not writable")
 
     # Seeding
     random.seed(args.seed)
@@ -1371,10 +1399,18 @@ def main(args: Args) -> dict:
             print("note: evaluating on the first --eval-prompts rows of --dataset, which training also samples; "
                   "--eval-dataset FILE holds prompts out")
         has_answers = all(r["answer"] is not None for r in data)
-    else:
+    else:  # held-out prompts: distinct, and never drawn for training (warm-start or PPO)
+        need = (len(prompt_token_ids(tok, "01234=", args.apply_chat_template)),
+                len(tok.encode("01234", add_special_tokens=False)))
+        if need[0] > args.prompt_length or need[1] > args.response_length:
+            die(f"the synthetic task's prompts take {need[0]} tokens and its answers {need[1]}: --prompt-length "
+                f"{args.prompt_length} / --response-length {args.response_length} cut them")
+        eval_rows = make_problems(args.eval_prompts, torch.Generator().manual_seed(10_000 + args.seed),
+                                  distinct=True)
+        held_out = frozenset(r["prompt"] for r in eval_rows)
+
         def sample_rows(k):
-            return make_problems(k, gen)
-        eval_rows = make_problems(args.eval_prompts, torch.Generator().manual_seed(10_000 + args.seed))
+            return make_problems(k, gen, exclude=held_out)
         has_answers = True
     if args.eval_dataset is not None:
         eval_rows = load_dataset(args.eval_dataset, tok, args.prompt_length, args.apply_chat_template,
@@ -1385,6 +1421,14 @@ def main(args: Args) -> dict:
     eval_rows = eval_rows[:len(eval_rows) - len(eval_rows) % world]  # an equal share for every rank
     if args.reward_model_path is None and not has_answers:
         die(f"--dataset {args.dataset}: rows without 'answer' need --reward-model-path")
+
+    # the run directory, once the inputs are known to be good (a bad one leaves none behind)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as e:
+        die(f"cannot create run directory {run_dir}: {e.strerror}")
+    if not os.access(run_dir, os.W_OK):
+        die(f"run directory {run_dir} is not writable")
 
     if ckpt is None and args.sft_steps > 0 and has_answers:
         t0 = time.time()
@@ -1515,6 +1559,7 @@ def main(args: Args) -> dict:
     R, n = args.response_length, args.n
     ckpt_path = None
     start_time, last_print, stats = time.time(), 0.0, {}
+    steps_at_start = global_step  # (a resumed run: SPS counts this process's steps)
 
     def save(iteration: int) -> str:  # every rank calls it at the same iteration; rank 0 writes
         return save_checkpoint(run_dir, policy, ref, critic, value_head, tok, optimizers, schedulers, args,
@@ -1617,7 +1662,7 @@ def main(args: Args) -> dict:
             "charts/learning_rate": schedulers[0].get_last_lr()[0],
             "perf/gen_tokens_per_s": n_tok / max(t_gen, 1e-9),
             "perf/train_tokens_per_s": n_tok * args.ppo_epochs / max(t_train, 1e-9),
-            "charts/SPS": global_step / max(time.time() - start_time, 1e-9),
+            "charts/SPS": (global_step - steps_at_start) / max(time.time() - start_time, 1e-9),
         }
         metrics.update({f"losses/{k}": v for k, v in stats.items()})
         for k, v in metrics.items():
@@ -1647,7 +1692,9 @@ def main(args: Args) -> dict:
         if args.checkpoint_every and iteration % args.checkpoint_every == 0:
             ckpt_path = save(iteration)
     else:
-        if args.save_model and not finished:
+        saved_now = args.checkpoint_every and args.num_iterations % args.checkpoint_every == 0  # just above
+        checkpointed = ckpt is not None or args.checkpoint_every or args.stop_after  # a checkpoint along the way
+        if not finished and not saved_now and (args.save_model or checkpointed):
             ckpt_path = save(args.num_iterations)
             print(f"checkpoint written to {ckpt_path}")
     for sig, handler in previous_handlers.items():

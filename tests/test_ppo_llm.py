@@ -476,8 +476,10 @@ def test_decode_stops_at_eos_with_a_printable_id_0():
     tk = Tokenizer(models.WordLevel(vocab, unk_token="!"))
     tk.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
-    resp = torch.tensor([[1, 2, 3, 4, 4], [2, 3, 1, 1, 1], [1, 1, 1, 1, 1]])
-    assert [t.replace(" ", "") for t in P.decode_responses(tok, resp)] == ["12", "2", "11111"]
+    resp = torch.tensor([[1, 2, 3, 4, 4], [2, 3, 1, 1, 1], [1, 1, 1, 1, 1], [1, 4, 2, 3, 4]])
+    texts = [t.replace(" ", "") for t in P.decode_responses(tok, resp)]
+    assert texts == ["12", "2", "11111", "1<pad>2"]  # a special token inside a response is no empty string
+    assert [P.rule_reward(t, "12") for t in texts] == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_disable_dropout_also_zeroes_attention_dropout():
@@ -624,6 +626,19 @@ def test_framework_spellings_set_the_fields(argv, expected):
     (["--use-critic-model", "True", "--loss-type", "actor_critic"], "contradictory critic choice"),
     (["--logprob-forward-micro-batch-size", "0"], "must be positive"),
     (["--pg-clip", "-0.1"], "must be >= 0"),
+    (["--eval-prompts", "-1"], "must be >= 0"),
+    (["--eval-prompts", "20000"], "at most 10000"),
+    (["--seed", "-1"], "[0, 2**31)"),
+    (["--lr", "nan"], "finite"),
+    (["--sft-lr", "-1"], "--sft-lr"),
+    (["--weight-decay", "-0.1"], "must be >= 0"),
+    (["--reward-clip", "-1"], "must be positive"),
+    (["--advantage-clip", "-2"], "must be positive"),
+    (["--value-clip", "-0.5"], "must be positive"),
+    (["--huber-delta", "-1"], "must be positive"),
+    (["--top-k", "-3"], "must be >= 0"),
+    (["--stop-after", "-1"], "must be >= 0"),
+    (["--critic-warmup", "2", "--adv-estimator", "grpo", "--critic", "none"], "needs --adv-estimator gae"),
 ])
 def test_bad_input_one_line_exit_2(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
@@ -727,7 +742,7 @@ def test_local_model_dataset_reward_model_and_resume(tmp_path):
 def test_resume_takes_the_learning_rates_given_now(tmp_path):
     part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1", "--lr-warmup-steps", "10"]))
     done = P.main(P.parse_args(["--resume", part["checkpoint"], "--lr", "1e-3", "--critic-lr", "5e-3",
-                                "--weight-decay", "0.1", "--save-model"]))
+                                "--weight-decay", "0.1"]))  # (no --save-model: a resumed run saves its end)
     state = torch.load(done["checkpoint"], weights_only=True)
     assert [s["last_epoch"] for s in state["scheduler"]] == [4, 4]  # 2 iterations x 2 minibatches
     for opt, sch, lr in zip(state["optimizer"], state["scheduler"], (1e-3, 5e-3)):
@@ -739,6 +754,17 @@ def test_resume_takes_the_learning_rates_given_now(tmp_path):
     again = P.main(P.parse_args(["--resume", done["checkpoint"]]))
     assert again["checkpoint"] is None and os.stat(done["checkpoint"]).st_mtime_ns == before
     assert again["curve"][-1] == done["curve"][-1] and done["curve"][-1][0] == 2
+
+
+def test_the_last_iteration_is_saved_once(tmp_path, monkeypatch):
+    saved, real = [], P.save_checkpoint
+
+    def spy(*a, **k):
+        saved.append(inspect.signature(real).bind(*a, **k).arguments["iteration"])
+        return real(*a, **k)
+    monkeypatch.setattr(P, "save_checkpoint", spy)
+    P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--checkpoint-every", "2", "--save-model"]))
+    assert saved == [2]
 
 
 def test_rollout_micro_batches_generate_the_same_rollout(tmp_path, monkeypatch):
@@ -783,6 +809,42 @@ def test_eval_dataset_holds_prompts_out(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         P.main(P.parse_args([*argv, "--eval-dataset", str(tmp_path / "noanswer.jsonl")]))
     assert e.value.code == 2 and "--eval-dataset" in capsys.readouterr().err
+
+
+def test_synthetic_held_out_prompts_are_distinct_and_never_trained_on(tmp_path, monkeypatch):
+    rows = P.make_problems(2000, torch.Generator().manual_seed(0), distinct=True)
+    assert len({r["prompt"] for r in rows}) == 2000  # 2000 plain draws of 100000 prompts repeat ~20 of them
+    assert all(r["answer"] == "".join(sorted(r["prompt"][:5])) for r in rows)
+    not_nine = {f"{i:05d}=" for i in range(90_000)}  # every prompt but those starting with 9
+    assert {r["prompt"][0] for r in P.make_problems(300, torch.Generator().manual_seed(0), not_nine)} == {"9"}
+    calls, real = [], P.make_problems
+
+    def spy(count, gen, exclude=frozenset(), distinct=False):
+        calls.append((exclude, distinct, real(count, gen, exclude, distinct)))
+        return calls[-1][2]
+    monkeypatch.setattr(P, "make_problems", spy)
+    P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path)]))
+    (_, distinct, held), *training = calls
+    assert distinct and len(held) == 8 and len(training) == 5 + 2  # warm-start steps, then PPO iterations
+    assert all(exclude == {r["prompt"] for r in held} for exclude, _, _ in training)
+    with pytest.raises(SystemExit) as e:
+        P.validate(P.parse_args(["--eval-prompts", "20000"]))
+    assert e.value.code == 2
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--prompt-length", "5"], "prompts take 6 tokens"),  # the synthetic prompt would be cut to "1415="
+    (["--response-length", "4"], "answers 5"),
+    (["--dataset", "{latin1}"], "cannot read it as UTF-8"),
+])
+def test_bad_input_found_in_main_is_one_line_and_leaves_no_run_dir(tmp_path, capsys, argv, needle):
+    (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    argv = [a.format(latin1=tmp_path / "latin1.jsonl") for a in argv]
+    with pytest.raises(SystemExit) as e:
+        P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path / "runs"), *argv]))
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("error: ") and "\n" not in err and needle in err, err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_empty_dataset_prompt_is_one_line_error(tmp_path, capsys):
