@@ -384,11 +384,15 @@ def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
 SCRIPT = "ppo.py"
 
 
+EXACT_RESUME_MODULES = ("gymnasium.envs.classic_control",)  # envs whose state is all in plain attributes
+
+
 def env_state(envs) -> Optional[list]:
     """Snapshot of each sub-environment of a SyncVectorEnv: the plain attributes (numbers, arrays) of the env and
     of every wrapper (physics state, TimeLimit's step counter, ...) and its random generator. Enough to continue
-    classic-control episodes exactly; None for AsyncVectorEnv, whose envs live in other processes."""
-    if not hasattr(envs, "envs"):
+    classic-control episodes exactly. None for AsyncVectorEnv, whose envs live in other processes, and for envs whose
+    state lives elsewhere (Box2D's world, the Atari emulator): restoring part of it would continue a different game."""
+    if not hasattr(envs, "envs") or not envs.envs[0].unwrapped.__module__.startswith(EXACT_RESUME_MODULES):
         return None
     snapshot = []
     for env in envs.envs:
@@ -687,7 +691,8 @@ def main(args: Args) -> dict:
         next_obs, next_done = saved["next_obs"].to(device), saved["next_done"].to(device)
         ep_return, ep_length = saved["ep_return"].numpy().copy(), saved["ep_length"].numpy().copy()
     elif ckpt is not None and rank == 0:
-        print("note: environments start new episodes (exact resume needs --vector-mode sync, then and now)")
+        print("note: environments start new episodes (exact resume needs --vector-mode sync, then and now, and an "
+              "env whose whole state the script saves)")
 
     def checkpoint(path: str, iteration: int) -> None:
         """Called by every rank at the same iteration; rank 0 writes the states of all ranks."""

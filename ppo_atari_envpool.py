@@ -3,7 +3,7 @@
     python ppo_atari_envpool.py --total-timesteps 1e7              # Breakout-v5, 10M steps, 8 envs x 128
     python ppo_atari_envpool.py --env-id Pong-v5 --cuda --compile --cudagraphs
     python ppo_atari_envpool.py --stop-after 500                   # a piece of a run; then:
-    python ppo_atari_envpool.py --resume runs/<run>/checkpoint.pt  # continues steps and lr schedule
+    python ppo_atari_envpool.py --resume runs/<run>/checkpoint.pt  # the next 500, same steps and lr schedule
     torchrun --nproc-per-node 2 ppo_atari_envpool.py               # data parallel: --num-envs envs per process
 
 All Atari preprocessing is envpool's own (noop reset, frame skip 4 with max-pool, episodic life, fire reset,

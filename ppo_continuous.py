@@ -587,12 +587,15 @@ def set_mujoco_state(env, saved: dict) -> None:
     mujoco.mj_setState(env.model, env.data, state, sig)
 
 
+EXACT_RESUME_MODULES = ("gymnasium.envs.classic_control", "gymnasium.envs.mujoco")  # state: saved in full
+
+
 def env_state(envs) -> Optional[list]:
     """Snapshot of each sub-environment of a SyncVectorEnv: the plain attributes (numbers, arrays) of the env and
     of every wrapper (TimeLimit's step counter, ...), its random generator and, for MuJoCo, the simulator state
     (which lives in env.unwrapped.data, not in plain attributes). None for AsyncVectorEnv, whose envs live in other
-    processes."""
-    if not hasattr(envs, "envs"):
+    processes, and for envs whose state lives elsewhere (Box2D's world): restoring part of it would be another game."""
+    if not hasattr(envs, "envs") or not envs.envs[0].unwrapped.__module__.startswith(EXACT_RESUME_MODULES):
         return None
     snapshot = []
     for env in envs.envs:
@@ -944,7 +947,8 @@ def main(args: Args) -> dict:
         reward_scaler.ret = saved["reward_ret"].numpy().astype(np.float64)
     else:
         if ckpt is not None and rank == 0:
-            print("note: environments start new episodes (exact resume needs --vector-mode sync, then and now)")
+            print("note: environments start new episodes (exact resume needs --vector-mode sync, then and now, "
+                  "and an env whose whole state the script saves)")
         next_obs = prepare_obs(next_obs_np, update_stats=num_iterations >= start_iteration).astype(np.float32)
 
     def checkpoint(path: str, iteration: int) -> None:

@@ -397,6 +397,17 @@ def test_sigterm_writes_checkpoint_and_exits_cleanly(tmp_path):
     assert 0 < state["global_step"] < 1_000_000 and state["global_step"] == state["iteration"] * 512
 
 
+def test_env_state_only_for_envs_whose_whole_state_is_saved():
+    """An env whose state lives outside plain attributes (Box2D's world, an emulator) gets no snapshot: restoring
+    part of it would continue another episode than the one saved. Stand-in: CartPole defined elsewhere."""
+    import gymnasium as gym
+
+    base = type(gym.make("CartPole-v1").unwrapped)
+    outside = type("Elsewhere", (base,), {"__module__": "somewhere.box2d"})
+    assert ppo.env_state(gym.vector.SyncVectorEnv([lambda: base()])) is not None
+    assert ppo.env_state(gym.vector.SyncVectorEnv([lambda: outside()])) is None
+
+
 def test_exact_resume_equals_uninterrupted_run(tmp_path):
     """Stopped at an iteration boundary and resumed (sync envs, CPU): same parameters and logged losses."""
     kw = dict(total_timesteps=1024, num_envs=2, num_steps=64, save_model=True)  # 8 iterations, episodes in flight

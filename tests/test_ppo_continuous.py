@@ -441,6 +441,17 @@ def test_env_state_round_trip_continues_mujoco_episodes_exactly(tmp_path, env_id
     assert sum(int(w[2].sum()) for w in want) > 0 or env_id == "Ant-v5"  # Hopper: episodes end (and reset)
 
 
+def test_env_state_only_for_envs_whose_whole_state_is_saved():
+    """An env whose state lives outside plain attributes (Box2D's world, an emulator) gets no snapshot: restoring
+    part of it would continue another episode than the one saved. Stand-in: Pendulum defined elsewhere."""
+    import gymnasium as gym
+
+    base = type(gym.make("Pendulum-v1").unwrapped)
+    outside = type("Elsewhere", (base,), {"__module__": "somewhere.box2d"})
+    assert pc.env_state(gym.vector.SyncVectorEnv([lambda: base()])) is not None
+    assert pc.env_state(gym.vector.SyncVectorEnv([lambda: outside()])) is None
+
+
 def test_exact_resume_equals_uninterrupted_run(tmp_path):
     """Stopped at an iteration boundary and resumed (sync envs, CPU): same parameters, normalisation statistics,
     logged losses and episodic returns as one uninterrupted run."""
