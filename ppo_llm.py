@@ -214,7 +214,7 @@ class Args:
     norm_adv_by_std_in_grpo: bool = True
     """grpo: divide by the group's std (off: Dr. GRPO)"""
     whiten_advantages: Annotated[bool, alias("--normalize-advantages")] = True
-    """whiten (A - mean)/std over the batch's response tokens: gae, reinforce, grpo/rloo as ROLL/RLinf (verl: off)"""
+    """whiten (A - mean)/std over the batch's response tokens (gae, reinforce; grpo/rloo only when given, as ROLL)"""
     advantage_clip: Optional[float] = None
     """clip advantages to [-c, c]"""
 
@@ -325,6 +325,13 @@ def resolve_implied(args: Args, given: set[str]) -> None:
     if "target_kl" in given and "kl_ctrl_type" not in given and args.kl_ctrl_type == "fixed":
         print("note: --target-kl given: adaptive KL controller (as ROLL); --kl-ctrl-type fixed keeps the fixed one")
         args.kl_ctrl_type = "adaptive"
+    if args.adv_estimator in ("grpo", "rloo") and args.whiten_advantages and "whiten_advantages" not in given \
+            and args.resume is None:  # (a resumed run keeps its checkpoint's choice)
+        # verl's forms: whitening on top would shift every group by the batch's token-weighted mean, and would make
+        # rloo (a scaled s - mean of the group) the same estimator as reinforce_plus_plus_baseline
+        print(f"note: --adv-estimator {args.adv_estimator}: advantages not whitened again (as verl); "
+              "--whiten-advantages whitens them (as ROLL)")
+        args.whiten_advantages = False
     if args.kl_ctrl_type == "adaptive" and not args.use_kl_in_reward:
         print("note: the adaptive KL controller adapts the KL penalty in the reward, which is off: it stays inert")
     if "clip_ratio" in given and args.clip_ratio is not None:  # verl: clip_ratio_low/high default to clip_ratio

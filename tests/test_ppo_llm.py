@@ -593,11 +593,37 @@ def test_readme_option_table_names_are_flags_of_their_row():
     (["--use-critic-model", "False"], {"critic": "shared"}), (["--use-critic-model", "True"], {"critic": "separate"}),
     (["--loss-type", "actor_critic"], {"critic": "shared"}),
     (["--loss-type", "actor", "--use-critic-model", "True", "--critic", "separate"], {"critic": "separate"}),
-    ([], {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "kl_ctrl_type": "fixed", "critic": "separate"}),
+    # grpo / rloo advantages are verl's unless whitening is asked for (ROLL)
+    (["--adv-estimator", "grpo", "--critic", "none"], {"whiten_advantages": False}),
+    (["--adv-estimator", "rloo", "--critic", "none", "--normalize-advantages"], {"whiten_advantages": True}),
+    (["--adv-estimator", "reinforce_plus_plus_baseline", "--critic", "none"], {"whiten_advantages": True}),
+    ([], {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "kl_ctrl_type": "fixed", "critic": "separate",
+          "whiten_advantages": True}),
 ])
 def test_framework_spellings_set_the_fields(argv, expected):
     args = P.parse_args(argv)
     assert {k: getattr(args, k) for k in expected} == expected
+
+
+def test_a_resumed_grpo_run_keeps_its_whitening():
+    args = P.Args(adv_estimator="grpo", critic="none", resume="run/checkpoint.pt")  # saved with --whiten-advantages
+    P.resolve_implied(args, set())
+    assert args.whiten_advantages
+
+
+def test_whitening_would_make_rloo_the_same_as_reinforce_plus_plus_baseline():
+    """Why grpo/rloo are not whitened by default: rloo's advantage is n/(n-1) (s - mean_g), a scaled
+    reinforce_plus_plus_baseline, and whitening removes the scale."""
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    lengths = torch.tensor([3, 2, 1, 3, 2, 1, 3, 3])
+    mask = (torch.arange(3) < lengths[:, None]).float()
+    tr = torch.zeros_like(mask)
+    tr[torch.arange(8), lengths - 1] = scores  # the score on the last response token
+    groups = torch.arange(8) // 4
+    rloo, _ = P.compute_advantages("rloo", tr, mask, groups, whiten=False)
+    white, _ = P.compute_advantages("rloo", tr, mask, groups, whiten=True)
+    base, _ = P.compute_advantages("reinforce_plus_plus_baseline", tr, mask, groups)
+    assert torch.allclose(white, base, atol=1e-5) and not torch.allclose(rloo, base, atol=1e-2)
 
 
 # ----- bad input: one line, exit 2 ----------------------------------------------------------------------------
