@@ -150,9 +150,11 @@ def eta(jobs: list, queued: int, parallel: int, now: float) -> Optional[float]:
     return max(left, default=0.0)
 
 
-def run_jobs(jobs: list, parallel: int, every: float = 5.0, out: TextIO = sys.stdout) -> None:
+def run_jobs(jobs: list, parallel: int, every: float = 5.0, out: TextIO = sys.stdout,
+             timeout: Optional[float] = None) -> None:
     """Run the jobs, at most `parallel` at a time, printing one combined progress line every `every` seconds
-    (which runs, their step, an ETA). Each job's output goes to its log file; rc/start/end are set on the jobs."""
+    (which runs, their step, an ETA). Each job's output goes to its log file; rc/start/end are set on the jobs.
+    A job running longer than `timeout` seconds is killed (its rc is then negative)."""
     queue = list(jobs)
     running: list = []
     threads = []
@@ -177,6 +179,11 @@ def run_jobs(jobs: list, parallel: int, every: float = 5.0, out: TextIO = sys.st
             time.sleep(0.1)
             for job in list(running):
                 rc = job.proc.poll()
+                if rc is None and timeout is not None and time.time() - job.start > timeout:
+                    print(f"[{fmt_duration(time.time() - t0)}] timed out after {timeout:g} s: {job.name}", file=out,
+                          flush=True)
+                    job.proc.kill()
+                    rc = job.proc.wait()
                 if rc is None:
                     continue
                 job.end, job.rc = time.time(), rc

@@ -9,8 +9,11 @@ written with save_pretrained to a temporary directory and run through `ppo_llm.p
 synthetic task with no warm-start, so responses are random text up to --response-length tokens (a realistic length
 mix, EOS comes at random). Each path runs --iterations PPO iterations; the figures are the median of
 perf/gen_tokens_per_s and perf/train_tokens_per_s over the iterations after the first (the first holds CUDA
-start-up and compilation). Response tokens are counted, as in the script's own metric; training tokens count each
-of the --ppo-epochs passes. Writes JSON and markdown (default benchmarks/results/llm_throughput.*).
+start-up and compilation). Response tokens are counted, as in the script's own metric: the tokens up to each
+row's EOS, whereas the decoder steps every row until the batch's last one ends (with random weights about 40% of
+the rows x steps decoded are counted), so generation tokens/s is useful tokens per second, below the raw decode
+rate; compare paths by it only at similar mean response lengths. Training tokens count each of the --ppo-epochs
+passes. Writes JSON and markdown (default benchmarks/results/llm_throughput.*).
 """
 
 from __future__ import annotations
@@ -113,11 +116,12 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
 
     info = common.machine_info()
-    command = "python benchmarks/llm_throughput.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/llm_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [common.machine_markdown(info, command), "",
              f"Model: Llama, hidden {a.hidden}, {a.layers} layers, MLP {a.intermediate}, {n_params / 1e6:.1f}M "
              f"parameters; {a.rollout_batch_size} prompts x {a.n} responses, up to {a.response_length} response "
-             f"tokens, micro-batch {a.micro_batch_size}, {'CUDA bf16 autocast' if a.cuda else 'CPU fp32'}.", "",
+             f"tokens, micro-batch {a.micro_batch_size}, {'CUDA bf16 autocast' if a.cuda else 'CPU fp32'}. "
+             "Generation tokens/s counts response tokens up to EOS (rows that end early still take decode steps).", "",
              "| path | generation tokens/s | training tokens/s | mean response length | wall (s) |",
              "|---|---|---|---|---|"]
     for r in rows:

@@ -93,6 +93,7 @@ def parse(argv: list):
 
 def script_defaults(path: str) -> dict:
     """The script's Args defaults (the scripts import without side effects); {} if it cannot be imported."""
+    saved_env = dict(os.environ)  # (a script may set variables at import, e.g. OMP_WAIT_POLICY: not for the others)
     try:
         spec = importlib.util.spec_from_file_location(f"_speed_{os.path.basename(path)[:-3]}", path)
         mod = importlib.util.module_from_spec(spec)
@@ -103,6 +104,9 @@ def script_defaults(path: str) -> dict:
         return {f.name: getattr(mod.Args(), f.name) for f in dataclasses.fields(mod.Args)}
     except (Exception, SystemExit):
         return {}
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
 
 
 def flag_value(extra: list, flag: str) -> Optional[str]:
@@ -269,7 +273,12 @@ def main(argv: Optional[list] = None) -> int:
             raw[name] = {"env_id": env_id, "num_envs": num_envs, "kind": kind, "error": f"{type(e).__name__}: {e}"}
             print(f"  failed: {raw[name]['error']}", flush=True)
         batch = num_envs * int(flag_value(args.extra, "--num-steps") or defaults.get("num_steps") or 128)
-        steps = args.steps.get(name, args.steps.get("*", DEFAULT_STEPS.get(name, batch * (args.warmup_iters + 8))))
+        fallback = max(DEFAULT_STEPS.get(name, 0), batch * (args.warmup_iters + 5))  # (a larger batch after `--`)
+        steps = args.steps.get(name, args.steps.get("*", fallback))
+        known = flag_value(args.extra, "--num-steps") or defaults.get("num_steps")
+        if known and steps // batch < args.warmup_iters + 2:  # fail now, not after the runs
+            common.die(f"{name}: --total-timesteps {steps} is {steps // batch} iterations of {batch} steps; the SPS "
+                       f"needs at least --warmup-iters + 2 = {args.warmup_iters + 2}")
         for device in devices:
             for p in args.paths:
                 plan.append(dict(script=name, path=p, device=device, env_id=env_id, num_envs=num_envs,
@@ -302,7 +311,7 @@ def main(argv: Optional[list] = None) -> int:
                 print(f"{i}/{len(jobs)} timed runs done in {common.fmt_duration(time.time() - t_start)}, "
                       f"ETA {common.fmt_duration(avg * (len(jobs) - i))}", flush=True)
             job.name = f"[{i + 1}/{len(jobs)}] {job.name}"
-            common.run_jobs([job], 1, every=args.every)
+            common.run_jobs([job], 1, every=args.every, timeout=args.timeout)
             item.update(time_script(job, job.cmd[job.cmd.index("--runs-dir") + 1], args.warmup_iters))
             if "sps" in item:
                 print(f"  {item['sps']:,.0f} SPS after warm-up ({item['iterations']} iterations logged, "

@@ -151,9 +151,10 @@ FAKE_SCRIPT = WRITER + textwrap.dedent("""
     import argparse, dataclasses, os, sys, time
 
     @dataclasses.dataclass
-    class Args:  # read by speed.py for the default env and number of envs
+    class Args:  # read by speed.py for the default env and batch (1 env x 100 steps per iteration, as below)
         env_id: str = "CartPole-v1"
-        num_envs: int = 4
+        num_envs: int = 1
+        num_steps: int = 100
 
     def main():
       p = argparse.ArgumentParser()
@@ -251,9 +252,34 @@ def test_speed_tool_end_to_end(tmp_path, fake_script):
     assert by_path["eager"]["sps"] == pytest.approx(1000, rel=1e-6)  # the 5 s of "compilation" excluded
     assert by_path["cudagraphs"]["skipped"] == "CUDA graphs need CUDA"
     md = (tmp_path / "speed.md").read_text()
-    assert "| fake_ppo.py | CartPole-v1 | 4 | cpu | compile | 1,000 | 1.00× | 1.00× |" in md
+    assert "| fake_ppo.py | CartPole-v1 | 1 | cpu | compile | 1,000 | 1.00× | 1.00× |" in md
     assert "raw env, random actions (gymnasium SyncVectorEnv)" in md
     assert "skipped: CUDA graphs need CUDA" in md
+
+
+def test_speed_refuses_runs_too_short_for_the_warm_up_before_running(tmp_path, fake_script):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "speed.py"), "--scripts", fake_script, "--devices", "cpu",
+           "--paths", "eager", "--total-timesteps", "300", "--raw-seconds", "0.2", "--warmup-iters", "2", "--out",
+           str(tmp_path / "speed")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "at least --warmup-iters + 2 = 4" in p.stderr, p.stderr
+    assert not (tmp_path / "speed.json").exists()
+
+
+def test_script_defaults_leave_the_environment_alone(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPEED_TEST_VAR", raising=False)
+    path = tmp_path / "sets_env.py"
+    path.write_text("import dataclasses, os\nos.environ['SPEED_TEST_VAR'] = '1'\n\n@dataclasses.dataclass\n"
+                    "class Args:\n    num_envs: int = 3\n")
+    assert speed.script_defaults(str(path)) == {"num_envs": 3}
+    assert "SPEED_TEST_VAR" not in os.environ  # (it would reach every timed run of the other scripts)
+
+
+def test_run_jobs_kills_a_job_past_its_timeout(tmp_path):
+    job = common.Job("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], str(tmp_path / "log"))
+    t0 = time.time()
+    common.run_jobs([job], 1, every=100, timeout=1.0, out=open(os.devnull, "w"))
+    assert job.rc is not None and job.rc < 0 and time.time() - t0 < 30
 
 
 def test_progress_line_parsing():
