@@ -705,7 +705,7 @@ def main(args: Args) -> dict:
     last_stats: dict = {}
     start_time, last_print = time.time(), 0.0
     steps_at_start = global_step
-    finished = True
+    finished, failed = True, False  # failed: an update went non-finite
     # SIGTERM / SIGINT: finish the current iteration, write a checkpoint, say how to resume, exit cleanly.
     stop_signal: list[int] = []
     previous_handlers = {sig: signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
@@ -783,7 +783,8 @@ def main(args: Args) -> dict:
             bad = [k for k, v in last_stats.items() if not np.isfinite(v)]
             print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
                   file=sys.stderr)
-            sys.exit(1)
+            finished, failed = False, True  # no final checkpoint and no evaluation; exit 1 after the clean-up
+            break
         last_stats["explained_variance"] = explained_variance(b_values.cpu().numpy(), b_returns.cpu().numpy())
         sps = int((global_step - steps_at_start) / (time.time() - start_time))
         writer.add_scalar("charts/learning_rate", lr_now, global_step)
@@ -835,12 +836,14 @@ def main(args: Args) -> dict:
     if args.track and rank == 0:
         import wandb
 
-        wandb.finish()
+        wandb.finish(exit_code=int(failed))
     if world > 1:
         import torch.distributed as dist
 
         dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
         dist.destroy_process_group()
+    if failed:
+        sys.exit(1)
     return result
 
 

@@ -754,7 +754,7 @@ def main(args: Args) -> dict:
     last_stats: dict = {}
     start_time, last_print = time.time(), 0.0
     steps_at_start = global_step
-    finished = True
+    finished, failed = True, False  # failed: an update went non-finite
 
     def checkpoint(path: str, iteration: int) -> None:
         """Called by every rank at the same iteration; rank 0 writes the states of all ranks."""
@@ -843,7 +843,8 @@ def main(args: Args) -> dict:
             bad = [k for k, v in last_stats.items() if not np.isfinite(v)]
             print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
                   file=sys.stderr)
-            sys.exit(1)
+            finished, failed = False, True  # no final checkpoint and no evaluation; exit 1 after the clean-up
+            break
         mask_np, values_np, returns_np = torch.stack([b_mask, b_values, b_returns]).cpu().numpy()
         valid = mask_np > 0  # envpool's reset steps are no transitions: left out, as from the losses
         last_stats["explained_variance"] = explained_variance(values_np[valid], returns_np[valid])
@@ -897,12 +898,14 @@ def main(args: Args) -> dict:
     if args.track and rank == 0:
         import wandb
 
-        wandb.finish()
+        wandb.finish(exit_code=int(failed))
     if world > 1:
         import torch.distributed as dist
 
         dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
         dist.destroy_process_group()
+    if failed:
+        sys.exit(1)
     return result
 
 

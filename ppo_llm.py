@@ -1557,6 +1557,7 @@ def main(args: Args) -> dict:
               f"{ev['accuracy_sampled']:.3f}")
 
     finished = ckpt is not None and start_iteration > args.num_iterations
+    failed = False  # an update went non-finite
     if ckpt is None:
         log_eval(0)
     elif finished:  # nothing left to train: evaluate the checkpoint (a larger --num-iterations trains on)
@@ -1653,7 +1654,8 @@ def main(args: Args) -> dict:
         if bad:  # stop before logging or saving: the last checkpoint written stays the last good one
             print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
                   file=sys.stderr)
-            sys.exit(1)
+            failed = True  # no final checkpoint (the loop's else); exit 1 after the clean-up
+            break
 
         global_step += ids.shape[0] * world
         n_tok = maskf.sum().item()  # all ranks' response tokens
@@ -1708,8 +1710,9 @@ def main(args: Args) -> dict:
         signal.signal(sig, handler)
     writer.close()
     if args.track and rank == 0:
-        wandb.finish()
-    print(f"done in {time.time() - start_time:.1f}s; run directory {run_dir}")
+        wandb.finish(exit_code=int(failed))
+    if not failed:
+        print(f"done in {time.time() - start_time:.1f}s; run directory {run_dir}")
     if world > 1:
         import torch.distributed as dist
 
@@ -1717,6 +1720,8 @@ def main(args: Args) -> dict:
         dist.destroy_process_group()
     if quiet:
         quiet.__exit__(None, None, None)
+    if failed:
+        sys.exit(1)
     return {"run_dir": run_dir, "curve": tracker["curve"], "stats": stats, "checkpoint": ckpt_path}
 
 

@@ -3,6 +3,7 @@
 import glob
 import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -314,6 +315,29 @@ def test_resume_with_another_total_says_the_schedule_changes(tmp_path, capsys):
                            "--stop-after", "1"])
     ppo.main(args)
     assert "differs from the checkpoint's 512" in capsys.readouterr().out
+
+
+def test_non_finite_update_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    calls = []
+    real_gae = ppo.compute_gae
+
+    def poisoned_gae(*a, **kw):  # the third iteration's advantages are NaN: its update makes NaN losses
+        calls.append(1)
+        adv, ret = real_gae(*a, **kw)
+        return (adv * float("nan"), ret) if len(calls) == 3 else (adv, ret)
+
+    monkeypatch.setattr(ppo, "compute_gae", poisoned_gae)
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with pytest.raises(SystemExit) as e:
+        ppo.main(small_args(tmp_path, total_timesteps=512, num_steps=32, checkpoint_every=1, save_model=True))
+    assert e.value.code == 1
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # restored
+    err = capsys.readouterr().err
+    assert "non-finite" in err and "at iteration 3" in err and "policy_loss" in err
+    (ckpt,) = glob.glob(str(tmp_path / "*" / "checkpoint.pt"))
+    state = torch.load(ckpt, weights_only=True)
+    assert state["iteration"] == 2  # the last good update's, not the NaN update's nor a final one (--save-model)
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
 
 
 @pytest.mark.parametrize("script", ["ppo", "ppo_continuous", "ppo_atari_envpool"])

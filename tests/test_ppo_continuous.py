@@ -525,9 +525,11 @@ def test_non_finite_update_stops_and_keeps_the_last_good_checkpoint(tmp_path, mo
         return (adv * np.nan, ret) if len(calls) == 3 else (adv, ret)
 
     monkeypatch.setattr(pc, "compute_gae", poisoned_gae)
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with pytest.raises(SystemExit) as e:
         pc.main(tiny(tmp_path, checkpoint_every=1))
     assert e.value.code == 1
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # restored
     err = capsys.readouterr().err
     assert "non-finite" in err and "at iteration 3" in err and "policy_loss" in err
     (ckpt,) = glob.glob(str(tmp_path / "*" / "checkpoint.pt"))

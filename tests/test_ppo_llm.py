@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -916,9 +917,11 @@ def test_non_finite_update_stops_and_keeps_the_last_good_checkpoint(tmp_path, mo
         return (adv * float("nan"), ret) if len(calls) == 2 else (adv, ret)
 
     monkeypatch.setattr(P, "compute_advantages", poisoned)
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with pytest.raises(SystemExit) as e:
         P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--checkpoint-every", "1", "--num-iterations", "3"]))
     assert e.value.code == 1
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # restored
     err = capsys.readouterr().err
     assert "non-finite" in err and "at iteration 2" in err and "policy_loss" in err
     (run,) = os.listdir(tmp_path)
