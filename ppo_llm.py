@@ -26,6 +26,7 @@ import contextlib
 import copy
 import dataclasses
 import io
+import itertools
 import json
 import math
 import os
@@ -1407,14 +1408,22 @@ def main(args: Args) -> dict:
                   "--eval-dataset FILE holds prompts out")
         has_answers = all(r["answer"] is not None for r in data)
     else:  # held-out prompts: distinct, and never drawn for training (warm-start or PPO)
-        need = (len(prompt_token_ids(tok, "01234=", args.apply_chat_template)),
-                len(tok.encode("01234", add_special_tokens=False)))
-        if need[0] > args.prompt_length or need[1] > args.response_length:
-            die(f"the synthetic task's prompts take {need[0]} tokens and its answers {need[1]}: --prompt-length "
-                f"{args.prompt_length} / --response-length {args.response_length} cut them")
         eval_rows = make_problems(args.eval_prompts, torch.Generator().manual_seed(10_000 + args.seed),
                                   distinct=True)
         held_out = frozenset(r["prompt"] for r in eval_rows)
+        # a tokenizer that merges digits gives some prompts more tokens than others: check 256 distinct prompts and
+        # every one of the 2,002 answers (sorted digit strings), so that no prompt or answer is cut silently
+        probe = [r["prompt"] for r in make_problems(256, torch.Generator().manual_seed(10_000 + args.seed),
+                                                    distinct=True)]
+        prompt = max(probe, key=lambda p: len(prompt_token_ids(tok, p, args.apply_chat_template)))
+        answers = ["".join(c) for c in itertools.combinations_with_replacement("0123456789", 5)]
+        answer = max(answers, key=lambda a: len(tok.encode(a, add_special_tokens=False)))
+        need = (len(prompt_token_ids(tok, prompt, args.apply_chat_template)),
+                len(tok.encode(answer, add_special_tokens=False)))
+        if need[0] > args.prompt_length or need[1] > args.response_length:
+            die(f"the synthetic task's prompts take up to {need[0]} tokens ({prompt!r}) and its answers up to "
+                f"{need[1]} ({answer!r}): --prompt-length {args.prompt_length} / --response-length "
+                f"{args.response_length} cut them")
 
         def sample_rows(k):
             return make_problems(k, gen, exclude=held_out)

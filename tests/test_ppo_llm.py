@@ -857,8 +857,8 @@ def test_synthetic_held_out_prompts_are_distinct_and_never_trained_on(tmp_path, 
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--prompt-length", "5"], "prompts take 6 tokens"),  # the synthetic prompt would be cut to "1415="
-    (["--response-length", "4"], "answers 5"),
+    (["--prompt-length", "5"], "prompts take up to 6 tokens"),  # a synthetic prompt would be cut to "1415="
+    (["--response-length", "4"], "answers up to 5"),
     (["--dataset", "{latin1}"], "cannot read it as UTF-8"),
 ])
 def test_bad_input_found_in_main_is_one_line_and_leaves_no_run_dir(tmp_path, capsys, argv, needle):
@@ -869,6 +869,30 @@ def test_bad_input_found_in_main_is_one_line_and_leaves_no_run_dir(tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.startswith("error: ") and "\n" not in err and needle in err, err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("argv,needle", [(["--prompt-length", "5"], "prompts take up to 6 tokens"),
+                                         (["--response-length", "4"], "answers up to 5")])
+def test_synthetic_length_check_sees_a_tokenizer_that_merges_some_digits(tmp_path, monkeypatch, capsys, argv, needle):
+    """"01" and "23" are single tokens: "01234=" takes 4 tokens and "01234" 3, most prompts 6 and answers 5."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def merging_tokenizer():
+        vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", "01", "23"]
+                                            + [chr(c) for c in range(32, 127)])}
+        tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tk.pre_tokenizer = pre_tokenizers.Split(Regex("01|23|."), behavior="isolated")
+        tk.decoder = decoders.Fuse()
+        return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                       unk_token="<unk>")
+    tok = merging_tokenizer()
+    assert len(tok.encode("01234=")) == 4 and len(tok.encode("01234")) == 3 and len(tok.encode("98765=")) == 6
+    monkeypatch.setattr(P, "build_char_tokenizer", merging_tokenizer)
+    with pytest.raises(SystemExit) as e:
+        P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path / "runs"), *argv]))
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and needle in err, err
 
 
 def test_empty_dataset_prompt_is_one_line_error(tmp_path, capsys):
