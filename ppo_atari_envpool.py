@@ -547,8 +547,9 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, vide
         obs, _, term, trunc, info = env.step(action.cpu().numpy())
         if args.capture_video:
             frames.append(env.render()[0])
-        for _, ret, _ in stats.update(info["reward"], term, trunc, info["terminated"]):
+        for _, ret, length in stats.update(info["reward"], term, trunc, info["terminated"]):
             returns.append(ret)
+            print(f"eval game {len(returns)}/{episodes}: score {ret:.0f}, {length} steps", flush=True)  # games are long
             if args.capture_video:
                 from moviepy import ImageSequenceClip
 

@@ -4,6 +4,7 @@ functions against plain loops, a smoke run, stop -> resume, and 2 processes unde
 import copy
 import glob
 import os
+import re
 import signal
 import subprocess
 import time
@@ -304,6 +305,7 @@ def test_smoke_run_stops_then_resumes_with_steps_lr_schedule_and_tags(tmp_path):
     # brought to the end without --save-model
     out = run(["--resume", ckpt_path, "--stop-after", "0", "--eval-episodes", "1"], tmp_path)
     assert "resumed" in out and "global step 192" in out and "iter 8/8" in out and "eval: 1 games" in out
+    assert re.search(r"eval game 1/1: score \d+, \d+ steps", out)  # progress of a long evaluation
     assert os.listdir(tmp_path) == [os.path.basename(run_dir)]  # same run directory
     final = torch.load(ckpt_path, weights_only=True)
     assert (final["iteration"], final["global_step"]) == (8, 512)
