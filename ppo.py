@@ -492,11 +492,13 @@ def load_checkpoint(path: str, env_id: Optional[str] = None) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Evaluation
 # ---------------------------------------------------------------------------------------------------------
-def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "") -> list[float]:
-    """Run `episodes` full episodes with actions sampled from the policy; return their undiscounted returns."""
-    env = make_env(args.env_id, 0, args.capture_video, video_dir)()
+def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "",
+             rank: int = 0) -> list[float]:
+    """Run `episodes` full episodes with actions sampled from the policy; return their undiscounted returns.
+    Under torchrun each rank plays with its own seed, and rank 0 alone records videos."""
+    env = make_env(args.env_id, 0, args.capture_video and rank == 0, video_dir)()
     returns = []
-    obs, _ = env.reset(seed=args.seed + 10_000)
+    obs, _ = env.reset(seed=args.seed + 10_000 + rank)
     ep_ret = 0.0
     while len(returns) < episodes:
         with torch.inference_mode():
@@ -826,11 +828,14 @@ def main(args: Args) -> dict:
     envs.close()
 
     result = {"global_step": global_step, "run_dir": run_dir, "stats": last_stats, "returns": recent_returns}
-    if args.eval_episodes and finished and rank == 0:
-        eval_returns = evaluate(agent, args, device, args.eval_episodes, os.path.join(run_dir, "videos"))
+    if args.eval_episodes and finished:  # under torchrun every rank plays its share; rank 0 logs them all
+        share = args.eval_episodes // world + int(rank < args.eval_episodes % world)
+        mine = evaluate(agent, args, device, share, os.path.join(run_dir, "videos"), rank) if share else []
+        eval_returns = [r for part in gather_objects(mine, world) for r in part]
         mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
         writer.add_scalar("eval/episodic_return", mean, global_step)
-        print(f"eval: {args.eval_episodes} episodes, return {mean:.2f} ± {std:.2f}")
+        if rank == 0:
+            print(f"eval: {args.eval_episodes} episodes, return {mean:.2f} ± {std:.2f}")
         result["eval_returns"] = eval_returns
     writer.close()
     if args.track and rank == 0:

@@ -534,10 +534,13 @@ def load_checkpoint(path: str, env_id: Optional[str] = None) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Evaluation
 # ---------------------------------------------------------------------------------------------------------
-def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "") -> list[float]:
+def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "",
+             rank: int = 0) -> list[float]:
     """Play `episodes` whole games (all lives) with actions sampled from the policy; return their unclipped
-    scores. With --capture-video each game's RGB frames are written to video_dir/game-<k>.mp4."""
-    env = make_envs(args, 1, args.seed + 10_000, **({"render_mode": "rgb_array"} if args.capture_video else {}))
+    scores. With --capture-video each game's RGB frames are written to video_dir/game-<k>.mp4. Under torchrun each
+    rank plays with its own seed, and rank 0 alone records videos and prints its progress."""
+    video = args.capture_video and rank == 0
+    env = make_envs(args, 1, args.seed + 10_000 + rank, **({"render_mode": "rgb_array"} if video else {}))
     stats = EpisodeStats(1)
     returns, frames = [], []
     obs, _ = env.reset()
@@ -545,12 +548,13 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, vide
         with torch.inference_mode():
             action, _, _, _ = agent.get_action_and_value(torch.as_tensor(obs, device=device))
         obs, _, term, trunc, info = env.step(action.cpu().numpy())
-        if args.capture_video:
+        if video:
             frames.append(env.render()[0])
         for _, ret, length in stats.update(info["reward"], term, trunc, info["terminated"]):
             returns.append(ret)
-            print(f"eval game {len(returns)}/{episodes}: score {ret:.0f}, {length} steps", flush=True)  # games are long
-            if args.capture_video:
+            if rank == 0:  # games are long
+                print(f"eval game {len(returns)}/{episodes}: score {ret:.0f}, {length} steps", flush=True)
+            if video:
                 from moviepy import ImageSequenceClip
 
                 os.makedirs(video_dir, exist_ok=True)
@@ -889,11 +893,14 @@ def main(args: Args) -> dict:
     envs.close()
 
     result = {"global_step": global_step, "run_dir": run_dir, "stats": last_stats, "returns": recent_returns}
-    if args.eval_episodes and finished and rank == 0:
-        eval_returns = evaluate(agent, args, device, args.eval_episodes, os.path.join(run_dir, "videos"))
+    if args.eval_episodes and finished:  # under torchrun every rank plays its share; rank 0 logs them all
+        share = args.eval_episodes // world + int(rank < args.eval_episodes % world)
+        mine = evaluate(agent, args, device, share, os.path.join(run_dir, "videos"), rank) if share else []
+        eval_returns = [r for part in gather_objects(mine, world) for r in part]
         mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
         writer.add_scalar("eval/episodic_return", mean, global_step)
-        print(f"eval: {args.eval_episodes} games, return {mean:.2f} ± {std:.2f}")
+        if rank == 0:
+            print(f"eval: {args.eval_episodes} games, return {mean:.2f} ± {std:.2f}")
         result["eval_returns"] = eval_returns
     writer.close()
     if args.track and rank == 0:

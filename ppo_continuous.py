@@ -704,13 +704,14 @@ def load_checkpoint(path: str, env_id: Optional[str] = None) -> dict:
 # Evaluation
 # ---------------------------------------------------------------------------------------------------------
 def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_rms: RunningMeanStd,
-             video_dir: str = "") -> list[float]:
+             video_dir: str = "", rank: int = 0) -> list[float]:
     """Run `episodes` full episodes with actions sampled from the policy and the observation statistics frozen;
-    return their undiscounted (raw) returns."""
-    env = make_env(args.env_id, 0, args.capture_video, video_dir)()
+    return their undiscounted (raw) returns. Under torchrun each rank plays with its own seed, and rank 0 alone
+    records videos."""
+    env = make_env(args.env_id, 0, args.capture_video and rank == 0, video_dir)()
     low, high = env.action_space.low, env.action_space.high
     returns = []
-    obs, _ = env.reset(seed=args.seed + 10_000)
+    obs, _ = env.reset(seed=args.seed + 10_000 + rank)
     ep_ret = 0.0
     while len(returns) < episodes:
         x = normalize_obs(obs, obs_rms, args.obs_clip) if args.norm_obs else obs
@@ -1101,11 +1102,14 @@ def main(args: Args) -> dict:
     sps = int((global_step - steps_at_start) / (time.time() - start_time))
     result = {"global_step": global_step, "sps": sps, "run_dir": run_dir, "stats": last_stats,
               "returns": recent_returns, "agent": agent, "obs_rms": obs_rms, "return_rms": reward_scaler.rms}
-    if args.eval_episodes and finished and rank == 0:
-        eval_returns = evaluate(agent, args, device, args.eval_episodes, obs_rms, os.path.join(run_dir, "videos"))
+    if args.eval_episodes and finished:  # under torchrun every rank plays its share; rank 0 logs them all
+        share = args.eval_episodes // world + int(rank < args.eval_episodes % world)
+        mine = evaluate(agent, args, device, share, obs_rms, os.path.join(run_dir, "videos"), rank) if share else []
+        eval_returns = [r for part in gather_objects(mine, world) for r in part]
         mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
         writer.add_scalar("eval/episodic_return", mean, global_step)
-        print(f"eval: {args.eval_episodes} episodes, return {mean:.2f} ± {std:.2f}")
+        if rank == 0:
+            print(f"eval: {args.eval_episodes} episodes, return {mean:.2f} ± {std:.2f}")
         result["eval_returns"] = eval_returns
     writer.close()
     if args.track and rank == 0:

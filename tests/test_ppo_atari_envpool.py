@@ -458,8 +458,10 @@ def test_torchrun_two_ranks_stop_then_resume(tmp_path):
     assert len(ckpt["other_ranks"]) == 1  # rank 1's RNG: it drew its own actions and shuffles
     assert not torch.equal(ckpt["rng"]["torch"], ckpt["other_ranks"][0]["rng"]["torch"])
 
-    out = torchrun(["--resume", ckpt_path, "--stop-after", "0", "--save-model"], tmp_path)
+    out = torchrun(["--resume", ckpt_path, "--stop-after", "0", "--save-model", "--eval-episodes", "3"], tmp_path)
     assert out.count("resumed") == 1 and "global step 128" in out and "iter 3/3" in out
+    # evaluation shared out: rank 0 plays 2 games (and prints them), rank 1 one; rank 0 logs all 3
+    assert "eval game 2/2" in out and "/3:" not in out and out.count("eval: 3 games") == 1
     final = torch.load(ckpt_path, weights_only=True)
     assert (final["iteration"], final["global_step"], final["world_size"]) == (3, 384, 2)
     assert len(final["other_ranks"]) == 1

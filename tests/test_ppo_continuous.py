@@ -504,8 +504,9 @@ def test_trains_stops_and_resumes_under_torchrun(tmp_path):
     assert state["obs_rms"]["count"].item() == pytest.approx(2 + 128 + 1e-4)
     assert state["return_rms"]["count"].item() == pytest.approx(128 + 1e-4)
 
-    rest = torchrun("--resume", ckpt, "--stop-after", "0")
+    rest = torchrun("--resume", ckpt, "--stop-after", "0", "--eval-episodes", "3")
     assert rest.returncode == 0, rest.stderr[-3000:]
+    assert rest.stdout.count("eval: 3 episodes") == 1  # both ranks' episodes (2 + 1), logged by rank 0
     assert "iter 3/3  global_step=384" in rest.stdout
     state = torch.load(ckpt, weights_only=True)
     assert state["iteration"] == 3 and state["global_step"] == 384
