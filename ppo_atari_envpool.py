@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import difflib
 import io
 import math
@@ -535,10 +536,11 @@ def load_checkpoint(path: str, env_id: Optional[str] = None) -> dict:
 # Evaluation
 # ---------------------------------------------------------------------------------------------------------
 def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "",
-             rank: int = 0) -> list[float]:
+             rank: int = 0, world: int = 1) -> list[float]:
     """Play `episodes` whole games (all lives) with actions sampled from the policy; return their unclipped
     scores. With --capture-video each game's RGB frames are written to video_dir/game-<k>.mp4. Under torchrun each
-    rank plays with its own seed, and rank 0 alone records videos and prints its progress."""
+    rank plays its share of the games with its own seed, and rank 0 alone records videos of its share and prints
+    its progress."""
     video = args.capture_video and rank == 0
     env = make_envs(args, 1, args.seed + 10_000 + rank, **({"render_mode": "rgb_array"} if video else {}))
     stats = EpisodeStats(1)
@@ -553,7 +555,8 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, vide
         for _, ret, length in stats.update(info["reward"], term, trunc, info["terminated"]):
             returns.append(ret)
             if rank == 0:  # games are long
-                print(f"eval game {len(returns)}/{episodes}: score {ret:.0f}, {length} steps", flush=True)
+                share = f" of rank 0's share ({world} ranks)" if world > 1 else ""
+                print(f"eval game {len(returns)}/{episodes}{share}: score {ret:.0f}, {length} steps", flush=True)
             if video:
                 from moviepy import ImageSequenceClip
 
@@ -582,7 +585,9 @@ def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
             die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if args.cuda else "gloo")
+    # one hour (NCCL's default is 10 minutes): at the end the ranks wait while rank 0 writes its videos and the
+    # checkpoint, and for the longest share of the evaluation episodes
+    dist.init_process_group("nccl" if args.cuda else "gloo", timeout=datetime.timedelta(hours=1))
     return dist.get_rank(), world, device
 
 
@@ -846,8 +851,9 @@ def main(args: Args) -> dict:
             last_stats["parameters"] = float("nan")
         if not all(np.isfinite(v) for v in last_stats.values()):  # stop before a checkpoint of this update
             bad = [k for k, v in last_stats.items() if not np.isfinite(v)]
-            print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
-                  file=sys.stderr)
+            if rank == 0:  # (every rank sees the same all-reduced statistics)
+                print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
+                      file=sys.stderr)
             finished, failed = False, True  # no final checkpoint and no evaluation; exit 1 after the clean-up
             break
         mask_np, values_np, returns_np = torch.stack([b_mask, b_values, b_returns]).cpu().numpy()
@@ -895,7 +901,7 @@ def main(args: Args) -> dict:
     result = {"global_step": global_step, "run_dir": run_dir, "stats": last_stats, "returns": recent_returns}
     if args.eval_episodes and finished:  # under torchrun every rank plays its share; rank 0 logs them all
         share = args.eval_episodes // world + int(rank < args.eval_episodes % world)
-        mine = evaluate(agent, args, device, share, os.path.join(run_dir, "videos"), rank) if share else []
+        mine = evaluate(agent, args, device, share, os.path.join(run_dir, "videos"), rank, world) if share else []
         eval_returns = [r for part in gather_objects(mine, world) for r in part]
         mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
         writer.add_scalar("eval/episodic_return", mean, global_step)
@@ -913,6 +919,9 @@ def main(args: Args) -> dict:
         dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
         dist.destroy_process_group()
     if failed:
+        if world > 1:  # as at the end of __main__: skip the teardown where gloo's threads can abort
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(1)
         sys.exit(1)
     return result
 

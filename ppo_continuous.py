@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import io
 import math
 import os
@@ -746,7 +747,9 @@ def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
             die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if args.cuda else "gloo")
+    # one hour (NCCL's default is 10 minutes): at the end the ranks wait while rank 0 writes its videos and the
+    # checkpoint, and for the longest share of the evaluation episodes
+    dist.init_process_group("nccl" if args.cuda else "gloo", timeout=datetime.timedelta(hours=1))
     return dist.get_rank(), world, device
 
 
@@ -1055,8 +1058,9 @@ def main(args: Args) -> dict:
             last_stats["parameters"] = float("nan")
         if not all(np.isfinite(v) for v in last_stats.values()):  # stop before a checkpoint of this update
             bad = [k for k, v in last_stats.items() if not np.isfinite(v)]
-            print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
-                  file=sys.stderr)
+            if rank == 0:  # (every rank sees the same all-reduced statistics)
+                print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
+                      file=sys.stderr)
             finished, failed = False, True  # no final checkpoint and no evaluation; exit 1 after the clean-up
             break
         last_stats["explained_variance"] = explained_variance(b_values.cpu().numpy(), b_returns.cpu().numpy())
@@ -1122,6 +1126,9 @@ def main(args: Args) -> dict:
         dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
         dist.destroy_process_group()
     if failed:
+        if world > 1:  # as at the end of __main__: skip the teardown where gloo's threads can abort
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(1)
         sys.exit(1)
     return result
 
