@@ -137,7 +137,7 @@ class Args:
     """each prompt as a user turn in the tokenizer's chat template (instruct models); off: plain text (+ BOS)"""
     critic: Literal["separate", "shared", "none"] = "separate"
     """value model: own copy of the trunk + value head (verl/RLinf), value head on the policy trunk, or none"""
-    use_critic_model: Optional[bool] = None
+    use_critic_model: Annotated[Optional[bool], alias("--critic.use-critic-model")] = None
     """RLinf critic.use_critic_model: True = --critic separate, False = --critic shared (None: --critic decides)"""
     loss_type: Optional[Literal["actor_critic", "actor"]] = None
     """RLinf loss_type: actor_critic = --critic shared (one loss, one backward), actor = --critic separate"""
@@ -172,8 +172,8 @@ class Args:
     """responses per no-grad scoring forward (RLinf; None: --micro-batch-size, so the first ratio is exactly 1)"""
 
     # Reward
-    reward_norm: Literal["none", "batch", "group", "running"] = "none"
-    """normalise scores over the batch, the prompt's group, or running statistics (ROLL)"""
+    reward_norm: Literal["none", "batch", "group", "running", "null"] = "none"
+    """normalise scores over the batch, the prompt's group, or running statistics (ROLL; null: none)"""
     reward_shift: bool = False
     """reward_norm only subtracts the mean"""
     reward_scale: bool = False
@@ -333,6 +333,14 @@ def resolve_implied(args: Args, given: set[str]) -> None:
         print(f"note: --adv-estimator {args.adv_estimator}: advantages not whitened again (as verl); "
               "--whiten-advantages whitens them (as ROLL)")
         args.whiten_advantages = False
+    if args.reward_norm == "null":  # ROLL's spelling of none
+        args.reward_norm = "none"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    minibatch = args.ppo_mini_batch_size // world * args.n  # responses per rank in a minibatch
+    if "micro_batch_size" not in given and args.resume is None and 1 <= minibatch < args.micro_batch_size:
+        print(f"note: --micro-batch-size {minibatch}: a minibatch has {minibatch} responses per process "
+              f"(fewer than the default {args.micro_batch_size})")
+        args.micro_batch_size = minibatch
     if args.kl_ctrl_type == "adaptive" and not args.use_kl_in_reward:
         print("note: the adaptive KL controller adapts the KL penalty in the reward, which is off: it stays inert")
     if "clip_ratio" in given and args.clip_ratio is not None:  # verl: clip_ratio_low/high default to clip_ratio
@@ -391,6 +399,8 @@ def validate(args: Args) -> None:
         die(f"--adv-estimator {args.adv_estimator} compares responses within a group: needs --n >= 2, got {args.n}")
     if args.reward_norm == "group" and args.n < 2:
         die(f"--reward-norm group normalises within a prompt's responses: needs --n >= 2, got {args.n}")
+    if args.reward_norm == "batch" and args.rollout_batch_size * args.n < 2:
+        die("--reward-norm batch needs at least 2 responses per iteration (--rollout-batch-size x --n)")
     if args.kl_ctrl_type == "adaptive" and (args.target_kl <= 0 or args.kl_horizon <= 0):
         die("--kl-ctrl-type adaptive needs --target-kl > 0 and --kl-horizon > 0")
     if args.critic_warmup and (args.adv_estimator != "gae" or args.critic == "none"):
@@ -457,12 +467,14 @@ def build_char_tokenizer():
                                    unk_token="<unk>")
 
 
-def make_problems(count: int, gen: torch.Generator, exclude=frozenset(), distinct: bool = False) -> list[dict]:
+def make_problems(count: int, gen: torch.Generator, exclude=frozenset(), distinct: bool = False,
+                  fits=None) -> list[dict]:
     """Sort five digits: prompt "31415=", answer "11345". A prompt in `exclude` (the held-out set, for training rows)
-    is drawn again, and so is one drawn before when `distinct` (to build the held-out set)."""
+    is drawn again, and so is one drawn before when `distinct` (to build the held-out set), and one for which
+    `fits(prompt)` is false (a prompt too long for --prompt-length)."""
     taken, rows = set(exclude), []
     for d in torch.randint(0, 10, (count, 5), generator=gen).tolist():
-        while "".join(map(str, d)) + "=" in taken:
+        while "".join(map(str, d)) + "=" in taken or (fits is not None and not fits("".join(map(str, d)) + "=")):
             d = torch.randint(0, 10, (5,), generator=gen).tolist()
         rows.append({"prompt": "".join(map(str, d)) + "=", "answer": "".join(map(str, sorted(d)))})
         if distinct:
@@ -713,16 +725,16 @@ class RunningMoments:
 
 def normalize_scores(scores, group_ids, norm: str, shift: bool, scale: bool, clip: Optional[float],
                      running: Optional[RunningMoments] = None, eps: float = 1e-6):
-    """ROLL reward_norm: (s - mean) / std over the batch, the group or running stats; shift: only - mean; scale:
-    only / std. Then reward_clip."""
+    """ROLL reward_norm: (s - mean) / std over the batch or the group (the sample std, as ROLL's torch.std) or
+    running stats; shift: only - mean; scale: only / std. Then reward_clip."""
     if norm != "none":
         if norm == "batch":
-            mean, std = scores.mean(), scores.std(unbiased=False)
+            mean, std = scores.mean(), scores.std()
         elif norm == "group":
             G = group_ids.max().item() + 1
             cnt = torch.zeros(G).index_add_(0, group_ids, torch.ones_like(scores))
             gmean = torch.zeros(G).index_add_(0, group_ids, scores) / cnt
-            gvar = torch.zeros(G).index_add_(0, group_ids, (scores - gmean[group_ids]) ** 2) / cnt
+            gvar = torch.zeros(G).index_add_(0, group_ids, (scores - gmean[group_ids]) ** 2) / (cnt - 1)
             mean, std = gmean[group_ids], gvar.sqrt()[group_ids]
         elif norm == "running":
             running.update(scores)
@@ -1411,22 +1423,23 @@ def main(args: Args) -> dict:
         eval_rows = make_problems(args.eval_prompts, torch.Generator().manual_seed(10_000 + args.seed),
                                   distinct=True)
         held_out = frozenset(r["prompt"] for r in eval_rows)
-        # a tokenizer that merges digits gives some prompts more tokens than others: check 256 distinct prompts and
-        # every one of the 2,002 answers (sorted digit strings), so that no prompt or answer is cut silently
-        probe = [r["prompt"] for r in make_problems(256, torch.Generator().manual_seed(10_000 + args.seed),
-                                                    distinct=True)]
-        prompt = max(probe, key=lambda p: len(prompt_token_ids(tok, p, args.apply_chat_template)))
+        # A tokenizer that merges digits gives some prompts more tokens than others. Checked here: every held-out
+        # prompt and 256 more, and all 2,002 answers (sorted digit strings) with room for EOS; a training prompt that
+        # would still be cut is drawn again (never with the built-in tokenizer)
+        def n_tokens(prompt):
+            return len(prompt_token_ids(tok, prompt, args.apply_chat_template))
+        probe = make_problems(256, torch.Generator().manual_seed(10_000 + args.seed), distinct=True)
+        prompt = max((r["prompt"] for r in probe + eval_rows), key=n_tokens)
         answers = ["".join(c) for c in itertools.combinations_with_replacement("0123456789", 5)]
         answer = max(answers, key=lambda a: len(tok.encode(a, add_special_tokens=False)))
-        need = (len(prompt_token_ids(tok, prompt, args.apply_chat_template)),
-                len(tok.encode(answer, add_special_tokens=False)))
-        if need[0] > args.prompt_length or need[1] > args.response_length:
+        need = (n_tokens(prompt), len(tok.encode(answer, add_special_tokens=False)))
+        if need[0] > args.prompt_length or need[1] + 1 > args.response_length:
             die(f"the synthetic task's prompts take up to {need[0]} tokens ({prompt!r}) and its answers up to "
-                f"{need[1]} ({answer!r}): --prompt-length {args.prompt_length} / --response-length "
+                f"{need[1]} ({answer!r}) plus EOS: --prompt-length {args.prompt_length} / --response-length "
                 f"{args.response_length} cut them")
 
         def sample_rows(k):
-            return make_problems(k, gen, exclude=held_out)
+            return make_problems(k, gen, exclude=held_out, fits=lambda p: n_tokens(p) <= args.prompt_length)
         has_answers = True
     if args.eval_dataset is not None:
         eval_rows = load_dataset(args.eval_dataset, tok, args.prompt_length, args.apply_chat_template,
@@ -1661,8 +1674,9 @@ def main(args: Args) -> dict:
         raw, correct, eos, maskf = (all_gather_cat(x, world) for x in (raw, correct, eos.float(), maskf))
         bad = [k for k, v in stats.items() if not math.isfinite(v)]
         if bad:  # stop before logging or saving: the last checkpoint written stays the last good one
-            print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
-                  file=sys.stderr)
+            if rank == 0:  # (every rank sees the same all-reduced statistics)
+                print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
+                      file=sys.stderr)
             failed = True  # no final checkpoint (the loop's else); exit 1 after the clean-up
             break
 
@@ -1730,6 +1744,9 @@ def main(args: Args) -> dict:
     if quiet:
         quiet.__exit__(None, None, None)
     if failed:
+        if world > 1:  # as at the end of __main__: skip the teardown where gloo's threads can abort
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(1)
         sys.exit(1)
     return {"run_dir": run_dir, "curve": tracker["curve"], "stats": stats, "checkpoint": ckpt_path}
 

@@ -252,17 +252,23 @@ def test_advantage_whiten_and_clip():
 
 
 def test_reward_normalisation():
-    s = torch.tensor([1.0, 3.0, 0.0, 4.0])
-    grp = torch.tensor([0, 0, 1, 1])
+    s = torch.tensor([1.0, 3.0, 0.0, 4.0, 2.0, 2.0])
+    grp = torch.tensor([0, 0, 1, 1, 2, 2])
     out = P.normalize_scores(s, grp, "group", False, False, None)
-    assert torch.allclose(out, torch.tensor([-1.0, 1.0, -1.0, 1.0]), atol=1e-5)
+    # ROLL: (s - mean_g) / (std_g + 1e-6) with the sample std (torch.std): a pair -> -+1/sqrt(2); equal scores -> 0
+    r = 2 ** -0.5
+    assert torch.allclose(out, torch.tensor([-r, r, -r, r, 0.0, 0.0]), atol=1e-5)
+    out = P.normalize_scores(s, grp, "batch", False, False, None)
+    mean = sum(s.tolist()) / 6
+    std = math.sqrt(sum((x - mean) ** 2 for x in s.tolist()) / 5)  # n - 1
+    assert torch.allclose(out, (s - mean) / (std + 1e-6), atol=1e-5)
     out = P.normalize_scores(s, grp, "batch", True, False, None)
     assert torch.allclose(out, s - 2.0)
     out = P.normalize_scores(s, grp, "batch", False, True, 1.0)
-    assert torch.allclose(out, (s / s.std(unbiased=False)).clamp(-1, 1), atol=1e-5)
+    assert torch.allclose(out, (s / std).clamp(-1, 1), atol=1e-5)
     rm = P.RunningMoments()
     P.normalize_scores(s, grp, "running", False, False, None, rm)
-    assert rm.mean == pytest.approx(2.0, rel=1e-3) and rm.var == pytest.approx(2.5, rel=1e-3)
+    assert rm.mean == pytest.approx(2.0, rel=1e-3) and rm.var == pytest.approx(10 / 6, rel=1e-3)
 
 
 def test_response_mask_and_sampling_filters():
@@ -530,6 +536,7 @@ DOC_OPTION_NAMES = {
     "logprob_forward_micro_batch_size": "logprob_forward_micro_batch_size", "entropy_bonus": "entropy_coeff",
     "clip_ratio_high": "clip_ratio_high", "clip_ratio_low": "clip_ratio_low", "clip_ratio_c": "clip_ratio_c",
     "gae_lambda": "lam", "huber_delta": "huber_delta", "use_critic_model": "use_critic_model",
+    "critic.use_critic_model": "use_critic_model",
 }
 
 
@@ -594,6 +601,11 @@ def test_readme_option_table_names_are_flags_of_their_row():
     (["--use-critic-model", "False"], {"critic": "shared"}), (["--use-critic-model", "True"], {"critic": "separate"}),
     (["--loss-type", "actor_critic"], {"critic": "shared"}),
     (["--loss-type", "actor", "--use-critic-model", "True", "--critic", "separate"], {"critic": "separate"}),
+    (["--critic.use-critic-model", "False"], {"critic": "shared"}),
+    (["--reward-norm", "null"], {"reward_norm": "none"}),  # ROLL's spelling
+    # RLinf's / ROLL's PPO setting of one response per prompt: micro-batches no larger than a minibatch (8)
+    (["--group-size", "1"], {"n": 1, "micro_batch_size": 8}),
+    (["--num-return-sequences-in-group", "1", "--micro-batch-size", "4"], {"micro_batch_size": 4}),
     # grpo / rloo advantages are verl's unless whitening is asked for (ROLL)
     (["--adv-estimator", "grpo", "--critic", "none"], {"whiten_advantages": False}),
     (["--adv-estimator", "rloo", "--critic", "none", "--normalize-advantages"], {"whiten_advantages": True}),
@@ -647,6 +659,8 @@ def test_whitening_would_make_rloo_the_same_as_reinforce_plus_plus_baseline():
     (["--tiny-hidden-size", "12"], "multiple of 8"),
     (["--adv-estimator", "reinforce_plus_plus_baseline", "--critic", "none", "--n", "1"], "n >= 2"),
     (["--reward-norm", "group", "--n", "1"], "n >= 2"),
+    (["--reward-norm", "batch", "--rollout-batch-size", "1", "--ppo-mini-batch-size", "1", "--n", "1"],
+     "at least 2 responses"),
     (["--kl-ctrl-type", "adaptive", "--target-kl", "0"], "target-kl > 0"),
     (["--tiny-num-layers", "0"], "must be positive"),
     (["--loss-type", "actor_critic", "--critic", "separate"], "contradictory critic choice"),
@@ -844,21 +858,23 @@ def test_synthetic_held_out_prompts_are_distinct_and_never_trained_on(tmp_path, 
     assert all(r["answer"] == "".join(sorted(r["prompt"][:5])) for r in rows)
     not_nine = {f"{i:05d}=" for i in range(90_000)}  # every prompt but those starting with 9
     assert {r["prompt"][0] for r in P.make_problems(300, torch.Generator().manual_seed(0), not_nine)} == {"9"}
+    fits = P.make_problems(300, torch.Generator().manual_seed(0), fits=lambda p: p[0] != "9")  # (prompt length)
+    assert len(fits) == 300 and "9" not in {r["prompt"][0] for r in fits}
     calls, real = [], P.make_problems
 
-    def spy(count, gen, exclude=frozenset(), distinct=False):
-        calls.append((exclude, distinct, real(count, gen, exclude, distinct)))
+    def spy(count, gen, exclude=frozenset(), distinct=False, fits=None):
+        calls.append((exclude, distinct, real(count, gen, exclude, distinct, fits)))
         return calls[-1][2]
     monkeypatch.setattr(P, "make_problems", spy)
     P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path)]))
-    (_, distinct, held), *training = calls
-    assert distinct and len(held) == 8 and len(training) == 5 + 2  # warm-start steps, then PPO iterations
+    (_, distinct, held), (_, _, probe), *training = calls  # probe: 256 prompts for the length check
+    assert distinct and len(held) == 8 and len(probe) == 256 and len(training) == 5 + 2  # warm-start, then PPO
     assert all(exclude == {r["prompt"] for r in held} for exclude, _, _ in training)
 
 
 @pytest.mark.parametrize("argv,needle", [
     (["--prompt-length", "5"], "prompts take up to 6 tokens"),  # a synthetic prompt would be cut to "1415="
-    (["--response-length", "4"], "answers up to 5"),
+    (["--response-length", "5"], "answers up to 5"),  # 5 digits and EOS: 6 tokens
     (["--dataset", "{latin1}"], "cannot read it as UTF-8"),
 ])
 def test_bad_input_found_in_main_is_one_line_and_leaves_no_run_dir(tmp_path, capsys, argv, needle):
