@@ -472,11 +472,13 @@ def make_problems(count: int, gen: torch.Generator, exclude=frozenset(), distinc
     """Sort five digits: prompt "31415=", answer "11345". A prompt in `exclude` (the held-out set, for training rows)
     is drawn again, and so is one drawn before when `distinct` (to build the held-out set), and one for which
     `fits(prompt)` is false (a prompt too long for --prompt-length)."""
+    def prompt(digits):
+        return "".join(map(str, digits)) + "="
     taken, rows = set(exclude), []
     for d in torch.randint(0, 10, (count, 5), generator=gen).tolist():
-        while "".join(map(str, d)) + "=" in taken or (fits is not None and not fits("".join(map(str, d)) + "=")):
+        while prompt(d) in taken or (fits is not None and not fits(prompt(d))):
             d = torch.randint(0, 10, (5,), generator=gen).tolist()
-        rows.append({"prompt": "".join(map(str, d)) + "=", "answer": "".join(map(str, sorted(d)))})
+        rows.append({"prompt": prompt(d), "answer": "".join(map(str, sorted(d)))})
         if distinct:
             taken.add(rows[-1]["prompt"])
     return rows
@@ -1423,12 +1425,13 @@ def main(args: Args) -> dict:
         eval_rows = make_problems(args.eval_prompts, torch.Generator().manual_seed(10_000 + args.seed),
                                   distinct=True)
         held_out = frozenset(r["prompt"] for r in eval_rows)
+
         # A tokenizer that merges digits gives some prompts more tokens than others. Checked here: every held-out
-        # prompt and 256 more, and all 2,002 answers (sorted digit strings) with room for EOS; a training prompt that
-        # would still be cut is drawn again (never with the built-in tokenizer)
+        # prompt and 256 others, and all 2,002 answers (sorted digit strings) with room for EOS; a training prompt
+        # that would still be cut is drawn again (never with the built-in tokenizer)
         def n_tokens(prompt):
             return len(prompt_token_ids(tok, prompt, args.apply_chat_template))
-        probe = make_problems(256, torch.Generator().manual_seed(10_000 + args.seed), distinct=True)
+        probe = make_problems(256, torch.Generator().manual_seed(20_000 + args.seed), distinct=True)
         prompt = max((r["prompt"] for r in probe + eval_rows), key=n_tokens)
         answers = ["".join(c) for c in itertools.combinations_with_replacement("0123456789", 5)]
         answer = max(answers, key=lambda a: len(tok.encode(a, add_special_tokens=False)))
