@@ -65,9 +65,10 @@ def test_ppo_trains_stops_and_resumes_under_torchrun(tmp_path):
     assert one.returncode == 2 and "written by 2 process(es)" in one.stderr, one.stderr
     assert len(one.stderr.strip().splitlines()) == 1
     rest = torchrun(os.path.join(ROOT, "ppo.py"), "--resume", ckpt, "--stop-after", "0", "--save-model",
-                    "--eval-episodes", "3")
+                    "--eval-episodes", "3", "--capture-video")
     assert rest.returncode == 0, rest.stderr[-3000:]
-    assert rest.stdout.count("eval: 3 episodes") == 1  # both ranks' episodes (2 + 1), logged by rank 0
+    assert rest.stdout.count("eval: 3 episodes") == 1  # both ranks' episodes, logged by rank 0
+    assert len(glob.glob(str(tmp_path / "*" / "videos" / "*.mp4"))) == 2  # rank 0 played (and recorded) 2 of them
     state = torch.load(ckpt, weights_only=True)
     assert state["global_step"] == 3072 and state["iteration"] == 3
     assert len(glob.glob(str(tmp_path / "*" / "events.out.tfevents.*"))) == 2  # rank 0's, one per process run
