@@ -84,6 +84,10 @@ def main(argv=None):
         common.die("--iterations must be >= 2 (the first is warm-up)")
     if a.hidden % 64:
         common.die("--hidden must be a multiple of 64 (head size 64)")
+    minibatch = a.rollout_batch_size // 2 * a.n  # the runs use two minibatches per iteration
+    if a.rollout_batch_size % 2 or minibatch % a.micro_batch_size:
+        common.die(f"--micro-batch-size {a.micro_batch_size} must divide a minibatch's {minibatch} responses "
+                   "(--rollout-batch-size / 2 x --n; --rollout-batch-size even)")
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
