@@ -193,8 +193,8 @@ class Args:
     """in-reward KL coefficient: fixed, or adaptive towards target_kl"""
     init_kl_coef: Annotated[float, alias("--kl-ctrl.kl-coef", "--kl-coef")] = 0.001
     """(initial) in-reward KL coefficient (verl kl_ctrl.kl_coef)"""
-    target_kl: Annotated[float, alias("--kl-ctrl.target-kl")] = 0.1
-    """adaptive controller: target sequence KL; given without --kl-ctrl-type it selects adaptive (as ROLL)"""
+    target_kl: Annotated[Optional[float], alias("--kl-ctrl.target-kl")] = None
+    """adaptive controller's target sequence KL (None, ROLL's ~: 0.1); given alone it selects adaptive (as ROLL)"""
     kl_horizon: Annotated[Count, alias("--kl-ctrl.horizon")] = 10000
     """adaptive controller: horizon in samples"""
     use_kl_loss: bool = False
@@ -323,9 +323,12 @@ def resolve_implied(args: Args, given: set[str]) -> None:
         # verl: "when use_kl_loss is used, we are not applying KL in the reward function"; --use-kl-in-reward adds it
         print("note: --use-kl-loss: no KL penalty in the reward (as verl); add --use-kl-in-reward for both")
         args.use_kl_in_reward = False
-    if "target_kl" in given and "kl_ctrl_type" not in given and args.kl_ctrl_type == "fixed":
+    if "target_kl" in given and args.target_kl is not None and "kl_ctrl_type" not in given \
+            and args.kl_ctrl_type == "fixed":
         print("note: --target-kl given: adaptive KL controller (as ROLL); --kl-ctrl-type fixed keeps the fixed one")
         args.kl_ctrl_type = "adaptive"
+    if args.target_kl is None:
+        args.target_kl = 0.1  # (verl's kl_ctrl.target_kl; used by the adaptive controller only)
     if args.adv_estimator in ("grpo", "rloo") and args.whiten_advantages and "whiten_advantages" not in given \
             and args.resume is None:  # (a resumed run keeps its checkpoint's choice)
         # verl's forms: whitening on top would shift every group by the batch's token-weighted mean, and would make

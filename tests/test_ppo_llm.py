@@ -593,6 +593,8 @@ def test_readme_option_table_names_are_flags_of_their_row():
     (["--pg-clip", "0.3"], {"clip_ratio_low": 0.3, "clip_ratio_high": 0.3}),
     (["--clip-ratio", "0.3", "--clip-ratio-high", "0.28"], {"clip_ratio_low": 0.3, "clip_ratio_high": 0.28}),
     (["--kl-ctrl.target-kl", "0.05"], {"kl_ctrl_type": "adaptive", "target_kl": 0.05}),
+    (["--target-kl", "None"], {"kl_ctrl_type": "fixed", "target_kl": 0.1}),  # ROLL's ~: not set
+    (["--kl-ctrl-type", "adaptive"], {"kl_ctrl_type": "adaptive", "target_kl": 0.1}),
     (["--target-kl", "0.05", "--kl-ctrl-type", "fixed"], {"kl_ctrl_type": "fixed"}),
     (["--use-kl-loss", "--add-token-level-kl"], {"use_kl_in_reward": True}),
     (["--use-kl-loss"], {"use_kl_in_reward": False}),
