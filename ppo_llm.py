@@ -179,7 +179,7 @@ class Args:
     reward_scale: bool = False
     """reward_norm only divides by the std"""
     reward_clip: Optional[float] = None
-    """clip scores to [-c, c] after normalisation"""
+    """clip scores to [-c, c] after normalisation, and token rewards after the KL penalty (ROLL)"""
     missing_eos_penalty: float = 0.0
     """subtracted from the score of a response that hits response_length without EOS"""
 
@@ -928,6 +928,8 @@ def rewards_and_advantages(raw, maskf, values, kld, args: Args, kl_ctrl, running
     if args.use_kl_in_reward:
         token_rewards = token_rewards - kl_ctrl.value * kld
         kl_ctrl.update(seq_kl, raw.shape[0])
+    if args.reward_clip is not None:  # ROLL clips the token rewards too, after the KL penalty
+        token_rewards = token_rewards.clamp(-args.reward_clip, args.reward_clip)
     adv, returns = compute_advantages(args.adv_estimator, token_rewards, maskf, group_ids, values, args.gamma,
                                       args.lam, args.norm_adv_by_std_in_grpo, args.whiten_advantages,
                                       args.advantage_clip)

@@ -271,6 +271,22 @@ def test_reward_normalisation():
     assert rm.mean == pytest.approx(2.0, rel=1e-3) and rm.var == pytest.approx(10 / 6, rel=1e-3)
 
 
+def test_reward_clip_also_clips_token_rewards_after_the_kl_penalty():
+    """ROLL: scores clipped after normalisation, then the token rewards (score - beta * kl) clipped again."""
+    raw = torch.tensor([5.0, -5.0])
+    maskf = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    kld = torch.tensor([[20.0, 0.5, -30.0], [1.0, -1.0, 7.0]]) * maskf
+    args = P.parse_args(["--adv-estimator", "reinforce_plus_plus", "--critic", "none", "--reward-clip", "2",
+                         "--init-kl-coef", "0.1", "--gamma", "1"])
+    ctrl = P.FixedKLController(args.init_kl_coef)
+    _, ret, scores, _ = P.rewards_and_advantages(raw, maskf, torch.zeros_like(maskf), kld, args, ctrl,
+                                                   P.RunningMoments())
+    assert scores.tolist() == [2.0, -2.0]
+    token = [[-2.0, -0.05, min(2.0 + 3.0, 2.0)], [-0.1, max(-2.0 + 0.1, -2.0), 0.0]]  # clip(s - 0.1 kl) per token
+    expected = torch.tensor(token).flip(-1).cumsum(-1).flip(-1) * maskf  # reinforce++: the return to go (gamma 1)
+    assert torch.allclose(ret, expected, atol=1e-6), ret
+
+
 def test_response_mask_and_sampling_filters():
     resp = torch.tensor([[5, 1, 0, 0], [5, 6, 7, 8], [1, 0, 1, 0]])
     assert P.response_mask_from(resp, 1).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
