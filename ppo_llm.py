@@ -193,8 +193,8 @@ class Args:
     """in-reward KL coefficient: fixed, or adaptive towards target_kl"""
     init_kl_coef: Annotated[float, alias("--kl-ctrl.kl-coef", "--kl-coef")] = 0.001
     """(initial) in-reward KL coefficient (verl kl_ctrl.kl_coef)"""
-    target_kl: Annotated[Optional[float], alias("--kl-ctrl.target-kl")] = None
-    """adaptive controller's target sequence KL (None, ROLL's ~: 0.1); given alone it selects adaptive (as ROLL)"""
+    target_kl: Annotated[Optional[float], alias("--kl-ctrl.target-kl")] = 0.1
+    """adaptive controller's target sequence KL; a number given alone selects adaptive, None (ROLL's ~) fixed"""
     kl_horizon: Annotated[Count, alias("--kl-ctrl.horizon")] = 10000
     """adaptive controller: horizon in samples"""
     use_kl_loss: bool = False
@@ -252,7 +252,7 @@ class Args:
     ppo_mini_batch_size: Count = 8
     """prompts per minibatch (each brings its n responses), as in verl"""
     micro_batch_size: Annotated[Count, alias("--ppo-micro-batch-size-per-gpu")] = 16
-    """responses per forward/backward; gradient accumulation, does not change the result"""
+    """responses per forward/backward, accumulated; unless given, the largest size <= 16 that divides a minibatch"""
     lr: float = 5e-5
     """actor learning rate (AdamW)"""
     critic_lr: float = 2.5e-4
@@ -323,12 +323,13 @@ def resolve_implied(args: Args, given: set[str]) -> None:
         # verl: "when use_kl_loss is used, we are not applying KL in the reward function"; --use-kl-in-reward adds it
         print("note: --use-kl-loss: no KL penalty in the reward (as verl); add --use-kl-in-reward for both")
         args.use_kl_in_reward = False
-    if "target_kl" in given and args.target_kl is not None and "kl_ctrl_type" not in given \
-            and args.kl_ctrl_type == "fixed":
-        print("note: --target-kl given: adaptive KL controller (as ROLL); --kl-ctrl-type fixed keeps the fixed one")
-        args.kl_ctrl_type = "adaptive"
+    if "target_kl" in given and "kl_ctrl_type" not in given:  # ROLL: a target means adaptive, ~ (None) fixed
+        kind = "fixed" if args.target_kl is None else "adaptive"
+        if args.kl_ctrl_type != kind:
+            print(f"note: --target-kl {args.target_kl}: {kind} KL controller (as ROLL); --kl-ctrl-type chooses")
+            args.kl_ctrl_type = kind
     if args.target_kl is None:
-        args.target_kl = 0.1  # (verl's kl_ctrl.target_kl; used by the adaptive controller only)
+        args.target_kl = Args.target_kl  # (the adaptive controller's target, should --kl-ctrl-type ask for it)
     if args.adv_estimator in ("grpo", "rloo") and args.whiten_advantages and "whiten_advantages" not in given \
             and args.resume is None:  # (a resumed run keeps its checkpoint's choice)
         # verl's forms: whitening on top would shift every group by the batch's token-weighted mean, and would make
@@ -339,11 +340,14 @@ def resolve_implied(args: Args, given: set[str]) -> None:
     if args.reward_norm == "null":  # ROLL's spelling of none
         args.reward_norm = "none"
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    minibatch = args.ppo_mini_batch_size // world * args.n  # responses per rank in a minibatch
-    if "micro_batch_size" not in given and args.resume is None and 1 <= minibatch < args.micro_batch_size:
-        print(f"note: --micro-batch-size {minibatch}: a minibatch has {minibatch} responses per process "
-              f"(fewer than the default {args.micro_batch_size})")
-        args.micro_batch_size = minibatch
+    minibatch = args.ppo_mini_batch_size // world * args.n  # responses per process in a minibatch
+    if "micro_batch_size" not in given and minibatch >= 1 and minibatch % args.micro_batch_size:
+        # (--group-size 1, --n 3, another number of processes on resume): the largest size that divides, as
+        # micro-batches change memory only; losses are normalised by the minibatch's totals
+        size = max(d for d in range(1, args.micro_batch_size + 1) if minibatch % d == 0)
+        print(f"note: --micro-batch-size {size}: {args.micro_batch_size} does not divide a minibatch's {minibatch} "
+              "responses per process")
+        args.micro_batch_size = size
     if args.kl_ctrl_type == "adaptive" and not args.use_kl_in_reward:
         print("note: the adaptive KL controller adapts the KL penalty in the reward, which is off: it stays inert")
     if "clip_ratio" in given and args.clip_ratio is not None:  # verl: clip_ratio_low/high default to clip_ratio

@@ -82,6 +82,9 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.iterations < 2:
         common.die("--iterations must be >= 2 (the first is warm-up)")
+    for name in ("hidden", "layers", "intermediate", "rollout_batch_size", "n", "response_length", "micro_batch_size"):
+        if getattr(a, name) <= 0:
+            common.die(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
     if a.hidden % 64:
         common.die("--hidden must be a multiple of 64 (head size 64)")
     minibatch = a.rollout_batch_size // 2 * a.n  # the runs use two minibatches per iteration

@@ -54,7 +54,7 @@ ADV_CASES = {  # name: Args overrides of the reward / advantage step
     "gae_whiten_batchnorm": dict(adv_estimator="gae", whiten_advantages=True, reward_norm="batch"),
     "grpo_groupnorm": dict(adv_estimator="grpo", reward_norm="group"),
     "rloo_running_adaptive_kl": dict(adv_estimator="rloo", reward_norm="running", kl_ctrl_type="adaptive"),
-    "reinforce_pp": dict(adv_estimator="reinforce_plus_plus", reward_clip=0.5),
+    "reinforce_pp": dict(adv_estimator="reinforce_plus_plus", reward_norm="batch", reward_clip=0.5),  # token clip
     "reinforce_pp_baseline": dict(adv_estimator="reinforce_plus_plus_baseline"),
 }
 AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

@@ -313,6 +313,9 @@ def test_llm_throughput_tool_on_a_tiny_model(tmp_path):
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "llm_throughput.py"), "--rollout-batch-size",
                           "8", "--n", "2", "--micro-batch-size", "16"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "must divide a minibatch's 8 responses" in bad.stderr  # before building a model
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "llm_throughput.py"), "--micro-batch-size",
+                          "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--micro-batch-size must be positive" in bad.stderr
 
 
 def test_scaling_efficiency_arithmetic_and_a_two_process_run(tmp_path):

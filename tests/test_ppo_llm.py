@@ -623,6 +623,8 @@ def test_readme_option_table_names_are_flags_of_their_row():
     (["--reward-norm", "null"], {"reward_norm": "none"}),  # ROLL's spelling
     # RLinf's / ROLL's PPO setting of one response per prompt: micro-batches no larger than a minibatch (8)
     (["--group-size", "1"], {"n": 1, "micro_batch_size": 8}),
+    (["--n", "3"], {"micro_batch_size": 12}),  # 24 responses a minibatch: the largest divisor up to 16
+    (["--target-kl", "None", "--kl-ctrl-type", "adaptive"], {"kl_ctrl_type": "adaptive", "target_kl": 0.1}),
     (["--num-return-sequences-in-group", "1", "--micro-batch-size", "4"], {"micro_batch_size": 4}),
     # grpo / rloo advantages are verl's unless whitening is asked for (ROLL)
     (["--adv-estimator", "grpo", "--critic", "none"], {"whiten_advantages": False}),
