@@ -298,7 +298,9 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
                 break
             message.append(ln)
         die(" ".join(message) or "invalid arguments (see --help)")
-    resolve_implied(args, given_fields(argv))
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun rank 0 alone prints the notes
+    with contextlib.redirect_stdout(io.StringIO()) if rank > 0 else contextlib.nullcontext():
+        resolve_implied(args, given_fields(argv))
     validate(args)
     return args
 

@@ -638,6 +638,14 @@ def test_framework_spellings_set_the_fields(argv, expected):
     assert {k: getattr(args, k) for k in expected} == expected
 
 
+def test_notes_of_implied_options_are_printed_by_rank_0_alone(monkeypatch, capsys):
+    assert P.parse_args(["--group-size", "1"]).micro_batch_size == 8
+    assert "note: --micro-batch-size 8" in capsys.readouterr().out
+    monkeypatch.setenv("RANK", "1")  # (torchrun sets it before the process starts)
+    assert P.parse_args(["--group-size", "1"]).micro_batch_size == 8
+    assert capsys.readouterr().out == ""
+
+
 def test_a_resumed_grpo_run_keeps_its_whitening():
     args = P.Args(adv_estimator="grpo", critic="none", resume="run/checkpoint.pt")  # saved with --whiten-advantages
     P.resolve_implied(args, set())
