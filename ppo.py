@@ -136,6 +136,10 @@ class Args:
     """global gradient norm clip"""
     target_kl: Optional[float] = None
     """stop the epochs of an update early once approx_kl exceeds this"""
+    kl_penalty_coef: Optional[float] = None
+    """KL-penalty variant (PPO paper, sec. 4): policy loss -r*A + coef*KL(pi_old||pi), no ratio clip; None: clip"""
+    kl_penalty_target: Optional[float] = None
+    """adaptive KL penalty: the coef (default 1) halves after an update with KL < target/1.5, doubles if > 1.5*target"""
 
 
 def parse_args(argv: Optional[list[str]] = None) -> Args:
@@ -209,6 +213,10 @@ def validate(args: Args) -> None:
         die("--ent-coef and --vf-coef must be >= 0")
     if args.target_kl is not None and args.target_kl <= 0:
         die(f"--target-kl must be positive, got {args.target_kl}")
+    if args.kl_penalty_coef is not None and args.kl_penalty_coef < 0:
+        die(f"--kl-penalty-coef must be >= 0, got {args.kl_penalty_coef}")
+    if args.kl_penalty_target is not None and args.kl_penalty_target <= 0:
+        die(f"--kl-penalty-target must be positive, got {args.kl_penalty_target}")
     if args.cudagraphs and not args.cuda:
         die("--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
     if args.cudagraphs and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -253,7 +261,7 @@ def check_env(args: Args) -> None:
     if not isinstance(probe.observation_space, gym.spaces.Box):
         die(f"{args.env_id} has a {type(probe.observation_space).__name__} observation space; ppo.py needs a Box")
     probe.close()
-    if args.capture_video and not args.eval_episodes:
+    if args.capture_video and not args.eval_episodes and int(os.environ.get("RANK", "0")) == 0:
         print("note: --capture-video records the --eval-episodes only; none asked")
     if args.capture_video:  # fail now, not after training, if this machine cannot render
         try:
@@ -348,8 +356,10 @@ def normalize_advantages(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 
 
 def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, entropy,
-             clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool):
-    """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync)."""
+             clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool, kl_coef=None):
+    """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync).
+    kl_coef (a number or 0-d tensor) selects the KL-penalty policy loss instead: -r*A + kl_coef * KL(pi_old||pi),
+    the KL estimated per sample by k3 = (r - 1) - log r (its mean and gradient under pi_old are the exact KL's)."""
     logratio = newlogprob - oldlogprob
     ratio = logratio.exp()
     with torch.no_grad():
@@ -359,8 +369,11 @@ def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, en
     if norm_adv:
         advantages = normalize_advantages(advantages)
     pg_loss1 = -advantages * ratio
-    pg_loss2 = -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
-    pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+    if kl_coef is None:
+        pg_loss2 = -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
+        pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+    else:
+        pg_loss = (pg_loss1 + kl_coef * ((ratio - 1) - logratio)).mean()
     if clip_vloss:  # detail: value clipping around the old prediction
         v_unclipped = (newvalue - returns) ** 2
         v_clipped = oldvalue + torch.clamp(newvalue - oldvalue, -clip_coef, clip_coef)
@@ -372,6 +385,16 @@ def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, en
     stats = dict(policy_loss=pg_loss.detach(), value_loss=v_loss.detach(), entropy=entropy_loss.detach(),
                  old_approx_kl=old_approx_kl, approx_kl=approx_kl, clipfrac=clipfrac)
     return loss, stats
+
+
+def adapt_kl_coef(coef: float, kl: float, target: float) -> float:
+    """The PPO paper's rule for the KL-penalty variant: halve the coefficient when the update moved the policy by
+    less than target/1.5, double it above 1.5*target; kept within [1e-6, 1e6] so that it can always come back."""
+    if kl < target / 1.5:
+        coef /= 2
+    elif kl > target * 1.5:
+        coef *= 2
+    return min(max(coef, 1e-6), 1e6)
 
 
 def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
@@ -456,8 +479,9 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 
 def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step: int, iteration: int,
-                    rollout: Optional[dict] = None, other_ranks: list = ()) -> None:
+                    rollout: Optional[dict] = None, other_ranks: list = (), kl_coef: Optional[float] = None) -> None:
     """Atomic write (temporary file, then rename): a kill during the save keeps the previous checkpoint.
+    kl_coef: the adapted coefficient of the KL-penalty variant (None with the clipped objective).
     `rollout` holds what an exact resume needs besides the networks: env states, next obs, episode counters.
     Under torchrun `other_ranks` holds the RNG state and rollout of ranks 1, 2, ... (the networks are the same)."""
     state = {
@@ -472,6 +496,7 @@ def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step:
         "rollout": rollout,
         "world_size": 1 + len(other_ranks),
         "other_ranks": list(other_ranks),
+        "kl_coef": kl_coef,
     }
     tmp = f"{path}.tmp"
     torch.save(state, tmp)
@@ -613,6 +638,12 @@ def main(args: Args) -> dict:
     optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
                                  fused=True)  # fused: one kernel per step, works with tensor lr and CUDA graphs
     start_iteration, global_step = 1, 0
+    # KL-penalty variant: beta on the host (the adaptive rule) and in a tensor that the (compiled) update reads
+    penalty = args.kl_penalty_coef is not None or args.kl_penalty_target is not None
+    beta = 1.0 if args.kl_penalty_coef is None else args.kl_penalty_coef
+    if ckpt is not None and args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
+        beta = ckpt["kl_coef"]  # the adapted value goes on
+    kl_coef = torch.tensor(beta, device=device)
     if ckpt is not None:
         try:
             agent.load_state_dict(ckpt["model"])
@@ -658,7 +689,8 @@ def main(args: Args) -> dict:
         optimizer.zero_grad(set_to_none=False)
         _, newlogprob, entropy, newvalue = train_agent(mb_obs, mb_actions)
         loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
-                               args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef, args.norm_adv)
+                               args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef, args.norm_adv,
+                               kl_coef if penalty else None)
         loss.backward()
         stats["grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
         optimizer.step()
@@ -705,7 +737,8 @@ def main(args: Args) -> dict:
                        ep_return=torch.from_numpy(ep_return), ep_length=torch.from_numpy(ep_length))
         ranks = gather_objects({"rng": rng_state(), "rollout": rollout}, world)
         if rank == 0:
-            save_checkpoint(path, agent, optimizer, args, global_step, iteration, rollout, ranks[1:])
+            save_checkpoint(path, agent, optimizer, args, global_step, iteration, rollout, ranks[1:],
+                            beta if penalty else None)
     recent_returns: list[float] = []
     last_stats: dict = {}
     start_time, last_print = time.time(), 0.0
@@ -779,6 +812,16 @@ def main(args: Args) -> dict:
             if args.target_kl is not None and float(all_ranks_sum(stats["approx_kl"], world)) / world > args.target_kl:
                 break
         # Update reference policy: theta_old <- theta happens implicitly, the next rollout samples from theta.
+        # KL(pi_old || pi_theta) of the whole rollout after the update: the d of the adaptive KL-penalty rule
+        if penalty:
+            with torch.no_grad():
+                kl_sum = torch.zeros((), device=device)
+                for start in range(0, batch_size, minibatch_size):
+                    mb = slice(start, start + minibatch_size)
+                    _, newlogprob, _, _ = agent.get_action_and_value(b_obs[mb], b_actions[mb])
+                    logratio = newlogprob - b_logprobs[mb]
+                    kl_sum += ((logratio.exp() - 1) - logratio).sum()  # k3, as approx_kl
+            stats_sum["kl"] = kl_sum / batch_size * n_updates  # one value: the mean over updates below gives it back
 
         # one host sync: the statistics averaged over updates (and ranks), and whether any rank got a stop signal
         signal_count = torch.tensor(float(len(stop_signal)), device=device)
@@ -798,13 +841,20 @@ def main(args: Args) -> dict:
                   "explained_variance"):
             writer.add_scalar(f"losses/{k}", last_stats[k], global_step)
         writer.add_scalar("charts/SPS", sps, global_step)
+        if penalty:
+            writer.add_scalar("losses/kl", last_stats["kl"], global_step)
+            writer.add_scalar("charts/kl_coef", beta, global_step)  # the coefficient this update used
 
         now = time.time()
         if rank == 0 and (now - last_print >= 5.0 or iteration == num_iterations):
             last_print = now
             recent = np.mean(recent_returns[-20:]) if recent_returns else float("nan")
             print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={sps}  "
-                  f"return(last 20)={recent:.1f}  approx_kl={last_stats['approx_kl']:.4f}", flush=True)
+                  f"return(last 20)={recent:.1f}  approx_kl={last_stats['approx_kl']:.4f}"
+                  + (f"  kl={last_stats['kl']:.4f} kl_coef={beta:.3g}" if penalty else ""), flush=True)
+        if args.kl_penalty_target is not None:  # the coefficient of the next update
+            beta = adapt_kl_coef(beta, last_stats["kl"], args.kl_penalty_target)
+            kl_coef.fill_(beta)
 
         ckpt_path = os.path.join(run_dir, "checkpoint.pt")
         stop_now = args.stop_after and iteration - start_iteration + 1 >= args.stop_after

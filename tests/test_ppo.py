@@ -138,6 +138,35 @@ def test_clipped_policy_loss_and_gradient(sign):
     assert stats["old_approx_kl"].item() == pytest.approx(-sum(lr) / len(lr))
 
 
+def test_kl_penalty_policy_loss_and_gradient():
+    """The KL-penalty variant: -r*A + beta*((r-1) - log r) averaged, no clipping, so every sample has a gradient."""
+    beta = 0.7
+    ratios = [0.5, 0.85, 1.0, 1.1, 1.3, 2.0]
+    advs = [1.0, -2.0, 0.5, 1.5, -3.0, 0.7]
+    old = torch.zeros(len(ratios))
+    new = torch.tensor([math.log(r) for r in ratios], requires_grad=True)
+    zeros = torch.zeros(len(ratios))
+    loss, stats = ppo.ppo_loss(new, old, torch.tensor(advs), zeros, zeros, zeros, zeros, 0.2, False, 0.0, 0.0, False,
+                               kl_coef=torch.tensor(beta))
+    n = len(ratios)
+    ref = sum(-r * a + beta * ((r - 1) - math.log(r)) for r, a in zip(ratios, advs)) / n
+    assert stats["policy_loss"].item() == pytest.approx(ref, rel=1e-6)
+    loss.backward()
+    # d/d(log pi) of -r*A + beta*(r - 1 - log r) = -r*A + beta*(r - 1)
+    expected = [(-r * a + beta * (r - 1)) / n for r, a in zip(ratios, advs)]
+    np.testing.assert_allclose(new.grad.numpy(), expected, rtol=1e-5, atol=1e-7)
+    _, clipped = ppo.ppo_loss(new, old, torch.tensor(advs), zeros, zeros, zeros, zeros, 0.2, False, 0.0, 0.0, False)
+    assert clipped["policy_loss"].item() != pytest.approx(ref)  # the clipped objective is another one
+
+
+def test_adapt_kl_coef_follows_the_papers_rule():
+    assert ppo.adapt_kl_coef(1.0, 0.001, 0.01) == 0.5  # below target / 1.5
+    assert ppo.adapt_kl_coef(1.0, 0.02, 0.01) == 2.0  # above 1.5 * target
+    for kl in (0.0067, 0.01, 0.0149):  # inside the band: unchanged
+        assert ppo.adapt_kl_coef(1.0, kl, 0.01) == 1.0
+    assert ppo.adapt_kl_coef(1e-6, 0.0, 0.01) == 1e-6 and ppo.adapt_kl_coef(1e6, 1.0, 0.01) == 1e6  # bounded
+
+
 def test_clipped_value_loss():
     eps = 0.2
     old_v = [0.0, 0.0, 1.0, 1.0, -1.0]
@@ -208,6 +237,8 @@ def test_defaults_are_cleanrl_settings():
     (["--num-envs", "2", "--num-steps", "2", "--num-minibatches", "4", "--total-timesteps", "512"], "at least 2"),
     (["--learning-rate", "nan"], "finite"),
     (["--target-kl", "-1"], "must be positive"),
+    (["--kl-penalty-coef", "-0.5"], "must be >= 0"),
+    (["--kl-penalty-target", "0"], "must be positive"),
     (["--seed", "-1"], "[0, 2**31)"),
     (["--vector-mode", "fast"], "sync"),
     (["--cudagraphs"], "needs --cuda"),
@@ -432,9 +463,11 @@ def test_env_state_only_for_envs_whose_whole_state_is_saved():
     assert ppo.env_state(gym.vector.SyncVectorEnv([lambda: outside()])) is None
 
 
-def test_exact_resume_equals_uninterrupted_run(tmp_path):
-    """Stopped at an iteration boundary and resumed (sync envs, CPU): same parameters and logged losses."""
-    kw = dict(total_timesteps=1024, num_envs=2, num_steps=64, save_model=True)  # 8 iterations, episodes in flight
+@pytest.mark.parametrize("variant", [{}, {"kl_penalty_target": 1e-3}], ids=["clip", "adaptive-kl"])
+def test_exact_resume_equals_uninterrupted_run(tmp_path, variant):
+    """Stopped at an iteration boundary and resumed (sync envs, CPU): same parameters and logged losses; with the
+    adaptive KL penalty the coefficient goes on from its adapted value."""
+    kw = dict(total_timesteps=1024, num_envs=2, num_steps=64, save_model=True, **variant)  # 8 iterations
     full = ppo.main(small_args(tmp_path / "full", **kw))
     part = ppo.main(small_args(tmp_path / "split", stop_after=3, **kw))
     ckpt = os.path.join(part["run_dir"], "checkpoint.pt")
@@ -448,6 +481,11 @@ def test_exact_resume_equals_uninterrupted_run(tmp_path):
     assert full["returns"][-3:] == rest["returns"][-3:]
     for tag in ("losses/policy_loss", "losses/value_loss", "charts/episodic_return"):
         assert read_scalars(full["run_dir"], tag) == read_scalars(part["run_dir"], tag), tag
+    if variant:
+        coefs = read_scalars(part["run_dir"], "charts/kl_coef")
+        assert coefs == read_scalars(full["run_dir"], "charts/kl_coef") and len(coefs) == 8
+        assert len({v for _, v in coefs[3:]}) > 1 and coefs[3][1] != 1.0  # adapted before and after the resume
+        assert b["kl_coef"] == a["kl_coef"] != 1.0
 
 
 def test_unwritable_runs_dir_is_one_line_error(tmp_path, capsys):

@@ -3,6 +3,7 @@ functions against plain loops, a smoke run, stop -> resume, and 2 processes unde
 
 import copy
 import glob
+import math
 import os
 import re
 import signal
@@ -74,6 +75,8 @@ def test_bad_input_one_line_exit_2(tmp_path, argv, needle, capsys, monkeypatch):
     (["--num-minibatches", "3"], "not divisible"),
     (["--num-steps", "0"], "must be positive"),
     (["--learning-rate", "-1"], "must be positive"),
+    (["--kl-penalty-coef", "-1"], "must be >= 0"),
+    (["--kl-penalty-target", "0"], "must be positive"),
 ])
 def test_bad_sizes_in_process_one_line_exit_2(argv, needle, capsys):  # cheaper than a subprocess each
     with pytest.raises(SystemExit) as e:
@@ -271,6 +274,20 @@ def test_ppo_loss_mask_equals_loss_on_real_transitions():
     assert torch.allclose(stats["clipfrac"], ((ratio - 1).abs() > 0.1).float().mean())
 
 
+def test_kl_penalty_loss_with_mask_and_the_adaptive_rule():
+    """The KL-penalty variant: masked mean of -r*A + beta*((r-1) - log r) over the real transitions, no clipping."""
+    torch.manual_seed(1)
+    B, beta = 16, 0.5
+    newlp, oldlp, adv = torch.randn(B) * 0.3 - 1.0, torch.randn(B) * 0.3 - 1.0, torch.randn(B)
+    mask = (torch.rand(B) > 0.3).float()
+    z = torch.zeros(B)
+    _, stats = pae.ppo_loss(newlp, oldlp, adv, z, z, z, z, mask, 0.1, False, 0.0, 0.0, False, kl_coef=beta)
+    ref = [-math.exp(n - o) * a + beta * ((math.exp(n - o) - 1) - (n - o))
+           for n, o, a, m in zip(newlp.tolist(), oldlp.tolist(), adv.tolist(), mask.tolist()) if m]
+    assert stats["policy_loss"].item() == pytest.approx(sum(ref) / len(ref), rel=1e-5)
+    assert [pae.adapt_kl_coef(2.0, kl, 0.03) for kl in (0.01, 0.03, 0.05)] == [1.0, 2.0, 4.0]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # End to end (subprocess, tiny sizes)
 # ---------------------------------------------------------------------------------------------------------
@@ -349,6 +366,19 @@ def test_resume_restores_network_optimizer_rng_and_counters(tmp_path):
         for k, v in st.items():
             assert torch.equal(again["optimizer"]["state"][i][k], v), (i, k)
     assert torch.equal(again["rng"]["torch"], saved["rng"]["torch"])
+
+
+def test_adaptive_kl_penalty_logs_adapts_and_resumes_its_coefficient(tmp_path):
+    target = 1e-4
+    part = pae.main(tiny(tmp_path, stop_after=2, kl_penalty_target=target))
+    path = os.path.join(part["run_dir"], "checkpoint.pt")
+    kls, coefs = scalars(part["run_dir"], "losses/kl"), scalars(part["run_dir"], "charts/kl_coef")
+    assert len(kls) == len(coefs) == 2 and coefs[0][1] == 1.0 and kls[0][1] > 0
+    assert coefs[1][1] == pytest.approx(pae.adapt_kl_coef(1.0, kls[0][1], target)) != 1.0
+    saved = torch.load(path, weights_only=True)["kl_coef"]
+    assert saved == pytest.approx(pae.adapt_kl_coef(coefs[1][1], kls[1][1], target))
+    pae.main(pae.parse_args(["--resume", path, "--stop-after", "1"]))
+    assert scalars(part["run_dir"], "charts/kl_coef")[2][1] == pytest.approx(saved)  # goes on from the saved value
 
 
 def test_resume_with_another_rollout_size_is_one_line_error(tmp_path, capsys):

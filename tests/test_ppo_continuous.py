@@ -194,6 +194,22 @@ def test_agent_sampling_logprob_is_the_sampled_actions_logprob():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_kl_penalty_policy_loss_and_adaptive_coefficient():
+    """The KL-penalty variant: -r*A + beta*((r-1) - log r) averaged, no clipping; beta follows the paper's rule."""
+    beta, ratios, advs = 0.3, [0.5, 0.9, 1.0, 1.4, 2.5], [1.0, -1.0, 2.0, 0.5, -0.3]
+    new = torch.tensor([math.log(r) for r in ratios], requires_grad=True)
+    z = torch.zeros(len(ratios))
+    loss, stats = pc.ppo_loss(new, z, torch.tensor(advs), z, z, z, z, 0.2, False, 0.0, 0.0, False, kl_coef=beta)
+    n = len(ratios)
+    ref = sum(-r * a + beta * ((r - 1) - math.log(r)) for r, a in zip(ratios, advs)) / n
+    assert stats["policy_loss"].item() == pytest.approx(ref, rel=1e-6)
+    loss.backward()
+    np.testing.assert_allclose(new.grad.numpy(), [(-r * a + beta * (r - 1)) / n for r, a in zip(ratios, advs)],
+                               rtol=1e-5, atol=1e-7)
+    assert [pc.adapt_kl_coef(1.0, kl, 0.01) for kl in (0.006, 0.0067, 0.0149, 0.016)] == [0.5, 1.0, 1.0, 2.0]
+    assert pc.adapt_kl_coef(1e-6, 0.0, 0.01) == 1e-6 and pc.adapt_kl_coef(1e6, 1.0, 0.01) == 1e6
+
+
 def test_compute_gae_matches_loop():
     rng = np.random.default_rng(2)
     T, N, gamma, lam = 9, 3, 0.97, 0.9
@@ -348,6 +364,8 @@ def error_lines(stderr):
     (["--gamma", "1.5"], "must lie in [0, 1]"),
     (["--learning-rate", "-3e-4"], "must be positive"),
     (["--learning-rate", "nan"], "finite"),
+    (["--kl-penalty-coef", "-1"], "must be >= 0"),
+    (["--kl-penalty-target", "-0.01"], "must be positive"),
     (["--seed", "5e9"], "[0, 2**31)"),
     (["--num-envs", "1", "--num-steps", "4", "--num-minibatches", "4"], "at least 2"),
     (["--vector-mode", "fast"], "fast"),
@@ -452,11 +470,12 @@ def test_env_state_only_for_envs_whose_whole_state_is_saved():
     assert pc.env_state(gym.vector.SyncVectorEnv([lambda: outside()])) is None
 
 
-def test_exact_resume_equals_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("variant", [{}, {"kl_penalty_target": 1e-3}], ids=["clip", "adaptive-kl"])
+def test_exact_resume_equals_uninterrupted_run(tmp_path, variant):
     """Stopped at an iteration boundary and resumed (sync envs, CPU): same parameters, normalisation statistics,
-    logged losses and episodic returns as one uninterrupted run."""
-    full = pc.main(tiny(tmp_path / "full", save_model=True))  # 6 iterations, Hopper episodes in flight
-    part = pc.main(tiny(tmp_path / "split", save_model=True, stop_after=3))
+    logged losses and episodic returns as one uninterrupted run (and the adapted KL coefficient, if any)."""
+    full = pc.main(tiny(tmp_path / "full", save_model=True, **variant))  # 6 iterations, Hopper episodes in flight
+    part = pc.main(tiny(tmp_path / "split", save_model=True, stop_after=3, **variant))
     ckpt = os.path.join(part["run_dir"], "checkpoint.pt")
     assert torch.load(ckpt, weights_only=True)["iteration"] == 3
     rest = pc.main(pc.parse_args(["--resume", ckpt, "--stop-after", "0"]))
@@ -471,6 +490,10 @@ def test_exact_resume_equals_uninterrupted_run(tmp_path):
     for tag in ("losses/policy_loss", "losses/value_loss", "charts/episodic_return", "charts/episodic_length"):
         want, got = read_scalars(full["run_dir"], tag), read_scalars(part["run_dir"], tag)
         assert want and got == want, tag
+    if variant:
+        coefs = read_scalars(part["run_dir"], "charts/kl_coef")
+        assert coefs == read_scalars(full["run_dir"], "charts/kl_coef") and len(coefs) == 6
+        assert coefs[3][1] != 1.0 and b["kl_coef"] == a["kl_coef"]  # adapted before the stop, carried over
 
 
 def test_same_seed_same_run(tmp_path):
