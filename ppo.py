@@ -142,9 +142,33 @@ class Args:
     """adaptive KL penalty: the coef (default 1) halves after an update with KL < target/1.5, doubles if > 1.5*target"""
 
 
+BOOL_WORDS = {"true": "", "yes": "", "1": "", "false": "no-", "no": "no-", "0": "no-"}
+
+
+def bool_values(argv: list[str]) -> list[str]:
+    """On/off flags given a value, as CleanRL's argparse scripts took them (`--track True`, `--anneal-lr=false`),
+    become tyro's `--track` / `--no-anneal-lr`; any other value is left for tyro to refuse."""
+    flags = {f.name.replace("_", "-") for f in dataclasses.fields(Args) if f.type in (bool, "bool")}
+    out, i = [], 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        flag = name[2:].replace("_", "-")
+        if name.startswith("--") and flag in flags:
+            if not eq and i + 1 < len(argv) and argv[i + 1].lower() in BOOL_WORDS:
+                eq, value = "=", argv[i + 1]
+                i += 1
+            if eq and value.lower() in BOOL_WORDS:
+                out.append(f"--{BOOL_WORDS[value.lower()]}{flag}")
+                i += 1
+                continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def parse_args(argv: Optional[list[str]] = None) -> Args:
     """tyro.cli, with its error boxes condensed to one line (exit code 2)."""
-    argv = sys.argv[1:] if argv is None else argv
+    argv = bool_values(sys.argv[1:] if argv is None else argv)
     default = None
     resume = resume_path(argv)
     if resume is not None:  # the checkpoint's arguments become the defaults; flags given now override them

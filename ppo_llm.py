@@ -271,9 +271,42 @@ class Args:
     """evaluate every N iterations (and before/after training)"""
 
 
+BOOL_WORDS = {"true": "", "yes": "", "1": "", "false": "no-", "no": "no-", "0": "no-"}
+
+
+def bool_values(argv: list[str]) -> list[str]:
+    """On/off flags given a value, as the frameworks' configs write them (`--use-kl-loss True`,
+    `--actor.use-kl-loss=true` for an alias), become tyro's `--use-kl-loss` / `--no-use-kl-loss`; any other value is
+    left for tyro to refuse. (Optional[bool] options such as --use-critic-model take a value anyway.)"""
+    hints = typing.get_type_hints(Args, include_extras=True)
+    flags = {}  # every spelling of an on/off flag -> its own name
+    for f in dataclasses.fields(Args):
+        hint = hints[f.name]
+        if hint is bool or (typing.get_origin(hint) is Annotated and typing.get_args(hint)[0] is bool):
+            flag = f.name.replace("_", "-")
+            flags[flag] = flag
+            for meta in getattr(hint, "__metadata__", ()):
+                flags.update({a[2:]: flag for a in getattr(meta, "aliases", None) or ()})
+    out, i = [], 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        flag = flags.get(name[2:].replace("_", "-")) if name.startswith("--") else None
+        if flag is not None:
+            if not eq and i + 1 < len(argv) and argv[i + 1].lower() in BOOL_WORDS:
+                eq, value = "=", argv[i + 1]
+                i += 1
+            if eq and value.lower() in BOOL_WORDS:
+                out.append(f"--{BOOL_WORDS[value.lower()]}{flag}")
+                i += 1
+                continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def parse_args(argv: Optional[list[str]] = None) -> Args:
     """tyro.cli, with its error boxes condensed to one line (exit code 2)."""
-    argv = sys.argv[1:] if argv is None else argv
+    argv = bool_values(sys.argv[1:] if argv is None else argv)
     default = None
     resume = resume_path(argv)
     if resume is not None:  # the checkpoint's arguments become the defaults; flags given now override them

@@ -227,6 +227,19 @@ def test_defaults_are_cleanrl_settings():
     assert (a.gamma, a.gae_lambda, a.max_grad_norm, a.anneal_lr, a.clip_vloss) == (0.99, 0.95, 0.5, True, True)
 
 
+def test_on_off_flags_also_take_a_value(capsys):
+    """`--track True` as CleanRL's argparse scripts took it, beside tyro's `--track` / `--no-track`."""
+    a = ppo.parse_args(["--anneal-lr", "False", "--norm-adv=false", "--clip-vloss", "0", "--capture-video", "yes",
+                        "--torch_deterministic", "no", "--seed", "3"])
+    assert (a.anneal_lr, a.norm_adv, a.clip_vloss, a.capture_video, a.torch_deterministic, a.seed) == (
+        False, False, False, True, False, 3)
+    assert ppo.parse_args(["--no-anneal-lr"]).anneal_lr is False and ppo.parse_args(["--track"]).track is True
+    with pytest.raises(SystemExit) as e:
+        ppo.parse_args(["--track", "maybe"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and "maybe" in err and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--total-timesteps", "1.5e0"], "not a whole number"),
     (["--total-timesteps", "100"], "less than one rollout"),

@@ -33,6 +33,8 @@ def test_cli_total_timesteps_1e7_and_cleanrl_defaults():
     assert (args.learning_rate, args.clip_coef, args.ent_coef, args.vf_coef) == (2.5e-4, 0.1, 0.01, 0.5)
     assert (args.gamma, args.gae_lambda, args.max_grad_norm, args.anneal_lr) == (0.99, 0.95, 0.5, True)
     assert not args.sticky_actions and args.num_threads == 0
+    args = pae.parse_args(["--sticky-actions", "True", "--anneal-lr=false"])  # CleanRL's argparse form
+    assert args.sticky_actions is True and args.anneal_lr is False
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -321,6 +321,12 @@ def test_stop_resume_eval_keeps_normalisation_statistics(tmp_path, capsys):
     one_line_error(capsys, pc.main, pc.parse_args(["--resume", path, "--no-norm-obs"]))
 
 
+def test_on_off_flags_also_take_a_value(capsys):
+    a = pc.parse_args(["--norm-obs", "False", "--norm-reward=0", "--anneal-lr", "true"])
+    assert (a.norm_obs, a.norm_reward, a.anneal_lr) == (False, False, True)
+    assert "maybe" in one_line_error(capsys, pc.parse_args, ["--norm-obs=maybe"])
+
+
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert "Discrete action space" in one_line_error(capsys, pc.check_env, "CartPole-v1")
     assert "unknown or unusable env id" in one_line_error(capsys, pc.check_env, "NoSuchEnv-v9")

@@ -621,6 +621,13 @@ def test_readme_option_table_names_are_flags_of_their_row():
     (["--loss-type", "actor", "--use-critic-model", "True", "--critic", "separate"], {"critic": "separate"}),
     (["--critic.use-critic-model", "False"], {"critic": "shared"}),
     (["--reward-norm", "null"], {"reward_norm": "none"}),  # ROLL's spelling
+    # on/off flags with a value, as the frameworks' configs write them (aliases too)
+    (["--use-kl-loss", "True"], {"use_kl_loss": True, "use_kl_in_reward": False}),
+    (["--use-kl-loss", "True", "--add-token-level-kl", "true"], {"use_kl_loss": True, "use_kl_in_reward": True}),
+    (["--dual-clip-loss=false", "--normalize_advantages", "False"], {"dual_clip_loss": False,
+                                                                      "whiten_advantages": False}),
+    (["--enable-gradient-checkpointing", "1", "--reward-shift", "no"], {"gradient_checkpointing": True,
+                                                                         "reward_shift": False}),
     # RLinf's / ROLL's PPO setting of one response per prompt: micro-batches no larger than a minibatch (8)
     (["--group-size", "1"], {"n": 1, "micro_batch_size": 8}),
     (["--n", "3"], {"micro_batch_size": 12}),  # 24 responses a minibatch: the largest divisor up to 16
