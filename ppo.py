@@ -96,6 +96,8 @@ class Args:
     """stop this process after N iterations with a checkpoint (0: run to the end); --resume continues"""
     eval_episodes: Count = 0
     """after training (or right away for a finished --resume checkpoint) evaluate N episodes"""
+    eval_deterministic: bool = False
+    """evaluate with the most likely action (argmax of the logits) instead of a sampled one"""
     runs_dir: str = "runs"
     """directory that holds the runs"""
 
@@ -544,7 +546,8 @@ def load_checkpoint(path: str, env_id: Optional[str] = None) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "",
              rank: int = 0) -> list[float]:
-    """Run `episodes` full episodes with actions sampled from the policy; return their undiscounted returns.
+    """Run `episodes` full episodes with actions sampled from the policy (or its most likely ones with
+    --eval-deterministic); return their undiscounted returns.
     Under torchrun each rank plays with its own seed, and rank 0 alone records videos."""
     env = make_env(args.env_id, 0, args.capture_video and rank == 0, video_dir)()
     returns = []
@@ -552,8 +555,11 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, vide
     ep_ret = 0.0
     while len(returns) < episodes:
         with torch.inference_mode():
-            action, _, _, _ = agent.get_action_and_value(
-                torch.as_tensor(obs, dtype=torch.float32, device=device).reshape(1, -1))  # flat, as in training
+            x = torch.as_tensor(obs, dtype=torch.float32, device=device).reshape(1, -1)  # flat, as in training
+            if args.eval_deterministic:
+                action = agent.actor(x).argmax(-1)
+            else:
+                action, _, _, _ = agent.get_action_and_value(x)
         obs, r, term, trunc, _ = env.step(int(action))
         ep_ret += float(r)
         if term or trunc:
@@ -913,7 +919,8 @@ def main(args: Args) -> dict:
         mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
         writer.add_scalar("eval/episodic_return", mean, global_step)
         if rank == 0:
-            print(f"eval: {args.eval_episodes} episodes, return {mean:.2f} ± {std:.2f}")
+            print(f"eval: {args.eval_episodes} episodes{' (deterministic)' if args.eval_deterministic else ''}, "
+                  f"return {mean:.2f} ± {std:.2f}")
         result["eval_returns"] = eval_returns
     writer.close()
     if args.track and rank == 0:

@@ -124,6 +124,8 @@ class Args:
     """stop this process after N iterations with a checkpoint (0: run to the end); --resume continues"""
     eval_episodes: Count = 0
     """after training (or right away for a finished --resume checkpoint) evaluate N whole games"""
+    eval_deterministic: bool = False
+    """evaluate with the most likely action (a greedy agent can stall a game until --max-episode-steps)"""
     runs_dir: str = "runs"
     """directory that holds the runs"""
 
@@ -586,10 +588,10 @@ def load_checkpoint(path: str, env_id: Optional[str] = None) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "",
              rank: int = 0, world: int = 1) -> list[float]:
-    """Play `episodes` whole games (all lives) with actions sampled from the policy; return their unclipped
-    scores. With --capture-video each game's RGB frames are written to video_dir/game-<k>.mp4. Under torchrun each
-    rank plays its share of the games with its own seed, and rank 0 alone records videos of its share and prints
-    its progress."""
+    """Play `episodes` whole games (all lives) with actions sampled from the policy (its most likely ones with
+    --eval-deterministic); return their unclipped scores. With --capture-video each game's RGB frames are written
+    to video_dir/game-<k>.mp4. Under torchrun each rank plays its share of the games with its own seed, and rank 0
+    alone records videos of its share and prints its progress."""
     video = args.capture_video and rank == 0
     env = make_envs(args, 1, args.seed + 10_000 + rank, **({"render_mode": "rgb_array"} if video else {}))
     stats = EpisodeStats(1)
@@ -597,7 +599,11 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, vide
     obs, _ = env.reset()
     while len(returns) < episodes:
         with torch.inference_mode():
-            action, _, _, _ = agent.get_action_and_value(torch.as_tensor(obs, device=device))
+            x = torch.as_tensor(obs, device=device)
+            if args.eval_deterministic:
+                action = agent.actor(agent.hidden(x)).argmax(-1)
+            else:
+                action, _, _, _ = agent.get_action_and_value(x)
         obs, _, term, trunc, info = env.step(action.cpu().numpy())
         if video:
             frames.append(env.render()[0])
@@ -980,7 +986,8 @@ def main(args: Args) -> dict:
         mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
         writer.add_scalar("eval/episodic_return", mean, global_step)
         if rank == 0:
-            print(f"eval: {args.eval_episodes} games, return {mean:.2f} ± {std:.2f}")
+            print(f"eval: {args.eval_episodes} games{' (deterministic)' if args.eval_deterministic else ''}, "
+                  f"return {mean:.2f} ± {std:.2f}")
         result["eval_returns"] = eval_returns
     writer.close()
     if args.track and rank == 0:

@@ -116,6 +116,8 @@ class Args:
     """stop this process after N iterations with a checkpoint (0: run to the end); --resume continues"""
     eval_episodes: Count = 0
     """after training (or right away for a finished --resume checkpoint) evaluate N episodes"""
+    eval_deterministic: bool = False
+    """evaluate with the Gaussian's mean action instead of a sampled one"""
     runs_dir: str = "runs"
     """directory that holds the runs"""
 
@@ -755,9 +757,9 @@ def load_checkpoint(path: str, env_id: Optional[str] = None) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_rms: RunningMeanStd,
              video_dir: str = "", rank: int = 0) -> list[float]:
-    """Run `episodes` full episodes with actions sampled from the policy and the observation statistics frozen;
-    return their undiscounted (raw) returns. Under torchrun each rank plays with its own seed, and rank 0 alone
-    records videos."""
+    """Run `episodes` full episodes with actions sampled from the policy (its mean with --eval-deterministic) and
+    the observation statistics frozen; return their undiscounted (raw) returns. Under torchrun each rank plays with
+    its own seed, and rank 0 alone records videos."""
     env = make_env(args.env_id, 0, args.capture_video and rank == 0, video_dir)()
     low, high = env.action_space.low, env.action_space.high
     returns = []
@@ -767,7 +769,7 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_
         x = normalize_obs(obs, obs_rms, args.obs_clip) if args.norm_obs else obs
         with torch.inference_mode():
             x = torch.as_tensor(x[None], dtype=torch.float32, device=device)
-            action, _, _, _ = agent.get_action_and_value(x)
+            action = agent.actor_mean(x) if args.eval_deterministic else agent.get_action_and_value(x)[0]
         obs, r, term, trunc, _ = env.step(np.clip(action[0].cpu().numpy(), low, high))
         ep_ret += float(r)
         if term or trunc:
@@ -1186,7 +1188,8 @@ def main(args: Args) -> dict:
         mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
         writer.add_scalar("eval/episodic_return", mean, global_step)
         if rank == 0:
-            print(f"eval: {args.eval_episodes} episodes, return {mean:.2f} ± {std:.2f}")
+            print(f"eval: {args.eval_episodes} episodes{' (deterministic)' if args.eval_deterministic else ''}, "
+                  f"return {mean:.2f} ± {std:.2f}")
         result["eval_returns"] = eval_returns
     writer.close()
     if args.track and rank == 0:

@@ -418,6 +418,29 @@ def test_evaluate_flattens_observations_as_training_does(monkeypatch):
     assert len(returns) == 2 and all(r >= 1 for r in returns)
 
 
+def test_deterministic_evaluation_plays_the_most_likely_action(monkeypatch):
+    import gymnasium as gym
+
+    torch.manual_seed(0)
+    agent = ppo.Agent(4, 2)
+    with torch.no_grad():
+        agent.actor[-1].bias.copy_(torch.tensor([0.0, 3.0]))  # "push right" most likely, yet not certain
+    args = ppo.Args(eval_deterministic=True)
+    monkeypatch.setattr(agent, "get_action_and_value", lambda *a, **k: pytest.fail("sampled an action"))
+    returns = ppo.evaluate(agent, args, torch.device("cpu"), 2)
+    env = gym.make("CartPole-v1")  # the same episodes played by "always push right"
+    env.reset(seed=args.seed + 10_000)
+    expected = []
+    for _ in range(2):
+        length, done = 0, False
+        while not done:
+            _, _, term, trunc, _ = env.step(1)
+            length, done = length + 1, term or trunc
+        expected.append(float(length))
+        env.reset()
+    assert returns == expected
+
+
 def test_evaluate_a_saved_checkpoint(tmp_path):
     res = ppo.main(small_args(tmp_path, save_model=True))
     ckpt = os.path.join(res["run_dir"], "checkpoint.pt")
@@ -426,6 +449,8 @@ def test_evaluate_a_saved_checkpoint(tmp_path):
     assert "eval: 3 episodes, return" in r.stdout and "±" in r.stdout
     mean = float(r.stdout.split("return")[-1].split("±")[0])
     assert 8 <= mean <= 500  # a CartPole episode lasts between 8 and 500 steps
+    r = run_script("--resume", ckpt, "--eval-episodes", "2", "--eval-deterministic", cwd=tmp_path)
+    assert r.returncode == 0 and "eval: 2 episodes (deterministic), return" in r.stdout, r.stderr
 
 
 def test_compile_follows_eager_learning_path(tmp_path):

@@ -383,6 +383,19 @@ def test_adaptive_kl_penalty_logs_adapts_and_resumes_its_coefficient(tmp_path):
     assert scalars(part["run_dir"], "charts/kl_coef")[2][1] == pytest.approx(saved)  # goes on from the saved value
 
 
+def test_deterministic_evaluation_plays_the_most_likely_action(monkeypatch, capsys):
+    torch.manual_seed(0)
+    agent = pae.Agent(4)
+    args = pae.Args(eval_deterministic=True, max_episode_steps=100, num_threads=1)
+    monkeypatch.setattr(agent, "get_action_and_value", lambda *a, **k: pytest.fail("sampled an action"))
+    runs = []
+    for seed in (1, 2):  # torch's RNG plays no part
+        torch.manual_seed(seed)
+        runs.append(pae.evaluate(agent, args, torch.device("cpu"), 1))
+    assert len(runs[0]) == 1 and runs[0] == runs[1]
+    assert "eval game 1/1" in capsys.readouterr().out
+
+
 def test_resume_with_another_rollout_size_is_one_line_error(tmp_path, capsys):
     part = pae.main(tiny(tmp_path, stop_after=1))
     path = os.path.join(part["run_dir"], "checkpoint.pt")

@@ -327,6 +327,20 @@ def test_on_off_flags_also_take_a_value(capsys):
     assert "maybe" in one_line_error(capsys, pc.parse_args, ["--norm-obs=maybe"])
 
 
+def test_deterministic_evaluation_plays_the_mean_action(monkeypatch):
+    torch.manual_seed(0)
+    agent = pc.Agent(3, 1)
+    args = pc.Args(env_id="Pendulum-v1", eval_deterministic=True)
+    rms = pc.RunningMeanStd((3,))
+    sampled = pc.evaluate(agent, pc.Args(env_id="Pendulum-v1"), torch.device("cpu"), 1, rms)
+    monkeypatch.setattr(agent, "get_action_and_value", lambda *a, **k: pytest.fail("sampled an action"))
+    runs = []
+    for seed in (1, 2):  # torch's RNG plays no part
+        torch.manual_seed(seed)
+        runs.append(pc.evaluate(agent, args, torch.device("cpu"), 1, rms))
+    assert runs[0] == runs[1] != sampled
+
+
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert "Discrete action space" in one_line_error(capsys, pc.check_env, "CartPole-v1")
     assert "unknown or unusable env id" in one_line_error(capsys, pc.check_env, "NoSuchEnv-v9")
