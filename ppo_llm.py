@@ -751,10 +751,11 @@ def critic_values(critic, input_ids, attention_mask, resp_len: int):
 # Reward: score, normalisation, KL penalty
 # ---------------------------------------------------------------------------------------------------------
 class RunningMoments:
-    """Running mean/std over all scores seen (reward_norm running)."""
+    """Running mean/std over all scores seen (reward_norm running), as ROLL's: the variance over the whole stream,
+    the std with Bessel's correction (n - 1)."""
 
     def __init__(self):
-        self.mean, self.var, self.count = 0.0, 1.0, 1e-4
+        self.mean, self.var, self.count = 0.0, 1.0, 1e-24  # (a prior of no weight)
 
     def update(self, x: torch.Tensor):
         b_mean, b_var, b_count = x.mean().item(), x.var(unbiased=False).item(), x.numel()
@@ -763,14 +764,18 @@ class RunningMoments:
         self.var = (self.var * self.count + b_var * b_count + delta**2 * self.count * b_count / total) / total
         self.count = total
 
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.var * self.count / (self.count - 1)) if self.count > 1 else math.sqrt(self.var)
+
     def state_dict(self):
         return {"mean": self.mean, "var": self.var, "count": self.count}
 
 
 def normalize_scores(scores, group_ids, norm: str, shift: bool, scale: bool, clip: Optional[float],
                      running: Optional[RunningMoments] = None, eps: float = 1e-6):
-    """ROLL reward_norm: (s - mean) / std over the batch or the group (the sample std, as ROLL's torch.std) or
-    running stats; shift: only - mean; scale: only / std. Then reward_clip."""
+    """ROLL reward_norm: (s - mean) / (std + eps) over the batch or the group (the sample std, as ROLL's torch.std)
+    or running stats (ROLL: + float32's eps instead); shift: only - mean; scale: only / std. Then reward_clip."""
     if norm != "none":
         if norm == "batch":
             mean, std = scores.mean(), scores.std()
@@ -782,7 +787,8 @@ def normalize_scores(scores, group_ids, norm: str, shift: bool, scale: bool, cli
             mean, std = gmean[group_ids], gvar.sqrt()[group_ids]
         elif norm == "running":
             running.update(scores)
-            mean, std = torch.tensor(running.mean), torch.tensor(math.sqrt(running.var))
+            mean, std = torch.tensor(running.mean), torch.tensor(running.std)
+            eps = torch.finfo(scores.dtype).eps
         else:
             raise ValueError(f"unknown reward_norm {norm!r}: choose one of none, batch, group, running")
         if shift:

@@ -267,8 +267,16 @@ def test_reward_normalisation():
     out = P.normalize_scores(s, grp, "batch", False, True, 1.0)
     assert torch.allclose(out, (s / std).clamp(-1, 1), atol=1e-5)
     rm = P.RunningMoments()
-    P.normalize_scores(s, grp, "running", False, False, None, rm)
-    assert rm.mean == pytest.approx(2.0, rel=1e-3) and rm.var == pytest.approx(10 / 6, rel=1e-3)
+    out = P.normalize_scores(s, grp, "running", False, False, None, rm)
+    assert rm.mean == pytest.approx(2.0, rel=1e-6) and rm.std == pytest.approx(math.sqrt(10 / 5), rel=1e-6)
+    assert torch.allclose(out, (s - 2.0) / math.sqrt(2.0), atol=1e-6)
+    t = torch.tensor([5.0, -1.0, 0.5, 0.5])  # a second batch: the statistics of the whole stream (ROLL's std, n - 1)
+    out = P.normalize_scores(t, torch.tensor([0, 0, 1, 1]), "running", False, False, None, rm)
+    stream = s.tolist() + t.tolist()
+    m = sum(stream) / 10
+    sd = math.sqrt(sum((x - m) ** 2 for x in stream) / 9)
+    assert rm.mean == pytest.approx(m, rel=1e-6) and rm.std == pytest.approx(sd, rel=1e-6)
+    assert torch.allclose(out, (t - m) / sd, atol=1e-6)
 
 
 def test_reward_clip_also_clips_token_rewards_after_the_kl_penalty():
