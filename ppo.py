@@ -690,6 +690,9 @@ def main(args: Args) -> dict:
             if args.anneal_lr and saved_total != args.total_timesteps:  # not silent: the lr jumps
                 print(f"note: --total-timesteps {args.total_timesteps} differs from the checkpoint's {saved_total}: "
                       "the learning rate now anneals to 0 at the new total")
+            if args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
+                print(f"note: the adaptive KL-penalty coefficient goes on from the checkpoint's {beta:.3g} "
+                      "(--kl-penalty-coef sets the start of a new run only)")
     for p in agent.parameters():  # gradients allocated here, outside any CUDA graph's memory pool; the update
         p.grad = torch.zeros_like(p)  # zeroes them in place (zero_grad(set_to_none=False))
     train_agent = agent  # what the update calls: the agent itself, or DDP around it under torchrun

@@ -926,6 +926,9 @@ def main(args: Args) -> dict:
             if args.anneal_lr and saved_total != args.total_timesteps:  # not silent: the lr jumps
                 print(f"note: --total-timesteps {args.total_timesteps} differs from the checkpoint's {saved_total}: "
                       "the learning rate now anneals to 0 at the new total")
+            if args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
+                print(f"note: the adaptive KL-penalty coefficient goes on from the checkpoint's {beta:.3g} "
+                      "(--kl-penalty-coef sets the start of a new run only)")
     if world > 1:  # each rank's statistics see its own data during a rollout; merge_ranks combines them after it
         obs_rms.track_additions()
         reward_scaler.rms.track_additions()

@@ -501,6 +501,25 @@ def test_env_state_only_for_envs_whose_whole_state_is_saved():
     assert ppo.env_state(gym.vector.SyncVectorEnv([lambda: outside()])) is None
 
 
+def test_the_update_uses_the_kl_penalty_loss_with_a_fixed_coefficient(tmp_path, monkeypatch):
+    seen = []
+
+    def spy(*a, **k):
+        seen.append(a[12] if len(a) > 12 else k.get("kl_coef"))
+        return original(*a, **k)
+
+    original = ppo.ppo_loss
+    monkeypatch.setattr(ppo, "ppo_loss", spy)
+    res = ppo.main(small_args(tmp_path / "fixed", total_timesteps=256, kl_penalty_coef=0.3))  # 2 iterations
+    assert len(seen) == 2 * 4 * 4 and all(torch.is_tensor(c) and c.item() == pytest.approx(0.3) for c in seen)
+    assert [v for _, v in read_scalars(res["run_dir"], "charts/kl_coef")] == pytest.approx([0.3, 0.3])
+    assert len(read_scalars(res["run_dir"], "losses/kl")) == 2
+    seen.clear()
+    res = ppo.main(small_args(tmp_path / "clip", total_timesteps=256))
+    assert len(seen) == 32 and all(c is None for c in seen)  # the clipped objective
+    assert read_scalars(res["run_dir"], "charts/kl_coef") == []
+
+
 @pytest.mark.parametrize("variant", [{}, {"kl_penalty_target": 1e-3}], ids=["clip", "adaptive-kl"])
 def test_exact_resume_equals_uninterrupted_run(tmp_path, variant):
     """Stopped at an iteration boundary and resumed (sync envs, CPU): same parameters and logged losses; with the
@@ -523,6 +542,9 @@ def test_exact_resume_equals_uninterrupted_run(tmp_path, variant):
         coefs = read_scalars(part["run_dir"], "charts/kl_coef")
         assert coefs == read_scalars(full["run_dir"], "charts/kl_coef") and len(coefs) == 8
         assert len({v for _, v in coefs[3:]}) > 1 and coefs[3][1] != 1.0  # adapted before and after the resume
+        kls = read_scalars(part["run_dir"], "losses/kl")
+        for (_, beta), (_, kl), (_, nxt) in zip(coefs, kls, coefs[1:]):  # the paper's rule, step by step
+            assert nxt == pytest.approx(ppo.adapt_kl_coef(beta, kl, 1e-3))
         assert b["kl_coef"] == a["kl_coef"] != 1.0
 
 

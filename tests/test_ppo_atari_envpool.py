@@ -370,16 +370,27 @@ def test_resume_restores_network_optimizer_rng_and_counters(tmp_path):
     assert torch.equal(again["rng"]["torch"], saved["rng"]["torch"])
 
 
-def test_adaptive_kl_penalty_logs_adapts_and_resumes_its_coefficient(tmp_path):
-    target = 1e-4
+def test_the_update_uses_the_kl_penalty_loss_with_a_fixed_coefficient(tmp_path, monkeypatch):
+    seen = []
+    original = pae.ppo_loss
+    monkeypatch.setattr(pae, "ppo_loss", lambda *a, **k: seen.append(a[13] if len(a) > 13 else k.get("kl_coef"))
+                        or original(*a, **k))
+    res = pae.main(tiny(tmp_path, total_timesteps=128, kl_penalty_coef=0.3))  # 2 iterations of 2 updates
+    assert len(seen) == 4 and all(torch.is_tensor(c) and c.item() == pytest.approx(0.3) for c in seen)
+    assert [v for _, v in scalars(res["run_dir"], "charts/kl_coef")] == pytest.approx([0.3, 0.3])
+
+
+def test_adaptive_kl_penalty_logs_adapts_and_resumes_its_coefficient(tmp_path, capsys):
+    target = 1e-7  # far below the KL of an update: the coefficient doubles each time (1, 2, then 4 saved)
     part = pae.main(tiny(tmp_path, stop_after=2, kl_penalty_target=target))
     path = os.path.join(part["run_dir"], "checkpoint.pt")
     kls, coefs = scalars(part["run_dir"], "losses/kl"), scalars(part["run_dir"], "charts/kl_coef")
     assert len(kls) == len(coefs) == 2 and coefs[0][1] == 1.0 and kls[0][1] > 0
     assert coefs[1][1] == pytest.approx(pae.adapt_kl_coef(1.0, kls[0][1], target)) != 1.0
     saved = torch.load(path, weights_only=True)["kl_coef"]
-    assert saved == pytest.approx(pae.adapt_kl_coef(coefs[1][1], kls[1][1], target))
-    pae.main(pae.parse_args(["--resume", path, "--stop-after", "1"]))
+    assert saved == pytest.approx(pae.adapt_kl_coef(coefs[1][1], kls[1][1], target)) == 4.0
+    pae.main(pae.parse_args(["--resume", path, "--stop-after", "1", "--kl-penalty-coef", "1.0"]))
+    assert "goes on from the checkpoint's" in capsys.readouterr().out
     assert scalars(part["run_dir"], "charts/kl_coef")[2][1] == pytest.approx(saved)  # goes on from the saved value
 
 

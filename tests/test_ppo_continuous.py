@@ -490,6 +490,16 @@ def test_env_state_only_for_envs_whose_whole_state_is_saved():
     assert pc.env_state(gym.vector.SyncVectorEnv([lambda: outside()])) is None
 
 
+def test_the_update_uses_the_kl_penalty_loss_with_a_fixed_coefficient(tmp_path, monkeypatch):
+    seen = []
+    original = pc.ppo_loss
+    monkeypatch.setattr(pc, "ppo_loss", lambda *a, **k: seen.append(a[12] if len(a) > 12 else k.get("kl_coef"))
+                        or original(*a, **k))
+    res = pc.main(tiny(tmp_path, total_timesteps=256, kl_penalty_coef=0.3))  # 2 iterations of 2 x 2 updates
+    assert len(seen) == 8 and all(torch.is_tensor(c) and c.item() == pytest.approx(0.3) for c in seen)
+    assert [v for _, v in read_scalars(res["run_dir"], "charts/kl_coef")] == pytest.approx([0.3, 0.3])
+
+
 @pytest.mark.parametrize("variant", [{}, {"kl_penalty_target": 1e-3}], ids=["clip", "adaptive-kl"])
 def test_exact_resume_equals_uninterrupted_run(tmp_path, variant):
     """Stopped at an iteration boundary and resumed (sync envs, CPU): same parameters, normalisation statistics,
@@ -514,6 +524,9 @@ def test_exact_resume_equals_uninterrupted_run(tmp_path, variant):
         coefs = read_scalars(part["run_dir"], "charts/kl_coef")
         assert coefs == read_scalars(full["run_dir"], "charts/kl_coef") and len(coefs) == 6
         assert coefs[3][1] != 1.0 and b["kl_coef"] == a["kl_coef"]  # adapted before the stop, carried over
+        kls = read_scalars(part["run_dir"], "losses/kl")
+        for (_, beta), (_, kl), (_, nxt) in zip(coefs, kls, coefs[1:]):  # the paper's rule, step by step
+            assert nxt == pytest.approx(pc.adapt_kl_coef(beta, kl, 1e-3))
 
 
 def test_same_seed_same_run(tmp_path):
