@@ -350,6 +350,10 @@ class Agent(nn.Module):
         """Scoring of stored actions in the update; a forward() so that DDP can average the gradients."""
         return self.get_action_and_value(x, action)
 
+    def act(self, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
+        """The action to play (evaluation, load_policy): sampled, or the most likely one."""
+        return self.actor(x).argmax(-1) if deterministic else self.get_action_and_value(x)[0]
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Pure functions (imported by the tests)
@@ -556,10 +560,7 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, vide
     while len(returns) < episodes:
         with torch.inference_mode():
             x = torch.as_tensor(obs, dtype=torch.float32, device=device).reshape(1, -1)  # flat, as in training
-            if args.eval_deterministic:
-                action = agent.actor(x).argmax(-1)
-            else:
-                action, _, _, _ = agent.get_action_and_value(x)
+            action = agent.act(x, args.eval_deterministic)
         obs, r, term, trunc, _ = env.step(int(action))
         ep_ret += float(r)
         if term or trunc:
@@ -569,6 +570,29 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, vide
                 obs, _ = env.reset()
     env.close()
     return returns
+
+
+def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
+    """A trained policy for your own code: `policy = load_policy("runs/<run>/checkpoint.pt")`, then
+    `action = policy(obs)` for one observation of the checkpoint's env, or `policy(batch)` for one action per row."""
+    import gymnasium as gym
+
+    ckpt = load_checkpoint(path)
+    probe = gym.make(ckpt["env_id"])
+    shape, n_actions = probe.observation_space.shape, int(probe.action_space.n)
+    probe.close()
+    obs_dim = int(np.prod(shape))
+    agent = Agent(obs_dim, n_actions).to(device)
+    agent.load_state_dict(ckpt["model"])
+
+    @torch.inference_mode()
+    def policy(obs):
+        x = torch.as_tensor(np.asarray(obs), dtype=torch.float32, device=device)
+        batch = x.dim() > len(shape)
+        actions = agent.act(x.reshape(-1, obs_dim), deterministic).cpu().numpy()  # flat, as in training
+        return actions if batch else actions[0]
+
+    return policy
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -399,6 +399,10 @@ class Agent(nn.Module):
         """Scoring of stored actions in the update; a forward() so that DDP can average the gradients."""
         return self.get_action_and_value(x, action)
 
+    def act(self, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
+        """The action to play (evaluation, load_policy): sampled, or the most likely one."""
+        return self.actor(self.hidden(x)).argmax(-1) if deterministic else self.get_action_and_value(x)[0]
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Pure functions (imported by the tests)
@@ -599,11 +603,7 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, vide
     obs, _ = env.reset()
     while len(returns) < episodes:
         with torch.inference_mode():
-            x = torch.as_tensor(obs, device=device)
-            if args.eval_deterministic:
-                action = agent.actor(agent.hidden(x)).argmax(-1)
-            else:
-                action, _, _, _ = agent.get_action_and_value(x)
+            action = agent.act(torch.as_tensor(obs, device=device), args.eval_deterministic)
         obs, _, term, trunc, info = env.step(action.cpu().numpy())
         if video:
             frames.append(env.render()[0])
@@ -621,6 +621,24 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, vide
                 frames = []
     env.close()
     return returns
+
+
+def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
+    """A trained policy for your own code: `policy = load_policy("runs/<run>/checkpoint.pt")`, then
+    `action = policy(obs)` for one stacked observation (4, 84, 84) uint8, or `policy(batch)` for one action per
+    observation, from envs made as in training: `make_envs(Args(env_id=..., sticky_actions=...), n, seed)`."""
+    ckpt = load_checkpoint(path)
+    agent = Agent(int(ckpt["model"]["actor.weight"].shape[0])).to(device)
+    agent.load_state_dict(ckpt["model"])
+
+    @torch.inference_mode()
+    def policy(obs):
+        x = torch.as_tensor(np.asarray(obs), device=device)
+        batch = x.dim() == 4
+        actions = agent.act(x if batch else x[None], deterministic).cpu().numpy()
+        return actions if batch else actions[0]
+
+    return policy
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -511,6 +511,10 @@ class Agent(nn.Module):
         """Scoring of stored actions in the update; a forward() so that DDP can average the gradients."""
         return self.get_action_and_value(x, action)
 
+    def act(self, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
+        """The action to play (evaluation, load_policy), unclipped: sampled, or the Gaussian's mean."""
+        return self.actor_mean(x) if deterministic else self.get_action_and_value(x)[0]
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Pure functions (imported by the tests)
@@ -769,7 +773,7 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_
         x = normalize_obs(obs, obs_rms, args.obs_clip) if args.norm_obs else obs
         with torch.inference_mode():
             x = torch.as_tensor(x[None], dtype=torch.float32, device=device)
-            action = agent.actor_mean(x) if args.eval_deterministic else agent.get_action_and_value(x)[0]
+            action = agent.act(x, args.eval_deterministic)
         obs, r, term, trunc, _ = env.step(np.clip(action[0].cpu().numpy(), low, high))
         ep_ret += float(r)
         if term or trunc:
@@ -779,6 +783,37 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_
                 obs, _ = env.reset()
     env.close()
     return returns
+
+
+def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
+    """A trained policy for your own code: `policy = load_policy("runs/<run>/checkpoint.pt")`, then
+    `action = policy(obs)` for one raw observation of the checkpoint's env, or `policy(batch)` for one action per
+    row. The saved observation statistics normalise the input (frozen); actions are clipped to the action space."""
+    import gymnasium as gym
+
+    ckpt = load_checkpoint(path)
+    probe = gym.make(ckpt["env_id"])
+    shape, low, high = probe.observation_space.shape, probe.action_space.low, probe.action_space.high
+    probe.close()
+    obs_dim = int(np.prod(shape))
+    agent = Agent(obs_dim, int(np.prod(low.shape))).to(device)
+    agent.load_state_dict(ckpt["model"])
+    obs_rms = RunningMeanStd((obs_dim,))
+    obs_rms.load_state_dict(ckpt["obs_rms"])
+    saved = ckpt["args"]
+
+    @torch.inference_mode()
+    def policy(obs):
+        obs = np.asarray(obs, dtype=np.float64)
+        batch = obs.ndim > len(shape)
+        x = obs.reshape(-1, obs_dim)
+        if saved["norm_obs"]:
+            x = normalize_obs(x, obs_rms, saved["obs_clip"])
+        x = torch.as_tensor(x, dtype=torch.float32, device=device)
+        actions = np.clip(agent.act(x, deterministic).cpu().numpy(), low, high)
+        return actions if batch else actions[0]
+
+    return policy
 
 
 # ---------------------------------------------------------------------------------------------------------

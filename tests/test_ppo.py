@@ -453,6 +453,21 @@ def test_evaluate_a_saved_checkpoint(tmp_path):
     assert r.returncode == 0 and "eval: 2 episodes (deterministic), return" in r.stdout, r.stderr
 
 
+def test_load_policy_plays_the_saved_agent(tmp_path):
+    res = ppo.main(small_args(tmp_path, total_timesteps=256, save_model=True))
+    path = os.path.join(res["run_dir"], "checkpoint.pt")
+    agent = ppo.Agent(4, 2)
+    agent.load_state_dict(torch.load(path, weights_only=True)["model"])
+    obs = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    with torch.no_grad():
+        expected = agent.actor(torch.as_tensor(obs)).argmax(-1).numpy()
+    greedy = ppo.load_policy(path, deterministic=True)
+    assert (greedy(obs) == expected).all()  # a batch: one action per row
+    assert np.ndim(greedy(obs[3])) == 0 and greedy(obs[3]) == expected[3]  # one observation: one action
+    actions = ppo.load_policy(path)(obs)
+    assert actions.shape == (16,) and set(actions.tolist()) <= {0, 1}
+
+
 def test_compile_follows_eager_learning_path(tmp_path):
     eager = ppo.main(small_args(tmp_path / "e", total_timesteps=256, num_steps=64, update_epochs=2))
     compiled = ppo.main(small_args(tmp_path / "c", total_timesteps=256, num_steps=64, update_epochs=2, compile=True))

@@ -370,6 +370,19 @@ def test_resume_restores_network_optimizer_rng_and_counters(tmp_path):
     assert torch.equal(again["rng"]["torch"], saved["rng"]["torch"])
 
 
+def test_load_policy_plays_the_saved_agent(tmp_path):
+    res = pae.main(tiny(tmp_path, total_timesteps=64, save_model=True))
+    path = os.path.join(res["run_dir"], "checkpoint.pt")
+    agent = pae.Agent(4)  # Breakout: 4 actions
+    agent.load_state_dict(torch.load(path, weights_only=True)["model"])
+    obs = torch.randint(0, 256, (3, 4, 84, 84), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = agent.actor(agent.hidden(obs)).argmax(-1).numpy()
+    greedy = pae.load_policy(path, deterministic=True)
+    assert (greedy(obs.numpy()) == expected).all() and greedy(obs[1].numpy()) == expected[1]
+    assert pae.load_policy(path)(obs.numpy()).shape == (3,)
+
+
 def test_the_update_uses_the_kl_penalty_loss_with_a_fixed_coefficient(tmp_path, monkeypatch):
     seen = []
     original = pae.ppo_loss

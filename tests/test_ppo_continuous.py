@@ -490,6 +490,25 @@ def test_env_state_only_for_envs_whose_whole_state_is_saved():
     assert pc.env_state(gym.vector.SyncVectorEnv([lambda: outside()])) is None
 
 
+def test_load_policy_normalises_with_the_saved_statistics_and_clips(tmp_path):
+    res = pc.main(tiny(tmp_path, total_timesteps=256, save_model=True))  # Hopper: 11 observations, 3 actions
+    path = os.path.join(res["run_dir"], "checkpoint.pt")
+    ckpt = torch.load(path, weights_only=True)
+    agent = pc.Agent(11, 3)
+    agent.load_state_dict(ckpt["model"])
+    mean, var = ckpt["obs_rms"]["mean"].numpy(), ckpt["obs_rms"]["var"].numpy()
+    assert not np.allclose(mean, 0)  # statistics that change the input
+    obs = np.random.default_rng(0).normal(size=(8, 11)) * 3
+    x = np.clip((obs - mean) / np.sqrt(var + 1e-8), -ckpt["args"]["obs_clip"], ckpt["args"]["obs_clip"])
+    with torch.no_grad():
+        expected = np.clip(agent.actor_mean(torch.as_tensor(x, dtype=torch.float32)).numpy(), -1, 1)
+    greedy = pc.load_policy(path, deterministic=True)
+    np.testing.assert_allclose(greedy(obs), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(greedy(obs[2]), expected[2], rtol=1e-5, atol=1e-6)
+    sampled = pc.load_policy(path)(obs * 100)
+    assert sampled.shape == (8, 3) and np.abs(sampled).max() <= 1.0  # Hopper's action space is [-1, 1]
+
+
 def test_the_update_uses_the_kl_penalty_loss_with_a_fixed_coefficient(tmp_path, monkeypatch):
     seen = []
     original = pc.ppo_loss
