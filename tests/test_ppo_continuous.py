@@ -509,6 +509,17 @@ def test_load_policy_normalises_with_the_saved_statistics_and_clips(tmp_path):
     assert sampled.shape == (8, 3) and np.abs(sampled).max() <= 1.0  # Hopper's action space is [-1, 1]
 
 
+def test_readme_example_of_load_policy_runs(tmp_path, monkeypatch):
+    readme = open(os.path.join(os.path.dirname(SCRIPT), "README.md")).read()
+    code = readme.split("### A trained policy in your own code")[1].split("```python\n")[1].split("```")[0]
+    res = pc.main(tiny(tmp_path, env_id="HalfCheetah-v5", total_timesteps=256, save_model=True))
+    code = code.replace("runs/<run>/checkpoint.pt", os.path.join(res["run_dir"], "checkpoint.pt"))
+    monkeypatch.syspath_prepend(os.path.dirname(SCRIPT))
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["env"].action_space.contains(scope["policy"](scope["obs"]).astype(np.float32))
+
+
 def test_the_update_uses_the_kl_penalty_loss_with_a_fixed_coefficient(tmp_path, monkeypatch):
     seen = []
     original = pc.ppo_loss
