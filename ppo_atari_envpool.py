@@ -11,6 +11,7 @@ reward clipping, 84x84 gray, frame stack 4, optional sticky actions). The loop f
 (shared/seeds/ppo_note.md) step by step; each step is a section comment below:
 Collect rollout -> Compute advantages and returns (GAE) -> Advantage normalisation ->
 Optimise policy & value for E epochs (clipped policy loss + value loss + entropy bonus) -> Update reference policy.
+The note's adaptive-KL-penalty variant replaces the clipped loss with --kl-penalty-coef / --kl-penalty-target.
 
 envpool semantics this script relies on (checked by experiment with envpool 1.2.5, env_type="gymnasium"):
 - autoreset is "next step": the step() after a done returns the reset observation, reward 0, and ignores the

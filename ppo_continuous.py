@@ -8,6 +8,7 @@
 The loop follows the note (shared/seeds/ppo_note.md) step by step; each step is a section comment below:
 Collect rollout -> Compute advantages and returns (GAE) -> Advantage normalisation ->
 Optimise policy & value for E epochs (clipped policy loss + value loss + entropy bonus) -> Update reference policy.
+The note's adaptive-KL-penalty variant replaces the clipped loss with --kl-penalty-coef / --kl-penalty-target.
 Continuous-control details: diagonal Gaussian policy with a state-independent log std, actions clipped for the env
 only, observation normalisation and reward scaling done here in the main loop (their statistics are part of the
 checkpoint and are frozen for evaluation), and truncated episodes bootstrapped from their normalised final observation.
