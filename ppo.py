@@ -244,6 +244,8 @@ def validate(args: Args) -> None:
         die(f"--kl-penalty-coef must be >= 0, got {args.kl_penalty_coef}")
     if args.kl_penalty_target is not None and args.kl_penalty_target <= 0:
         die(f"--kl-penalty-target must be positive, got {args.kl_penalty_target}")
+    if args.eval_deterministic and not args.eval_episodes and int(os.environ.get("RANK", "0")) == 0:
+        print("note: --eval-deterministic applies to --eval-episodes; none asked")
     if args.cudagraphs and not args.cuda:
         die("--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
     if args.cudagraphs and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -578,7 +580,12 @@ def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
     `action = policy(obs)` for one observation of the checkpoint's env, or `policy(batch)` for one action per row."""
     import gymnasium as gym
 
-    ckpt = load_checkpoint(path)
+    err = io.StringIO()
+    try:  # a library call: a bad file raises instead of exiting the caller's program
+        with contextlib.redirect_stderr(err):
+            ckpt = load_checkpoint(path)
+    except SystemExit:
+        raise ValueError(err.getvalue().strip().removeprefix("error: ")) from None
     probe = gym.make(ckpt["env_id"])
     shape, n_actions = probe.observation_space.shape, int(probe.action_space.n)
     probe.close()
@@ -589,7 +596,12 @@ def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
     @torch.inference_mode()
     def policy(obs):
         x = torch.as_tensor(np.asarray(obs), dtype=torch.float32, device=device)
-        batch = x.dim() > len(shape)
+        if tuple(x.shape) in (shape, (obs_dim,)):
+            batch = False
+        elif tuple(x.shape[1:]) in (shape, (obs_dim,)):
+            batch = True
+        else:
+            raise ValueError(f"an observation of shape {tuple(x.shape)}: expected {shape} or a batch of them")
         actions = agent.act(x.reshape(-1, obs_dim), deterministic).cpu().numpy()  # flat, as in training
         return actions if batch else actions[0]
 

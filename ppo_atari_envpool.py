@@ -271,6 +271,8 @@ def validate(args: Args) -> None:
         die(f"--kl-penalty-coef must be >= 0, got {args.kl_penalty_coef}")
     if args.kl_penalty_target is not None and args.kl_penalty_target <= 0:
         die(f"--kl-penalty-target must be positive, got {args.kl_penalty_target}")
+    if args.eval_deterministic and not args.eval_episodes and int(os.environ.get("RANK", "0")) == 0:
+        print("note: --eval-deterministic applies to --eval-episodes; none asked")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun: one rollout of every process
     if args.seed < 0 or args.seed + args.total_timesteps + world * args.num_envs >= 2**31:
         die(f"--seed {args.seed}: envpool seeds (seed + global step + env index) must lie in [0, 2**31)")
@@ -628,13 +630,23 @@ def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
     """A trained policy for your own code: `policy = load_policy("runs/<run>/checkpoint.pt")`, then
     `action = policy(obs)` for one stacked observation (4, 84, 84) uint8, or `policy(batch)` for one action per
     observation, from envs made as in training: `make_envs(Args(env_id=..., sticky_actions=...), n, seed)`."""
-    ckpt = load_checkpoint(path)
+    err = io.StringIO()
+    try:  # a library call: a bad file raises instead of exiting the caller's program
+        with contextlib.redirect_stderr(err):
+            ckpt = load_checkpoint(path)
+    except SystemExit:
+        raise ValueError(err.getvalue().strip().removeprefix("error: ")) from None
     agent = Agent(int(ckpt["model"]["actor.weight"].shape[0])).to(device)
+    if torch.device(device).type == "cpu":  # as in training: oneDNN's convolutions are faster on NHWC weights
+        agent = agent.to(memory_format=torch.channels_last)
     agent.load_state_dict(ckpt["model"])
 
     @torch.inference_mode()
     def policy(obs):
         x = torch.as_tensor(np.asarray(obs), device=device)
+        if x.dtype != torch.uint8 or tuple(x.shape[-3:]) != (4, 84, 84) or x.dim() not in (3, 4):
+            raise ValueError(f"observations of shape {tuple(x.shape)} and dtype {x.dtype}: expected envpool's stacked "
+                             "frames, (4, 84, 84) uint8, or a batch of them")
         batch = x.dim() == 4
         actions = agent.act(x if batch else x[None], deterministic).cpu().numpy()
         return actions if batch else actions[0]

@@ -272,6 +272,8 @@ def validate(args: Args) -> None:
         die(f"--kl-penalty-coef must be >= 0, got {args.kl_penalty_coef}")
     if args.kl_penalty_target is not None and args.kl_penalty_target <= 0:
         die(f"--kl-penalty-target must be positive, got {args.kl_penalty_target}")
+    if args.eval_deterministic and not args.eval_episodes and int(os.environ.get("RANK", "0")) == 0:
+        print("note: --eval-deterministic applies to --eval-episodes; none asked")
     if args.obs_clip <= 0 or args.reward_clip <= 0:
         die("--obs-clip and --reward-clip must be positive")
     if args.cudagraphs and not args.cuda:
@@ -792,7 +794,12 @@ def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
     row. The saved observation statistics normalise the input (frozen); actions are clipped to the action space."""
     import gymnasium as gym
 
-    ckpt = load_checkpoint(path)
+    err = io.StringIO()
+    try:  # a library call: a bad file raises instead of exiting the caller's program
+        with contextlib.redirect_stderr(err):
+            ckpt = load_checkpoint(path)
+    except SystemExit:
+        raise ValueError(err.getvalue().strip().removeprefix("error: ")) from None
     probe = gym.make(ckpt["env_id"])
     shape, low, high = probe.observation_space.shape, probe.action_space.low, probe.action_space.high
     probe.close()
@@ -805,9 +812,14 @@ def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
 
     @torch.inference_mode()
     def policy(obs):
-        obs = np.asarray(obs, dtype=np.float64)
-        batch = obs.ndim > len(shape)
-        x = obs.reshape(-1, obs_dim)
+        x = np.asarray(obs, dtype=np.float64)
+        if tuple(x.shape) in (shape, (obs_dim,)):
+            batch = False
+        elif tuple(x.shape[1:]) in (shape, (obs_dim,)):
+            batch = True
+        else:
+            raise ValueError(f"an observation of shape {tuple(x.shape)}: expected {shape} or a batch of them")
+        x = x.reshape(-1, obs_dim)
         if saved["norm_obs"]:
             x = normalize_obs(x, obs_rms, saved["obs_clip"])
         x = torch.as_tensor(x, dtype=torch.float32, device=device)

@@ -276,21 +276,35 @@ BOOL_WORDS = {"true": "", "yes": "", "1": "", "false": "no-", "no": "no-", "0": 
 
 def bool_values(argv: list[str]) -> list[str]:
     """On/off flags given a value, as the frameworks' configs write them (`--use-kl-loss True`,
-    `--actor.use-kl-loss=true` for an alias), become tyro's `--use-kl-loss` / `--no-use-kl-loss`; any other value is
-    left for tyro to refuse. (Optional[bool] options such as --use-critic-model take a value anyway.)"""
+    `--add-token-level-kl=false` for an alias), become tyro's `--use-kl-loss` / `--no-use-kl-loss`; any other value
+    is left for tyro to refuse. Optional[bool] options (--use-critic-model) get tyro's True / False for the same
+    words."""
     hints = typing.get_type_hints(Args, include_extras=True)
-    flags = {}  # every spelling of an on/off flag -> its own name
+    flags, optional = {}, {}  # every spelling of an on/off flag (of an Optional[bool] option) -> its own name
     for f in dataclasses.fields(Args):
         hint = hints[f.name]
-        if hint is bool or (typing.get_origin(hint) is Annotated and typing.get_args(hint)[0] is bool):
+        base = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+        kind = flags if base is bool else optional if base == Optional[bool] else None
+        if kind is not None:
             flag = f.name.replace("_", "-")
-            flags[flag] = flag
+            kind[flag] = flag
             for meta in getattr(hint, "__metadata__", ()):
-                flags.update({a[2:]: flag for a in getattr(meta, "aliases", None) or ()})
+                kind.update({a[2:]: flag for a in getattr(meta, "aliases", None) or ()})
     out, i = [], 0
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
-        flag = flags.get(name[2:].replace("_", "-")) if name.startswith("--") else None
+        key = name[2:].replace("_", "-") if name.startswith("--") else None
+        if key in optional:  # --use-critic-model true -> --use-critic-model True
+            if eq and value.lower() in BOOL_WORDS:
+                out.append(f"{name}={'False' if BOOL_WORDS[value.lower()] else 'True'}")
+            elif not eq and i + 1 < len(argv) and argv[i + 1].lower() in BOOL_WORDS:
+                out += [name, "False" if BOOL_WORDS[argv[i + 1].lower()] else "True"]
+                i += 1
+            else:
+                out.append(argv[i])
+            i += 1
+            continue
+        flag = flags.get(key)
         if flag is not None:
             if not eq and i + 1 < len(argv) and argv[i + 1].lower() in BOOL_WORDS:
                 eq, value = "=", argv[i + 1]
@@ -441,8 +455,8 @@ def validate(args: Args) -> None:
         die(f"--adv-estimator {args.adv_estimator} compares responses within a group: needs --n >= 2, got {args.n}")
     if args.reward_norm == "group" and args.n < 2:
         die(f"--reward-norm group normalises within a prompt's responses: needs --n >= 2, got {args.n}")
-    if args.reward_norm == "batch" and args.rollout_batch_size * args.n < 2:
-        die("--reward-norm batch needs at least 2 responses per iteration (--rollout-batch-size x --n)")
+    if args.reward_norm in ("batch", "running") and args.rollout_batch_size * args.n < 2:  # (a std of n - 1)
+        die(f"--reward-norm {args.reward_norm} needs at least 2 responses per iteration (--rollout-batch-size x --n)")
     if args.kl_ctrl_type == "adaptive" and (args.target_kl <= 0 or args.kl_horizon <= 0):
         die("--kl-ctrl-type adaptive needs --target-kl > 0 and --kl-horizon > 0")
     if args.critic_warmup and (args.adv_estimator != "gae" or args.critic == "none"):

@@ -464,8 +464,14 @@ def test_load_policy_plays_the_saved_agent(tmp_path):
     greedy = ppo.load_policy(path, deterministic=True)
     assert (greedy(obs) == expected).all()  # a batch: one action per row
     assert np.ndim(greedy(obs[3])) == 0 and greedy(obs[3]) == expected[3]  # one observation: one action
-    actions = ppo.load_policy(path)(obs)
-    assert actions.shape == (16,) and set(actions.tolist()) <= {0, 1}
+    actions = ppo.load_policy(path)(np.repeat(obs[:1], 200, axis=0))  # sampled: the near-uniform policy plays both
+    assert actions.shape == (200,) and set(actions.tolist()) == {0, 1}
+    with pytest.raises(ValueError, match="expected"):
+        greedy(np.zeros(5, dtype=np.float32))
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"script": "ppo_continuous.py", "env_id": "Hopper-v5", "args": {}}, foreign)
+    with pytest.raises(ValueError, match="not a ppo.py checkpoint"):  # raised, not an exit of the caller
+        ppo.load_policy(str(foreign))
 
 
 def test_compile_follows_eager_learning_path(tmp_path):

@@ -381,6 +381,8 @@ def test_load_policy_plays_the_saved_agent(tmp_path):
     greedy = pae.load_policy(path, deterministic=True)
     assert (greedy(obs.numpy()) == expected).all() and greedy(obs[1].numpy()) == expected[1]
     assert pae.load_policy(path)(obs.numpy()).shape == (3,)
+    with pytest.raises(ValueError, match="uint8"):
+        greedy(obs.numpy() / 255.0)  # scaled frames would be scaled twice
 
 
 def test_the_update_uses_the_kl_penalty_loss_with_a_fixed_coefficient(tmp_path, monkeypatch):

@@ -507,6 +507,8 @@ def test_load_policy_normalises_with_the_saved_statistics_and_clips(tmp_path):
     np.testing.assert_allclose(greedy(obs[2]), expected[2], rtol=1e-5, atol=1e-6)
     sampled = pc.load_policy(path)(obs * 100)
     assert sampled.shape == (8, 3) and np.abs(sampled).max() <= 1.0  # Hopper's action space is [-1, 1]
+    with pytest.raises(ValueError, match="expected"):
+        greedy(np.zeros((2, 17)))
 
 
 def test_readme_example_of_load_policy_runs(tmp_path, monkeypatch):

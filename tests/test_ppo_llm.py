@@ -634,8 +634,9 @@ def test_readme_option_table_names_are_flags_of_their_row():
     (["--use-kl-loss", "True", "--add-token-level-kl", "true"], {"use_kl_loss": True, "use_kl_in_reward": True}),
     (["--dual-clip-loss=false", "--normalize_advantages", "False"], {"dual_clip_loss": False,
                                                                       "whiten_advantages": False}),
-    (["--enable-gradient-checkpointing", "1", "--reward-shift", "no"], {"gradient_checkpointing": True,
-                                                                         "reward_shift": False}),
+    (["--enable-gradient-checkpointing", "1", "--reward-shift", "yes"], {"gradient_checkpointing": True,
+                                                                          "reward_shift": True}),
+    (["--use-critic-model", "true"], {"critic": "separate"}), (["--critic.use-critic-model=no"], {"critic": "shared"}),
     # RLinf's / ROLL's PPO setting of one response per prompt: micro-batches no larger than a minibatch (8)
     (["--group-size", "1"], {"n": 1, "micro_batch_size": 8}),
     (["--n", "3"], {"micro_batch_size": 12}),  # 24 responses a minibatch: the largest divisor up to 16
@@ -704,6 +705,8 @@ def test_whitening_would_make_rloo_the_same_as_reinforce_plus_plus_baseline():
     (["--reward-norm", "group", "--n", "1"], "n >= 2"),
     (["--reward-norm", "batch", "--rollout-batch-size", "1", "--ppo-mini-batch-size", "1", "--n", "1"],
      "at least 2 responses"),
+    (["--reward-norm", "running", "--rollout-batch-size", "1", "--ppo-mini-batch-size", "1", "--n", "1"],
+     "at least 2 responses"),  # (a std with n - 1 of a first batch of one score)
     (["--kl-ctrl-type", "adaptive", "--target-kl", "0"], "target-kl > 0"),
     (["--tiny-num-layers", "0"], "must be positive"),
     (["--loss-type", "actor_critic", "--critic", "separate"], "contradictory critic choice"),
