@@ -91,7 +91,9 @@ class Args:
     torch_deterministic: bool = True
     """use deterministic torch algorithms"""
     cuda: bool = False
-    """run on CUDA with bf16 autocast (fp32 master weights)"""
+    """run on CUDA (with bf16 autocast unless --precision fp32)"""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """bf16 autocast with fp32 master weights, or fp32 throughout; auto: bf16 with --cuda, fp32 on the CPU"""
     compile: bool = False
     """torch.compile the forward of policy and critic"""
     strategy: Literal["fsdp2", "ddp"] = "fsdp2"
@@ -704,17 +706,17 @@ def response_mask_from(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id: int, pad_id: int, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False, all_done=None):
+             top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False, all_done=None, bf16: bool = False):
     """Batched sampling with KV cache; stops when every row has produced EOS. Returns (B, max_new_tokens) tokens,
     pad after EOS. all_done(done) -> bool: whether every rank is done (FSDP2: each forward is a collective, so all
-    ranks take the same number of steps)."""
+    ranks take the same number of steps). bf16: under bf16 autocast (--precision)."""
     B = prompt_ids.shape[0]
     was_training = model.training
     model.eval()  # KV cache on (HF turns it off in training mode under gradient checkpointing)
     mask = prompt_mask.clone()
     pos = position_ids_from(mask)
-    # bf16 autocast on CUDA, as in scoring and training (the log-probs used in the loss are recomputed there)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=prompt_ids.is_cuda):
+    # bf16 autocast as in scoring and training (the log-probs used in the loss are recomputed there)
+    with torch.autocast(prompt_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
         out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, use_cache=True)
         next_pos = pos[:, -1:] + 1
         done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
@@ -1163,6 +1165,11 @@ def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, 
 # ---------------------------------------------------------------------------------------------------------
 # Distributed (torchrun): prompts sharded across ranks, statistics over the global batch, FSDP2 or DDP
 # ---------------------------------------------------------------------------------------------------------
+def use_bf16(args: Args) -> bool:
+    """--precision: bf16 autocast (fp32 master weights) in generation, scoring and training, or fp32."""
+    return args.precision == "bf16" or (args.precision == "auto" and args.cuda)
+
+
 def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
     """Rank, world size and device. Without torchrun (or with one process) no process group is created."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -1419,7 +1426,8 @@ def evaluate(policy, tok, rows: list[dict], args: Args, gen, device, rank: int =
             chunk = mine[s:s + chunk_size]
             ids, mask = encode_batch(tok, chunk, args.prompt_length, args.apply_chat_template)
             resp = generate(policy, ids.to(device), mask.to(device), args.response_length, tok.eos_token_id,
-                            tok.pad_token_id, args.temperature, args.top_p, args.top_k, gen, greedy, all_done).cpu()
+                            tok.pad_token_id, args.temperature, args.top_p, args.top_k, gen, greedy, all_done,
+                            use_bf16(args)).cpu()
             texts = decode_responses(tok, resp)
             correct += sum(rule_reward(t, r["answer"]) for t, r in zip(texts, chunk))
         res[f"accuracy_{name}"] = float(all_ranks_sum(torch.tensor([correct]), world)) / (per_rank * world)
@@ -1453,7 +1461,8 @@ def main(args: Args) -> dict:
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
     torch.set_num_threads(args.torch_threads)
     gen = torch.Generator().manual_seed(args.seed)  # tasks and shuffles (the same on every rank), CPU sampling
-    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if args.cuda else contextlib.nullcontext)
+    autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16(args)
+                else contextlib.nullcontext)
     # token sampling: gen itself in one CPU process; on CUDA or under torchrun a generator of its own (per rank)
     gen_dev = (gen if device.type == "cpu" and world == 1
                else torch.Generator(device).manual_seed(args.seed + 1_000_003 * rank))
@@ -1678,7 +1687,8 @@ def main(args: Args) -> dict:
         gen_mb = args.rollout_micro_batch_size or p_ids.shape[0]  # (every rank runs the same number of chunks)
         resp = torch.cat([generate(policy, p_ids[s:s + gen_mb].to(device), p_mask[s:s + gen_mb].to(device), R,
                                    tok.eos_token_id, tok.pad_token_id, args.temperature, args.top_p, args.top_k,
-                                   gen_dev, all_done=all_done).cpu() for s in range(0, p_ids.shape[0], gen_mb)])
+                                   gen_dev, all_done=all_done, bf16=use_bf16(args)).cpu()
+                          for s in range(0, p_ids.shape[0], gen_mb)])
         t_gen = time.time() - t0
         resp_mask = response_mask_from(resp, tok.eos_token_id)
         ids = torch.cat([p_ids, resp], 1).to(device)

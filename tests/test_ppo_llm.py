@@ -792,6 +792,29 @@ def test_option_combinations_run(tmp_path, extra):
     assert len(res["curve"]) == 2
 
 
+def test_bf16_precision_runs_under_autocast_on_the_cpu(tmp_path, monkeypatch):
+    """--precision bf16 (the default with --cuda): generation, scoring and the update under bf16 autocast, fp32
+    master weights; run here on the CPU, where the same code path can be tested without a GPU."""
+    seen, original_forward, original_generate = [], P.model_forward, P.generate
+
+    def forward(*a, **k):
+        res = original_forward(*a, **k)
+        seen.append((torch.is_autocast_enabled("cpu"), res["logp"].dtype))
+        return res
+
+    generated = []
+    monkeypatch.setattr(P, "model_forward", forward)
+    monkeypatch.setattr(P, "generate", lambda *a, **k: generated.append(k.get("bf16", a[12] if len(a) > 12 else None))
+                        or original_generate(*a, **k))
+    res = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--precision", "bf16", "--sft-steps", "0"]))
+    assert all(math.isfinite(v) for v in res["stats"].values()) and len(res["curve"]) == 2
+    assert seen and all(on and dtype == torch.float32 for on, dtype in seen)  # log-probs in fp32 all the same
+    assert generated and all(generated)
+    seen.clear(), generated.clear()
+    P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path / "fp32"), "--sft-steps", "0"]))  # auto on the CPU: fp32
+    assert seen and not any(on for on, _ in seen) and not any(generated)
+
+
 def test_local_model_dataset_reward_model_and_resume(tmp_path):
     from transformers import LlamaForSequenceClassification
 
