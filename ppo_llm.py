@@ -1298,6 +1298,9 @@ def shard_optimizer_state(opt) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Checkpoints: save_pretrained for policy, reference and critic + trainer state in checkpoint.pt
 # ---------------------------------------------------------------------------------------------------------
+CHECKPOINT_FORMAT = 2  # 2: reward_norm and reward_clip in ROLL's forms (a resume of an older one says so)
+
+
 def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimizers, schedulers, args: Args,
                     global_step: int, iteration: int, gen, kl_ctrl, running: RunningMoments, tracker: dict,
                     gen_dev=None, rank: int = 0, world: int = 1) -> str:
@@ -1341,6 +1344,7 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
         "kl_coef": kl_ctrl.value,
         "reward_running": running.state_dict(),
         "tracker": tracker,
+        "format": CHECKPOINT_FORMAT,
     }
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -1629,7 +1633,11 @@ def main(args: Args) -> dict:
         kl_ctrl.value = ckpt["kl_coef"]
         running.__dict__.update(ckpt["reward_running"])
         tracker = ckpt["tracker"]
-        print(f"resumed {args.resume} at iteration {ckpt['iteration']}")
+        if rank == 0:
+            print(f"resumed {args.resume} at iteration {ckpt['iteration']}")
+            if ckpt.get("format", 1) < 2 and (args.reward_norm != "none" or args.reward_clip is not None):
+                print("note: this checkpoint predates ROLL's forms of --reward-norm (the sample std; running: n - 1) "
+                      "and of --reward-clip (the token rewards too): the run goes on with them")
 
     from torch.utils.tensorboard import SummaryWriter
 
