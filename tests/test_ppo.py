@@ -474,12 +474,19 @@ def test_load_policy_plays_the_saved_agent(tmp_path):
         ppo.load_policy(str(foreign))
 
 
-def test_compile_follows_eager_learning_path(tmp_path):
-    eager = ppo.main(small_args(tmp_path / "e", total_timesteps=256, num_steps=64, update_epochs=2))
-    compiled = ppo.main(small_args(tmp_path / "c", total_timesteps=256, num_steps=64, update_epochs=2, compile=True))
+@pytest.mark.parametrize("variant", [{}, {"kl_penalty_target": 1e-7}], ids=["clip", "adaptive-kl"])
+def test_compile_follows_eager_learning_path(tmp_path, variant):
+    """(adaptive-kl: the compiled update reads the coefficient from a tensor that changes between iterations; a
+    target far below the KL of an update doubles it each time)"""
+    kw = dict(total_timesteps=256, num_steps=64, update_epochs=2, **variant)
+    eager = ppo.main(small_args(tmp_path / "e", **kw))
+    compiled = ppo.main(small_args(tmp_path / "c", compile=True, **kw))
     assert eager["returns"] == compiled["returns"]  # same actions sampled -> same episodes
-    for k in ("policy_loss", "value_loss", "entropy", "approx_kl"):
+    for k in ("policy_loss", "value_loss", "entropy", "approx_kl") + (("kl",) if variant else ()):
         assert compiled["stats"][k] == pytest.approx(eager["stats"][k], rel=1e-3, abs=1e-5), k
+    if variant:
+        coefs = [v for _, v in read_scalars(compiled["run_dir"], "charts/kl_coef")]
+        assert coefs == [v for _, v in read_scalars(eager["run_dir"], "charts/kl_coef")] and coefs[1] != coefs[0]
 
 
 def test_wandb_offline_and_video_of_evaluation(tmp_path):
