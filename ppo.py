@@ -340,6 +340,11 @@ class Agent(nn.Module):
 
     def get_action_and_value(self, x: torch.Tensor, action: Optional[torch.Tensor] = None):
         """Sample (or score) an action. Returns action, log pi(a|s), entropy, V(s)."""
+        return self(x, action)[:4]
+
+    def forward(self, x: torch.Tensor, action: Optional[torch.Tensor] = None):
+        """get_action_and_value, plus log pi(.|s) of every action (the KL-penalty variant's exact KL compares the old
+        and the new ones). The update calls the agent itself, so that DDP can average the gradients."""
         logits = self.actor(x)
         logp_all = torch.log_softmax(logits, dim=-1)
         if action is None:  # Gumbel-max sampling: one draw from Categorical(logits), cheap and compilable
@@ -347,11 +352,7 @@ class Agent(nn.Module):
             action = torch.argmax(logits - torch.log(-torch.log(u)), dim=-1)
         logprob = logp_all.gather(-1, action.long().unsqueeze(-1)).squeeze(-1)
         entropy = -(logp_all.exp() * logp_all).sum(-1)
-        return action, logprob, entropy, self.get_value(x)
-
-    def forward(self, x: torch.Tensor, action: torch.Tensor):
-        """Scoring of stored actions in the update; a forward() so that DDP can average the gradients."""
-        return self.get_action_and_value(x, action)
+        return action, logprob, entropy, self.get_value(x), logp_all
 
     def act(self, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
         """The action to play (evaluation, load_policy): sampled, or the most likely one."""
@@ -388,11 +389,18 @@ def normalize_advantages(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return (adv - adv.mean()) / (adv.std() + eps)
 
 
+def categorical_kl(old_logp: torch.Tensor, new_logp: torch.Tensor) -> torch.Tensor:
+    """KL(pi_old(.|s) || pi(.|s)) of each state, exact: the sum over actions of p_old * (log p_old - log p).
+    (..., A) -> (...)."""
+    return (old_logp.exp() * (old_logp - new_logp)).sum(-1)
+
+
 def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, entropy,
-             clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool, kl_coef=None):
+             clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool, kl_coef=None,
+             kl=None):
     """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync).
-    kl_coef (a number or 0-d tensor) selects the KL-penalty policy loss instead: -r*A + kl_coef * KL(pi_old||pi),
-    the KL estimated per sample by k3 = (r - 1) - log r (its mean and gradient under pi_old are the exact KL's)."""
+    kl_coef (a number or 0-d tensor) selects the KL-penalty policy loss instead: -r*A + kl_coef * kl, with kl the
+    exact KL(pi_old(.|s) || pi(.|s)) of each sample's state (categorical_kl), as in the PPO paper."""
     logratio = newlogprob - oldlogprob
     ratio = logratio.exp()
     with torch.no_grad():
@@ -406,7 +414,7 @@ def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, en
         pg_loss2 = -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
         pg_loss = torch.max(pg_loss1, pg_loss2).mean()
     else:
-        pg_loss = (pg_loss1 + kl_coef * ((ratio - 1) - logratio)).mean()
+        pg_loss = (pg_loss1 + kl_coef * kl).mean()
     if clip_vloss:  # detail: value clipping around the old prediction
         v_unclipped = (newvalue - returns) ** 2
         v_clipped = oldvalue + torch.clamp(newvalue - oldvalue, -clip_coef, clip_coef)
@@ -700,7 +708,8 @@ def main(args: Args) -> dict:
 
     envs = make_vector_env(args)
     obs_dim = int(np.prod(envs.single_observation_space.shape))
-    agent = Agent(obs_dim, int(envs.single_action_space.n)).to(device)
+    n_actions = int(envs.single_action_space.n)
+    agent = Agent(obs_dim, n_actions).to(device)
     # lr lives in a tensor so that annealing does not recompile the compiled/captured optimizer step
     optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
                                  fused=True)  # fused: one kernel per step, works with tensor lr and CUDA graphs
@@ -752,15 +761,16 @@ def main(args: Args) -> dict:
 
     # The two hot functions: action sampling during the rollout and one minibatch update.
     def policy(obs):
-        action, logprob, _, value = agent.get_action_and_value(obs)
-        return action, logprob, value
+        action, logprob, _, value, logp_all = agent(obs)
+        return action, logprob, value, logp_all
 
-    def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values):
+    def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_old_logp_all=None):
         optimizer.zero_grad(set_to_none=False)
-        _, newlogprob, entropy, newvalue = train_agent(mb_obs, mb_actions)
+        _, newlogprob, entropy, newvalue, logp_all = train_agent(mb_obs, mb_actions)
         loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
                                args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef, args.norm_adv,
-                               kl_coef if penalty else None)
+                               kl_coef if penalty else None,
+                               categorical_kl(mb_old_logp_all, logp_all) if penalty else None)
         loss.backward()
         stats["grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
         optimizer.step()
@@ -784,6 +794,8 @@ def main(args: Args) -> dict:
     rewards = torch.zeros((args.num_steps, args.num_envs), device=device)
     dones = torch.zeros((args.num_steps, args.num_envs), device=device)
     values = torch.zeros((args.num_steps, args.num_envs), device=device)
+    # the KL-penalty variant's exact KL needs log pi_old(.|s) of every action in every state
+    old_logp_all = torch.zeros((args.num_steps, args.num_envs, n_actions), device=device) if penalty else None
 
     next_obs_np, _ = envs.reset(seed=[args.seed + global_step + rank * args.num_envs + i
                                       for i in range(args.num_envs)])
@@ -831,10 +843,12 @@ def main(args: Args) -> dict:
             obs[step] = next_obs
             dones[step] = next_done
             with torch.inference_mode():
-                action, logprob, value = policy(next_obs)
+                action, logprob, value, logp_all = policy(next_obs)
             values[step] = value
             actions[step] = action
             logprobs[step] = logprob
+            if penalty:
+                old_logp_all[step] = logp_all
 
             next_obs_np, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
             reward = np.asarray(reward, dtype=np.float32)
@@ -867,6 +881,7 @@ def main(args: Args) -> dict:
         b_obs = obs.reshape(batch_size, obs_dim)
         b_logprobs, b_actions = logprobs.reshape(-1), actions.reshape(-1)
         b_advantages, b_returns, b_values = advantages.reshape(-1), returns.reshape(-1), values.reshape(-1)
+        b_old_logp_all = old_logp_all.reshape(batch_size, n_actions) if penalty else None
 
         # Optimise policy & value for E epochs (advantage normalisation happens per minibatch in ppo_loss)
         stats_sum, n_updates = None, 0
@@ -875,7 +890,7 @@ def main(args: Args) -> dict:
             for start in range(0, batch_size, minibatch_size):
                 mb = b_inds[start:start + minibatch_size]
                 stats = update(b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb], b_returns[mb],
-                               b_values[mb])
+                               b_values[mb], b_old_logp_all[mb] if penalty else None)
                 stats = {k: v.clone() for k, v in stats.items()}
                 stats_sum = stats if stats_sum is None else {k: stats_sum[k] + v for k, v in stats.items()}
                 n_updates += 1
@@ -888,9 +903,7 @@ def main(args: Args) -> dict:
                 kl_sum = torch.zeros((), device=device)
                 for start in range(0, batch_size, minibatch_size):
                     mb = slice(start, start + minibatch_size)
-                    _, newlogprob, _, _ = agent.get_action_and_value(b_obs[mb], b_actions[mb])
-                    logratio = newlogprob - b_logprobs[mb]
-                    kl_sum += ((logratio.exp() - 1) - logratio).sum()  # k3, as approx_kl
+                    kl_sum += categorical_kl(b_old_logp_all[mb], agent(b_obs[mb], b_actions[mb])[4]).sum()
             stats_sum["kl"] = kl_sum / batch_size * n_updates  # one value: the mean over updates below gives it back
 
         # one host sync: the statistics averaged over updates (and ranks), and whether any rank got a stop signal

@@ -388,6 +388,11 @@ class Agent(nn.Module):
 
     def get_action_and_value(self, x: torch.Tensor, action: Optional[torch.Tensor] = None):
         """Sample (or score) an action. Returns action, log pi(a|s), entropy, V(s)."""
+        return self(x, action)[:4]
+
+    def forward(self, x: torch.Tensor, action: Optional[torch.Tensor] = None):
+        """get_action_and_value, plus log pi(.|s) of every action (the KL-penalty variant's exact KL compares the old
+        and the new ones). The update calls the agent itself, so that DDP can average the gradients."""
         h = self.hidden(x)
         logits = self.actor(h)
         logp_all = torch.log_softmax(logits, dim=-1)
@@ -396,11 +401,7 @@ class Agent(nn.Module):
             action = torch.argmax(logits - torch.log(-torch.log(u)), dim=-1)
         logprob = logp_all.gather(-1, action.long().unsqueeze(-1)).squeeze(-1)
         entropy = -(logp_all.exp() * logp_all).sum(-1)
-        return action, logprob, entropy, self.critic(h).squeeze(-1)
-
-    def forward(self, x: torch.Tensor, action: torch.Tensor):
-        """Scoring of stored actions in the update; a forward() so that DDP can average the gradients."""
-        return self.get_action_and_value(x, action)
+        return action, logprob, entropy, self.critic(h).squeeze(-1), logp_all
 
     def act(self, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
         """The action to play (evaluation, load_policy): sampled, or the most likely one."""
@@ -462,11 +463,18 @@ def normalize_advantages(adv: torch.Tensor, mask: torch.Tensor, eps: float = 1e-
     return (adv - mean) / (var.sqrt() + eps)
 
 
+def categorical_kl(old_logp: torch.Tensor, new_logp: torch.Tensor) -> torch.Tensor:
+    """KL(pi_old(.|s) || pi(.|s)) of each state, exact: the sum over actions of p_old * (log p_old - log p).
+    (..., A) -> (...)."""
+    return (old_logp.exp() * (old_logp - new_logp)).sum(-1)
+
+
 def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, entropy, mask,
-             clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool, kl_coef=None):
+             clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool, kl_coef=None,
+             kl=None):
     """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync).
-    kl_coef (a number or 0-d tensor) selects the KL-penalty policy loss instead: -r*A + kl_coef * KL(pi_old||pi),
-    the KL estimated per sample by k3 = (r - 1) - log r (its mean and gradient under pi_old are the exact KL's).
+    kl_coef (a number or 0-d tensor) selects the KL-penalty policy loss instead: -r*A + kl_coef * kl, with kl the
+    exact KL(pi_old(.|s) || pi(.|s)) of each sample's state (categorical_kl), as in the PPO paper.
 
     mask (float, 1 = real transition, 0 = envpool reset step) weights every mean, so that the shapes stay static
     for torch.compile / CUDA graphs; with an all-ones mask this is the plain CleanRL loss.
@@ -484,7 +492,7 @@ def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, en
         pg_loss2 = -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
         pg_loss = masked_mean(torch.max(pg_loss1, pg_loss2), mask)
     else:
-        pg_loss = masked_mean(pg_loss1 + kl_coef * ((ratio - 1) - logratio), mask)
+        pg_loss = masked_mean(pg_loss1 + kl_coef * kl, mask)
     if clip_vloss:  # detail: value clipping around the old prediction
         v_unclipped = (newvalue - returns) ** 2
         v_clipped = oldvalue + torch.clamp(newvalue - oldvalue, -clip_coef, clip_coef)
@@ -757,7 +765,8 @@ def main(args: Args) -> dict:
     # a resumed run gets fresh env seeds; rank r's envs get seeds of their own (envpool seeds env i with seed + i)
     envs = make_envs(args, args.num_envs, args.seed + global_step + rank * args.num_envs)
     obs_shape = envs.single_observation_space.shape  # (4, 84, 84) uint8
-    agent = Agent(int(envs.single_action_space.n)).to(device)
+    n_actions = int(envs.single_action_space.n)
+    agent = Agent(n_actions).to(device)
     if not args.cuda:  # oneDNN's convolutions (backward above all) run ~20% faster on NHWC weights on CPU
         agent = agent.to(memory_format=torch.channels_last)
     # lr lives in a tensor so that annealing does not recompile the compiled/captured optimizer step; on CPU the
@@ -804,18 +813,19 @@ def main(args: Args) -> dict:
 
     # The two hot functions: action sampling during the rollout and one minibatch update.
     def policy(obs):
-        action, logprob, _, value = agent.get_action_and_value(obs)
-        return action, logprob, value
+        action, logprob, _, value, logp_all = agent(obs)
+        return action, logprob, value, logp_all
 
-    def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_mask):
+    def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_mask, mb_old_logp_all=None):
         optimizer.zero_grad(set_to_none=False)
-        _, newlogprob, entropy, newvalue = train_agent(mb_obs, mb_actions)
+        _, newlogprob, entropy, newvalue, logp_all = train_agent(mb_obs, mb_actions)
         # Under torchrun the loss of each rank is the mean over its own valid (unmasked) steps and DDP averages the
         # gradients of the ranks: ranks with different numbers of masked steps are weighted equally (as in
         # CleanRL's multi-GPU PPO), not by their counts of valid steps.
         loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
                                mb_mask, args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef, args.norm_adv,
-                               kl_coef if penalty else None)
+                               kl_coef if penalty else None,
+                               categorical_kl(mb_old_logp_all, logp_all) if penalty else None)
         loss.backward()
         stats["grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
         optimizer.step()
@@ -839,6 +849,8 @@ def main(args: Args) -> dict:
     actions = torch.zeros((args.num_steps, args.num_envs), dtype=torch.long, device=device)
     logprobs = torch.zeros((args.num_steps, args.num_envs), device=device)
     values = torch.zeros((args.num_steps, args.num_envs), device=device)
+    # the KL-penalty variant's exact KL needs log pi_old(.|s) of every action in every state
+    old_logp_all = torch.zeros((args.num_steps, args.num_envs, n_actions), device=device) if penalty else None
     rewards_h = torch.zeros((args.num_steps, args.num_envs), pin_memory=pin)
     dones_h = torch.zeros((args.num_steps, args.num_envs), pin_memory=pin)
     truncs_h = torch.zeros((args.num_steps, args.num_envs), pin_memory=pin)
@@ -885,10 +897,12 @@ def main(args: Args) -> dict:
             obs[step] = next_obs
             dones_h[step] = torch.from_numpy(next_done)
             with torch.inference_mode():
-                action, logprob, value = policy(obs[step])
+                action, logprob, value, logp_all = policy(obs[step])
             values[step] = value
             actions[step] = action
             logprobs[step] = logprob
+            if penalty:
+                old_logp_all[step] = logp_all
 
             next_obs_np, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
             rewards_h[step] = torch.from_numpy(reward)  # clipped to its sign by envpool (reward_clip)
@@ -920,6 +934,7 @@ def main(args: Args) -> dict:
         b_obs = obs.reshape((batch_size,) + obs_shape)
         b_logprobs, b_actions, b_mask = logprobs.reshape(-1), actions.reshape(-1), mask.reshape(-1)
         b_advantages, b_returns, b_values = advantages.reshape(-1), returns.reshape(-1), values.reshape(-1)
+        b_old_logp_all = old_logp_all.reshape(batch_size, n_actions) if penalty else None
 
         # Optimise policy & value for E epochs (advantage normalisation happens per minibatch in ppo_loss)
         stats_sum, n_updates = None, 0
@@ -928,7 +943,7 @@ def main(args: Args) -> dict:
             for start in range(0, batch_size, minibatch_size):
                 mb = b_inds[start:start + minibatch_size]
                 stats = update(b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb], b_returns[mb],
-                               b_values[mb], b_mask[mb])
+                               b_values[mb], b_mask[mb], b_old_logp_all[mb] if penalty else None)
                 stats = {k: v.clone() for k, v in stats.items()}
                 stats_sum = stats if stats_sum is None else {k: stats_sum[k] + v for k, v in stats.items()}
                 n_updates += 1
@@ -941,9 +956,8 @@ def main(args: Args) -> dict:
                 kl_sum = torch.zeros((), device=device)
                 for start in range(0, batch_size, minibatch_size):
                     mb = slice(start, start + minibatch_size)
-                    _, newlogprob, _, _ = agent.get_action_and_value(b_obs[mb], b_actions[mb])
-                    logratio = newlogprob - b_logprobs[mb]
-                    kl_sum += (((logratio.exp() - 1) - logratio) * b_mask[mb]).sum()  # k3, as approx_kl
+                    logp_all = agent(b_obs[mb], b_actions[mb])[4]
+                    kl_sum += (categorical_kl(b_old_logp_all[mb], logp_all) * b_mask[mb]).sum()
             # one value: the mean over updates below gives it back
             stats_sum["kl"] = kl_sum / b_mask.sum().clamp(min=1) * n_updates
 

@@ -494,6 +494,11 @@ class Agent(nn.Module):
     def get_action_and_value(self, x: torch.Tensor, action: Optional[torch.Tensor] = None, fused=None):
         """Sample (or score) an unclipped action. Returns action, log pi(a|s), entropy, V(s).
         fused: fused_weights() of this agent, for a faster forward pass without gradients."""
+        return self(x, action, fused)[:4]
+
+    def forward(self, x: torch.Tensor, action: Optional[torch.Tensor] = None, fused=None):
+        """get_action_and_value, plus the Gaussian (mean, log std) of each state (the KL-penalty variant's exact KL
+        compares the old and the new ones). The update calls the agent itself, so that DDP can average the gradients."""
         if fused is None:
             mean, value = self.actor_mean(x), self.get_value(x)
         else:
@@ -508,11 +513,7 @@ class Agent(nn.Module):
             entropy = (0.5 + LOG_SQRT_2PI + logstd).sum(-1)
         else:
             logprob, entropy = gaussian_logprob_entropy(mean, logstd, action)
-        return action, logprob, entropy, value
-
-    def forward(self, x: torch.Tensor, action: torch.Tensor):
-        """Scoring of stored actions in the update; a forward() so that DDP can average the gradients."""
-        return self.get_action_and_value(x, action)
+        return action, logprob, entropy, value, (mean, logstd)
 
     def act(self, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
         """The action to play (evaluation, load_policy), unclipped: sampled, or the Gaussian's mean."""
@@ -550,11 +551,19 @@ def normalize_advantages(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return (adv - adv.mean()) / (adv.std() + eps)
 
 
+def gaussian_kl(old_mean, old_logstd, mean, logstd) -> torch.Tensor:
+    """KL(N(old_mean, old_std^2) || N(mean, std^2)) of each state, exact, summed over the diagonal's dimensions:
+    log(std/old_std) + (old_std^2 + (old_mean - mean)^2) / (2 std^2) - 1/2 per dimension; (..., A) -> (...)."""
+    return (logstd - old_logstd + (torch.exp(2 * old_logstd) + (old_mean - mean) ** 2) * (0.5 * torch.exp(-2 * logstd))
+            - 0.5).sum(-1)
+
+
 def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, entropy,
-             clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool, kl_coef=None):
+             clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool, kl_coef=None,
+             kl=None):
     """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync).
-    kl_coef (a number or 0-d tensor) selects the KL-penalty policy loss instead: -r*A + kl_coef * KL(pi_old||pi),
-    the KL estimated per sample by k3 = (r - 1) - log r (its mean and gradient under pi_old are the exact KL's)."""
+    kl_coef (a number or 0-d tensor) selects the KL-penalty policy loss instead: -r*A + kl_coef * kl, with kl the
+    exact KL(pi_old(.|s) || pi(.|s)) of each sample's state (gaussian_kl), as in the PPO paper."""
     logratio = newlogprob - oldlogprob
     ratio = logratio.exp()
     with torch.no_grad():
@@ -568,7 +577,7 @@ def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, en
         pg_loss2 = -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
         pg_loss = torch.max(pg_loss1, pg_loss2).mean()
     else:
-        pg_loss = (pg_loss1 + kl_coef * ((ratio - 1) - logratio)).mean()
+        pg_loss = (pg_loss1 + kl_coef * kl).mean()
     if clip_vloss:  # detail: value clipping around the old prediction
         v_unclipped = (newvalue - returns) ** 2
         v_clipped = oldvalue + torch.clamp(newvalue - oldvalue, -clip_coef, clip_coef)
@@ -1002,15 +1011,17 @@ def main(args: Args) -> dict:
 
     # The two hot functions: action sampling during the rollout and one minibatch update.
     def policy(obs, fused):
-        action, logprob, _, value = agent.get_action_and_value(obs, fused=fused)
-        return action, logprob, value
+        action, logprob, _, value, (mean, _) = agent(obs, fused=fused)
+        return action, logprob, value, mean
 
-    def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values):
+    def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_old_mean=None,
+               mb_old_logstd=None):
         optimizer.zero_grad(set_to_none=False)
-        _, newlogprob, entropy, newvalue = train_agent(mb_obs, mb_actions)
+        _, newlogprob, entropy, newvalue, (mean, logstd) = train_agent(mb_obs, mb_actions)
         loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
                                args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef, args.norm_adv,
-                               kl_coef if penalty else None)
+                               kl_coef if penalty else None,
+                               gaussian_kl(mb_old_mean, mb_old_logstd, mean, logstd) if penalty else None)
         loss.backward()
         stats["grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
         optimizer.step()
@@ -1041,6 +1052,8 @@ def main(args: Args) -> dict:
     actions = torch.zeros((args.num_steps, args.num_envs, act_dim), device=device)
     logprobs = torch.zeros((args.num_steps, args.num_envs), device=device)
     values = torch.zeros((args.num_steps, args.num_envs), device=device)
+    # the KL-penalty variant's exact KL needs the Gaussian pi_old(.|s) of every state (its std is the same in all)
+    old_means = torch.zeros((args.num_steps, args.num_envs, act_dim), device=device) if penalty else None
 
     next_obs_np, _ = envs.reset(seed=[args.seed + global_step + rank * args.num_envs + i
                                       for i in range(args.num_envs)])
@@ -1090,6 +1103,7 @@ def main(args: Args) -> dict:
             lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
         optimizer.param_groups[0]["lr"].fill_(lr_now)
         fused = agent.fused_weights()  # the policy of this iteration's rollout (theta_old)
+        old_logstd = agent.actor_logstd.detach().clone() if penalty else None  # and its std, (1, act_dim)
 
         # Collect rollout
         for step in range(args.num_steps):
@@ -1097,10 +1111,12 @@ def main(args: Args) -> dict:
             obs[step] = next_obs
             dones[step] = next_done
             with torch.inference_mode():
-                action, logprob, value = policy(torch.from_numpy(next_obs).to(device), fused)
+                action, logprob, value, mean = policy(torch.from_numpy(next_obs).to(device), fused)
             values[step] = value
             actions[step] = action
             logprobs[step] = logprob
+            if penalty:
+                old_means[step] = mean
 
             # detail: clip to the action bounds for the env only; the buffer keeps the sample the log-prob is of
             next_obs_np, raw_reward, terminations, truncations, infos = envs.step(
@@ -1140,6 +1156,8 @@ def main(args: Args) -> dict:
         b_logprobs, b_actions = logprobs.reshape(-1), actions.reshape(batch_size, act_dim)
         b_advantages = torch.from_numpy(advantages).to(device).reshape(-1)
         b_returns, b_values = torch.from_numpy(returns).to(device).reshape(-1), values.reshape(-1)
+        if penalty:
+            b_old_means = old_means.reshape(batch_size, act_dim)
 
         # Optimise policy & value for E epochs (advantage normalisation happens per minibatch in ppo_loss)
         stats_sum, n_updates = None, 0
@@ -1148,7 +1166,7 @@ def main(args: Args) -> dict:
             for start in range(0, batch_size, minibatch_size):
                 mb = b_inds[start:start + minibatch_size]
                 stats = update(b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb], b_returns[mb],
-                               b_values[mb])
+                               b_values[mb], b_old_means[mb] if penalty else None, old_logstd)
                 stats = {k: v.clone() for k, v in stats.items()}
                 stats_sum = stats if stats_sum is None else {k: stats_sum[k] + v for k, v in stats.items()}
                 n_updates += 1
@@ -1161,9 +1179,8 @@ def main(args: Args) -> dict:
                 kl_sum = torch.zeros((), device=device)
                 for start in range(0, batch_size, minibatch_size):
                     mb = slice(start, start + minibatch_size)
-                    _, newlogprob, _, _ = agent.get_action_and_value(b_obs[mb], b_actions[mb])
-                    logratio = newlogprob - b_logprobs[mb]
-                    kl_sum += ((logratio.exp() - 1) - logratio).sum()  # k3, as approx_kl
+                    mean, logstd = agent(b_obs[mb], b_actions[mb])[4]
+                    kl_sum += gaussian_kl(b_old_means[mb], old_logstd, mean, logstd).sum()
             stats_sum["kl"] = kl_sum / batch_size * n_updates  # one value: the mean over updates below gives it back
 
         # one host sync: the statistics averaged over updates (and ranks), the number of ranks whose parameters are

@@ -39,7 +39,7 @@ def make_case(script: str, n: int):
     extra = [torch.ones(n)] if script == "ppo_atari_envpool" else []  # the reset-step mask: all steps valid
 
     def loss_fn(model, idx):
-        _, logp, ent, v = model(obs[idx], actions[idx])
+        _, logp, ent, v, _ = model(obs[idx], actions[idx])
         loss, _ = mod.ppo_loss(logp, old_logp[idx], adv[idx], v, old_v[idx], ret[idx], ent,
                                *[e[idx] for e in extra], clip_coef=0.2, clip_vloss=True, ent_coef=0.01, vf_coef=0.5,
                                norm_adv=False)  # advantages are standardised per rank's minibatch: off here

@@ -138,25 +138,50 @@ def test_clipped_policy_loss_and_gradient(sign):
     assert stats["old_approx_kl"].item() == pytest.approx(-sum(lr) / len(lr))
 
 
+def test_categorical_kl_is_the_exact_kl():
+    torch.manual_seed(0)
+    old, new = torch.randn(5, 4), torch.randn(5, 4)
+    ref = [sum(math.exp(o) * (o - n) for o, n in zip(orow, nrow))
+           for orow, nrow in zip(torch.log_softmax(old, -1).tolist(), torch.log_softmax(new, -1).tolist())]
+    kl = ppo.categorical_kl(torch.log_softmax(old, -1), torch.log_softmax(new, -1))
+    np.testing.assert_allclose(kl.numpy(), ref, rtol=1e-5)
+    assert ppo.categorical_kl(torch.log_softmax(old, -1), torch.log_softmax(old, -1)).abs().max() < 1e-7
+
+
 def test_kl_penalty_policy_loss_and_gradient():
-    """The KL-penalty variant: -r*A + beta*((r-1) - log r) averaged, no clipping, so every sample has a gradient."""
+    """The KL-penalty variant: -r*A + beta*KL(pi_old(.|s)||pi(.|s)) averaged, the KL exact, no clipping."""
     beta = 0.7
-    ratios = [0.5, 0.85, 1.0, 1.1, 1.3, 2.0]
+    torch.manual_seed(1)
+    old_logits, logits = torch.randn(6, 3), torch.randn(6, 3)
+    actions = torch.tensor([0, 1, 2, 2, 1, 0])
     advs = [1.0, -2.0, 0.5, 1.5, -3.0, 0.7]
-    old = torch.zeros(len(ratios))
-    new = torch.tensor([math.log(r) for r in ratios], requires_grad=True)
-    zeros = torch.zeros(len(ratios))
-    loss, stats = ppo.ppo_loss(new, old, torch.tensor(advs), zeros, zeros, zeros, zeros, 0.2, False, 0.0, 0.0, False,
-                               kl_coef=torch.tensor(beta))
-    n = len(ratios)
-    ref = sum(-r * a + beta * ((r - 1) - math.log(r)) for r, a in zip(ratios, advs)) / n
-    assert stats["policy_loss"].item() == pytest.approx(ref, rel=1e-6)
+    old_logp = torch.log_softmax(old_logits, -1)
+
+    def loss_of(logits_):
+        logp = torch.log_softmax(logits_, -1)
+        z = torch.zeros(6)
+        return ppo.ppo_loss(logp.gather(1, actions[:, None])[:, 0], old_logp.gather(1, actions[:, None])[:, 0],
+                            torch.tensor(advs), z, z, z, z, 0.2, False, 0.0, 0.0, False,
+                            kl_coef=torch.tensor(beta), kl=ppo.categorical_kl(old_logp, logp))
+
+    x = logits.clone().requires_grad_(True)
+    loss, stats = loss_of(x)
     loss.backward()
-    # d/d(log pi) of -r*A + beta*(r - 1 - log r) = -r*A + beta*(r - 1)
-    expected = [(-r * a + beta * (r - 1)) / n for r, a in zip(ratios, advs)]
-    np.testing.assert_allclose(new.grad.numpy(), expected, rtol=1e-5, atol=1e-7)
-    _, clipped = ppo.ppo_loss(new, old, torch.tensor(advs), zeros, zeros, zeros, zeros, 0.2, False, 0.0, 0.0, False)
-    assert clipped["policy_loss"].item() != pytest.approx(ref)  # the clipped objective is another one
+    # reference: a plain loop over the states, with torch.distributions' KL, differentiated on its own
+    y = logits.clone().requires_grad_(True)
+    terms = []
+    for i in range(6):
+        p_old, p = torch.distributions.Categorical(logits=old_logits[i]), torch.distributions.Categorical(logits=y[i])
+        r = torch.exp(p.log_prob(actions[i]) - p_old.log_prob(actions[i]))
+        terms.append(-r * advs[i] + beta * torch.distributions.kl_divergence(p_old, p))
+    ref = torch.stack(terms).mean()
+    ref.backward()
+    assert stats["policy_loss"].item() == pytest.approx(ref.item(), abs=1e-6)  # float32 terms of size ~1
+    np.testing.assert_allclose(x.grad.numpy(), y.grad.numpy(), rtol=1e-4, atol=1e-6)
+    # at the start of an update (pi = pi_old) the penalty is 0 and so is its gradient
+    _, at_start = loss_of(old_logits.clone())
+    r_start = -sum(advs) / 6
+    assert at_start["policy_loss"].item() == pytest.approx(r_start, rel=1e-6)
 
 
 def test_adapt_kl_coef_follows_the_papers_rule():
@@ -534,12 +559,17 @@ def test_the_update_uses_the_kl_penalty_loss_with_a_fixed_coefficient(tmp_path, 
 
     def spy(*a, **k):
         seen.append(a[12] if len(a) > 12 else k.get("kl_coef"))
+        kls.append(a[13] if len(a) > 13 else k.get("kl"))
         return original(*a, **k)
 
     original = ppo.ppo_loss
     monkeypatch.setattr(ppo, "ppo_loss", spy)
+    kls = []
     res = ppo.main(small_args(tmp_path / "fixed", total_timesteps=256, kl_penalty_coef=0.3))  # 2 iterations
     assert len(seen) == 2 * 4 * 4 and all(torch.is_tensor(c) and c.item() == pytest.approx(0.3) for c in seen)
+    # the exact KL of each state: 0 on the first minibatch of an update (pi = pi_old), positive later
+    assert all(kl.shape == (32,) and (kl >= -1e-7).all() for kl in kls)
+    assert kls[0].abs().max() < 1e-6 and kls[16].abs().max() < 1e-6 and kls[15].max() > 0
     assert [v for _, v in read_scalars(res["run_dir"], "charts/kl_coef")] == pytest.approx([0.3, 0.3])
     assert len(read_scalars(res["run_dir"], "losses/kl")) == 2
     seen.clear()

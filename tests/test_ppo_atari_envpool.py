@@ -277,16 +277,24 @@ def test_ppo_loss_mask_equals_loss_on_real_transitions():
 
 
 def test_kl_penalty_loss_with_mask_and_the_adaptive_rule():
-    """The KL-penalty variant: masked mean of -r*A + beta*((r-1) - log r) over the real transitions, no clipping."""
+    """The KL-penalty variant: masked mean of -r*A + beta*KL(pi_old(.|s)||pi(.|s)) over the real transitions, the KL
+    exact, no clipping."""
     torch.manual_seed(1)
-    B, beta = 16, 0.5
-    newlp, oldlp, adv = torch.randn(B) * 0.3 - 1.0, torch.randn(B) * 0.3 - 1.0, torch.randn(B)
+    B, A, beta = 16, 4, 0.5
+    old_logp, logp = torch.log_softmax(torch.randn(B, A), -1), torch.log_softmax(torch.randn(B, A), -1)
+    actions, adv = torch.randint(0, A, (B,)), torch.randn(B)
+    newlp, oldlp = logp.gather(1, actions[:, None])[:, 0], old_logp.gather(1, actions[:, None])[:, 0]
     mask = (torch.rand(B) > 0.3).float()
     z = torch.zeros(B)
-    _, stats = pae.ppo_loss(newlp, oldlp, adv, z, z, z, z, mask, 0.1, False, 0.0, 0.0, False, kl_coef=beta)
-    ref = [-math.exp(n - o) * a + beta * ((math.exp(n - o) - 1) - (n - o))
-           for n, o, a, m in zip(newlp.tolist(), oldlp.tolist(), adv.tolist(), mask.tolist()) if m]
-    assert stats["policy_loss"].item() == pytest.approx(sum(ref) / len(ref), rel=1e-5)
+    kl = pae.categorical_kl(old_logp, logp)
+    _, stats = pae.ppo_loss(newlp, oldlp, adv, z, z, z, z, mask, 0.1, False, 0.0, 0.0, False, kl_coef=beta, kl=kl)
+    ref = []
+    for i in range(B):
+        if mask[i]:
+            p_old, p = (torch.distributions.Categorical(logits=x[i]) for x in (old_logp, logp))
+            ref.append(-math.exp(newlp[i] - oldlp[i]) * adv[i].item()
+                       + beta * torch.distributions.kl_divergence(p_old, p).item())
+    assert stats["policy_loss"].item() == pytest.approx(sum(ref) / len(ref), abs=1e-6)
     assert [pae.adapt_kl_coef(2.0, kl, 0.03) for kl in (0.01, 0.03, 0.05)] == [1.0, 2.0, 4.0]
 
 
@@ -388,10 +396,14 @@ def test_load_policy_plays_the_saved_agent(tmp_path):
 def test_the_update_uses_the_kl_penalty_loss_with_a_fixed_coefficient(tmp_path, monkeypatch):
     seen = []
     original = pae.ppo_loss
+    kls = []
     monkeypatch.setattr(pae, "ppo_loss", lambda *a, **k: seen.append(a[13] if len(a) > 13 else k.get("kl_coef"))
-                        or original(*a, **k))
+                        or kls.append(a[14] if len(a) > 14 else k.get("kl")) or original(*a, **k))
     res = pae.main(tiny(tmp_path, total_timesteps=128, kl_penalty_coef=0.3))  # 2 iterations of 2 updates
     assert len(seen) == 4 and all(torch.is_tensor(c) and c.item() == pytest.approx(0.3) for c in seen)
+    # the exact KL of each state: 0 on the first minibatch of an update (pi = pi_old), positive later
+    assert all(kl.ndim == 1 and (kl >= -1e-6).all() for kl in kls)
+    assert kls[0].abs().max() < 1e-5 and kls[2].abs().max() < 1e-5 and kls[1].max() > 0
     assert [v for _, v in scalars(res["run_dir"], "charts/kl_coef")] == pytest.approx([0.3, 0.3])
 
 

@@ -194,18 +194,42 @@ def test_agent_sampling_logprob_is_the_sampled_actions_logprob():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_gaussian_kl_is_the_exact_kl():
+    torch.manual_seed(0)
+    m0, s0, m1, s1 = torch.randn(4, 3), 0.3 * torch.randn(4, 3), torch.randn(4, 3), 0.3 * torch.randn(4, 3)
+    ref = torch.distributions.kl_divergence(torch.distributions.Normal(m0, s0.exp()),
+                                            torch.distributions.Normal(m1, s1.exp())).sum(-1)
+    np.testing.assert_allclose(pc.gaussian_kl(m0, s0, m1, s1).numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
+    assert pc.gaussian_kl(m0, s0, m0, s0).abs().max() < 1e-6
+
+
 def test_kl_penalty_policy_loss_and_adaptive_coefficient():
-    """The KL-penalty variant: -r*A + beta*((r-1) - log r) averaged, no clipping; beta follows the paper's rule."""
-    beta, ratios, advs = 0.3, [0.5, 0.9, 1.0, 1.4, 2.5], [1.0, -1.0, 2.0, 0.5, -0.3]
-    new = torch.tensor([math.log(r) for r in ratios], requires_grad=True)
-    z = torch.zeros(len(ratios))
-    loss, stats = pc.ppo_loss(new, z, torch.tensor(advs), z, z, z, z, 0.2, False, 0.0, 0.0, False, kl_coef=beta)
-    n = len(ratios)
-    ref = sum(-r * a + beta * ((r - 1) - math.log(r)) for r, a in zip(ratios, advs)) / n
-    assert stats["policy_loss"].item() == pytest.approx(ref, rel=1e-6)
+    """The KL-penalty variant: -r*A + beta*KL(pi_old(.|s)||pi(.|s)) averaged, the Gaussians' KL exact, no clipping;
+    beta follows the paper's rule."""
+    beta, advs = 0.3, [1.0, -1.0, 2.0, 0.5, -0.3]
+    torch.manual_seed(2)
+    old_mean, old_logstd = torch.randn(5, 2), torch.full((5, 2), -0.5)
+    mean, logstd = old_mean + 0.3 * torch.randn(5, 2), torch.full((5, 2), -0.4)
+    action = old_mean + old_logstd.exp() * torch.randn(5, 2)
+    x = mean.clone().requires_grad_(True)
+    newlp, _ = pc.gaussian_logprob_entropy(x, logstd, action)
+    oldlp, _ = pc.gaussian_logprob_entropy(old_mean, old_logstd, action)
+    z = torch.zeros(5)
+    loss, stats = pc.ppo_loss(newlp, oldlp, torch.tensor(advs), z, z, z, z, 0.2, False, 0.0, 0.0, False, kl_coef=beta,
+                              kl=pc.gaussian_kl(old_mean, old_logstd, x, logstd))
     loss.backward()
-    np.testing.assert_allclose(new.grad.numpy(), [(-r * a + beta * (r - 1)) / n for r, a in zip(ratios, advs)],
-                               rtol=1e-5, atol=1e-7)
+    # reference: a loop over the states with torch.distributions, differentiated on its own
+    y = mean.clone().requires_grad_(True)
+    terms = []
+    for i in range(5):
+        p_old = torch.distributions.Independent(torch.distributions.Normal(old_mean[i], old_logstd[i].exp()), 1)
+        p = torch.distributions.Independent(torch.distributions.Normal(y[i], logstd[i].exp()), 1)
+        r = torch.exp(p.log_prob(action[i]) - p_old.log_prob(action[i]))
+        terms.append(-r * advs[i] + beta * torch.distributions.kl_divergence(p_old, p))
+    ref = torch.stack(terms).mean()
+    ref.backward()
+    assert stats["policy_loss"].item() == pytest.approx(ref.item(), abs=1e-6)
+    np.testing.assert_allclose(x.grad.numpy(), y.grad.numpy(), rtol=1e-4, atol=1e-6)
     assert [pc.adapt_kl_coef(1.0, kl, 0.01) for kl in (0.006, 0.0067, 0.0149, 0.016)] == [0.5, 1.0, 1.0, 2.0]
     assert pc.adapt_kl_coef(1e-6, 0.0, 0.01) == 1e-6 and pc.adapt_kl_coef(1e6, 1.0, 0.01) == 1e6
 
@@ -525,10 +549,14 @@ def test_readme_example_of_load_policy_runs(tmp_path, monkeypatch):
 def test_the_update_uses_the_kl_penalty_loss_with_a_fixed_coefficient(tmp_path, monkeypatch):
     seen = []
     original = pc.ppo_loss
+    kls = []
     monkeypatch.setattr(pc, "ppo_loss", lambda *a, **k: seen.append(a[12] if len(a) > 12 else k.get("kl_coef"))
-                        or original(*a, **k))
+                        or kls.append(a[13] if len(a) > 13 else k.get("kl")) or original(*a, **k))
     res = pc.main(tiny(tmp_path, total_timesteps=256, kl_penalty_coef=0.3))  # 2 iterations of 2 x 2 updates
     assert len(seen) == 8 and all(torch.is_tensor(c) and c.item() == pytest.approx(0.3) for c in seen)
+    # the exact KL of each state: 0 on the first minibatch of an update (pi = pi_old), positive later
+    assert all(kl.ndim == 1 and (kl >= -1e-6).all() for kl in kls)
+    assert kls[0].abs().max() < 1e-5 and kls[4].abs().max() < 1e-5 and kls[3].max() > 0
     assert [v for _, v in read_scalars(res["run_dir"], "charts/kl_coef")] == pytest.approx([0.3, 0.3])
 
 
