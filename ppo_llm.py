@@ -752,8 +752,9 @@ def model_forward(model, input_ids, attention_mask, resp_len: int, temperature: 
         res["entropy"] = -(logp_all.exp() * logp_all).sum(-1)
     if full:
         res["logp_all"] = logp_all
-    if shared_value_head is not None:
-        res["values"] = shared_value_head(out.hidden_states[-1][:, -resp_len - 1:-1].float()).squeeze(-1)
+    if shared_value_head is not None:  # the head in fp32 (outside bf16 autocast) on the trunk's last hidden state
+        with torch.autocast(input_ids.device.type, enabled=False):
+            res["values"] = shared_value_head(out.hidden_states[-1][:, -resp_len - 1:-1].float()).squeeze(-1)
     return res
 
 
@@ -1166,7 +1167,7 @@ def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, 
 # Distributed (torchrun): prompts sharded across ranks, statistics over the global batch, FSDP2 or DDP
 # ---------------------------------------------------------------------------------------------------------
 def use_bf16(args: Args) -> bool:
-    """--precision: bf16 autocast (fp32 master weights) in generation, scoring and training, or fp32."""
+    """--precision: bf16 autocast (fp32 master weights) in warm-start, generation, scoring and training, or fp32."""
     return args.precision == "bf16" or (args.precision == "auto" and args.cuda)
 
 
@@ -1390,8 +1391,8 @@ def reward_model_inputs(rm_tok, prompts: list[str], responses: list[str], chat: 
     return rm_tok(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=not templated)
 
 
-def warm_start(policy, tok, sample_rows, args: Args, gen, device) -> None:
-    """Supervised fine-tuning on answers + EOS (a short phase: the model ends partly right)."""
+def warm_start(policy, tok, sample_rows, args: Args, gen, device, autocast=contextlib.nullcontext) -> None:
+    """Supervised fine-tuning on answers + EOS (a short phase: the model ends partly right), in the run's precision."""
     opt = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr)
     policy.train()
     for step in range(args.sft_steps):
@@ -1407,7 +1408,8 @@ def warm_start(policy, tok, sample_rows, args: Args, gen, device) -> None:
         for i, t in enumerate(targets):
             r_ids[i, :len(t)], r_mask[i, :len(t)] = torch.tensor(t), 1
         ids, mask = torch.cat([p_ids, r_ids], 1).to(device), torch.cat([p_mask, r_mask], 1).to(device)
-        logp = model_forward(policy, ids, mask, R, 1.0)["logp"]
+        with autocast():
+            logp = model_forward(policy, ids, mask, R, 1.0)["logp"]
         loss = -masked_mean(logp, r_mask.to(device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -1541,7 +1543,7 @@ def main(args: Args) -> dict:
 
     if ckpt is None and args.sft_steps > 0 and has_answers:
         t0 = time.time()
-        warm_start(policy, tok, sample_rows, args, gen, device)
+        warm_start(policy, tok, sample_rows, args, gen, device, autocast)
         print(f"warm-start done in {time.time() - t0:.1f}s")
     if ckpt is None:
         ref = copy.deepcopy(policy)
@@ -1636,8 +1638,9 @@ def main(args: Args) -> dict:
         if rank == 0:
             print(f"resumed {args.resume} at iteration {ckpt['iteration']}")
             if ckpt.get("format", 1) < 2 and (args.reward_norm != "none" or args.reward_clip is not None):
-                print("note: this checkpoint predates ROLL's forms of --reward-norm (the sample std; running: n - 1) "
-                      "and of --reward-clip (the token rewards too): the run goes on with them")
+                print("note: this checkpoint has no format number, so it may predate ROLL's forms of --reward-norm "
+                      "(the sample std; running: n - 1) and of --reward-clip (the token rewards too): the run goes on "
+                      "with them")
 
     from torch.utils.tensorboard import SummaryWriter
 
