@@ -63,6 +63,18 @@ def read_scalars(run_dir: str, tags: list) -> dict:
     return {t: [e.value for e in acc.Scalars(t)] for t in tags if t in acc.Tags()["scalars"]}
 
 
+def precision_label(cuda: bool, extra: list) -> str:
+    """What the runs computed in: ppo_llm's --precision among the passed-through flags (auto: bf16 with --cuda)."""
+    precision = "auto"
+    for i, x in enumerate(extra):
+        if x == "--precision" and i + 1 < len(extra):
+            precision = extra[i + 1]
+        elif x.startswith("--precision="):
+            precision = x.split("=", 1)[1]
+    bf16 = precision == "bf16" or (precision == "auto" and cuda)
+    return f"{'CUDA' if cuda else 'CPU'} {'bf16 autocast' if bf16 else 'fp32'}"
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -127,7 +139,7 @@ def main(argv=None):
     lines = [common.machine_markdown(info, command), "",
              f"Model: Llama, hidden {a.hidden}, {a.layers} layers, MLP {a.intermediate}, {n_params / 1e6:.1f}M "
              f"parameters; {a.rollout_batch_size} prompts x {a.n} responses, up to {a.response_length} response "
-             f"tokens, micro-batch {a.micro_batch_size}, {'CUDA bf16 autocast' if a.cuda else 'CPU fp32'}. "
+             f"tokens, micro-batch {a.micro_batch_size}, {precision_label(a.cuda, extra)}. "
              "Generation tokens/s counts response tokens up to EOS (rows that end early still take decode steps).", "",
              "| path | generation tokens/s | training tokens/s | mean response length | wall (s) |",
              "|---|---|---|---|---|"]

@@ -294,6 +294,15 @@ def test_progress_line_parsing():
     assert common.eta([job], 0, 1, time.time()) is not None
 
 
+def test_llm_throughput_names_the_precision_of_its_runs():
+    import llm_throughput  # (benchmarks/ is on the path)
+
+    label = llm_throughput.precision_label
+    assert label(True, []) == "CUDA bf16 autocast" and label(False, []) == "CPU fp32"
+    assert label(True, ["--precision", "fp32"]) == "CUDA fp32"
+    assert label(False, ["--precision=bf16"]) == "CPU bf16 autocast"
+
+
 def test_llm_throughput_tool_on_a_tiny_model(tmp_path):
     """The GPU throughput tool runs end to end on CPU with a tiny model and writes its table and JSON."""
     out = tmp_path / "llm"
@@ -306,7 +315,7 @@ def test_llm_throughput_tool_on_a_tiny_model(tmp_path):
     (row,) = data["rows"]
     assert row["path"] == "eager" and row["gen_tokens_per_s"] > 0 and row["train_tokens_per_s"] > 0
     assert 1 <= row["response_length_mean"] <= 6
-    assert "| eager |" in (tmp_path / "llm.md").read_text()
+    assert "| eager |" in (tmp_path / "llm.md").read_text() and "CPU fp32" in (tmp_path / "llm.md").read_text()
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "llm_throughput.py"), "--hidden", "100"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "multiple of 64" in bad.stderr
