@@ -401,6 +401,8 @@ def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, en
     """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync).
     kl_coef (a number or 0-d tensor) selects the KL-penalty policy loss instead: -r*A + kl_coef * kl, with kl the
     exact KL(pi_old(.|s) || pi(.|s)) of each sample's state (categorical_kl), as in the PPO paper."""
+    if kl_coef is not None and kl is None:
+        raise ValueError("ppo_loss: kl_coef needs kl, the KL(pi_old(.|s) || pi(.|s)) of each sample")
     logratio = newlogprob - oldlogprob
     ratio = logratio.exp()
     with torch.no_grad():
@@ -903,7 +905,7 @@ def main(args: Args) -> dict:
                 kl_sum = torch.zeros((), device=device)
                 for start in range(0, batch_size, minibatch_size):
                     mb = slice(start, start + minibatch_size)
-                    kl_sum += categorical_kl(b_old_logp_all[mb], agent(b_obs[mb], b_actions[mb])[4]).sum()
+                    kl_sum += categorical_kl(b_old_logp_all[mb], torch.log_softmax(agent.actor(b_obs[mb]), -1)).sum()
             stats_sum["kl"] = kl_sum / batch_size * n_updates  # one value: the mean over updates below gives it back
 
         # one host sync: the statistics averaged over updates (and ranks), and whether any rank got a stop signal

@@ -479,6 +479,8 @@ def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, en
     mask (float, 1 = real transition, 0 = envpool reset step) weights every mean, so that the shapes stay static
     for torch.compile / CUDA graphs; with an all-ones mask this is the plain CleanRL loss.
     """
+    if kl_coef is not None and kl is None:
+        raise ValueError("ppo_loss: kl_coef needs kl, the KL(pi_old(.|s) || pi(.|s)) of each sample")
     logratio = newlogprob - oldlogprob
     ratio = logratio.exp()
     with torch.no_grad():

@@ -564,6 +564,8 @@ def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, en
     """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync).
     kl_coef (a number or 0-d tensor) selects the KL-penalty policy loss instead: -r*A + kl_coef * kl, with kl the
     exact KL(pi_old(.|s) || pi(.|s)) of each sample's state (gaussian_kl), as in the PPO paper."""
+    if kl_coef is not None and kl is None:
+        raise ValueError("ppo_loss: kl_coef needs kl, the KL(pi_old(.|s) || pi(.|s)) of each sample")
     logratio = newlogprob - oldlogprob
     ratio = logratio.exp()
     with torch.no_grad():
@@ -1179,8 +1181,8 @@ def main(args: Args) -> dict:
                 kl_sum = torch.zeros((), device=device)
                 for start in range(0, batch_size, minibatch_size):
                     mb = slice(start, start + minibatch_size)
-                    mean, logstd = agent(b_obs[mb], b_actions[mb])[4]
-                    kl_sum += gaussian_kl(b_old_means[mb], old_logstd, mean, logstd).sum()
+                    kl_sum += gaussian_kl(b_old_means[mb], old_logstd, agent.actor_mean(b_obs[mb]),
+                                          agent.actor_logstd).sum()
             stats_sum["kl"] = kl_sum / batch_size * n_updates  # one value: the mean over updates below gives it back
 
         # one host sync: the statistics averaged over updates (and ranks), the number of ranks whose parameters are

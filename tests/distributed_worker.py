@@ -37,13 +37,25 @@ def make_case(script: str, n: int):
     old_logp, adv = -torch.rand(n, generator=g) - 0.5, torch.randn(n, generator=g)
     old_v, ret = torch.randn(n, generator=g), torch.randn(n, generator=g)
     extra = [torch.ones(n)] if script == "ppo_atari_envpool" else []  # the reset-step mask: all steps valid
+    # pi_old(.|s) for the KL-penalty variant: log-probs of every action, or a Gaussian's mean and (shared) log std
+    if script == "ppo_continuous":
+        old_mean, old_logstd = torch.randn(n, 2, generator=g), torch.full((1, 2), -0.3)
+    else:
+        old_logp_all = torch.log_softmax(torch.randn(n, 3 if script == "ppo" else 4, generator=g), -1)
 
     def loss_fn(model, idx):
-        _, logp, ent, v, _ = model(obs[idx], actions[idx])
-        loss, _ = mod.ppo_loss(logp, old_logp[idx], adv[idx], v, old_v[idx], ret[idx], ent,
-                               *[e[idx] for e in extra], clip_coef=0.2, clip_vloss=True, ent_coef=0.01, vf_coef=0.5,
-                               norm_adv=False)  # advantages are standardised per rank's minibatch: off here
-        return loss
+        """The clipped loss plus the KL-penalty variant's (its exact KL comes from forward()'s fifth output)."""
+        _, logp, ent, v, dist = model(obs[idx], actions[idx])
+        common = (logp, old_logp[idx], adv[idx], v, old_v[idx], ret[idx], ent, *[e[idx] for e in extra])
+        kw = dict(clip_coef=0.2, clip_vloss=True, ent_coef=0.01, vf_coef=0.5,
+                  norm_adv=False)  # advantages are standardised per rank's minibatch: off here
+        clipped, _ = mod.ppo_loss(*common, **kw)
+        if script == "ppo_continuous":
+            kl = mod.gaussian_kl(old_mean[idx], old_logstd, *dist)
+        else:
+            kl = mod.categorical_kl(old_logp_all[idx], dist)
+        penalised, _ = mod.ppo_loss(*common, **kw, kl_coef=0.5, kl=kl)
+        return clipped + penalised
 
     return agent, loss_fn
 

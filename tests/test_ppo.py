@@ -182,6 +182,9 @@ def test_kl_penalty_policy_loss_and_gradient():
     _, at_start = loss_of(old_logits.clone())
     r_start = -sum(advs) / 6
     assert at_start["policy_loss"].item() == pytest.approx(r_start, rel=1e-6)
+    z = torch.zeros(4)
+    with pytest.raises(ValueError, match="kl_coef needs kl"):  # the penalty without its KL is a caller's error
+        ppo.ppo_loss(z, z, z, z, z, z, z, 0.2, False, 0.0, 0.0, False, kl_coef=1.0)
 
 
 def test_adapt_kl_coef_follows_the_papers_rule():
@@ -564,14 +567,19 @@ def test_the_update_uses_the_kl_penalty_loss_with_a_fixed_coefficient(tmp_path, 
         kls.append(a[13] if len(a) > 13 else k.get("kl"))
         return original(*a, **k)
 
-    original = ppo.ppo_loss
+    original, original_kl = ppo.ppo_loss, ppo.categorical_kl
     monkeypatch.setattr(ppo, "ppo_loss", spy)
+    kl_args = []  # (whether pi_old's log-probs carry a gradient, whether the new ones do) in each update
+    monkeypatch.setattr(ppo, "categorical_kl", lambda old, new: torch.is_grad_enabled() and kl_args.append(
+        (old.requires_grad, new.requires_grad)) or original_kl(old, new))
     kls = []
     res = ppo.main(small_args(tmp_path / "fixed", total_timesteps=256, kl_penalty_coef=0.3))  # 2 iterations
     assert len(seen) == 2 * 4 * 4 and all(torch.is_tensor(c) and c.item() == pytest.approx(0.3) for c in seen)
-    # the exact KL of each state: 0 on the first minibatch of an update (pi = pi_old), positive later
-    assert all(kl.shape == (32,) and (kl >= -1e-7).all() for kl in kls)
+    # the exact KL of each state: 0 on the first minibatch of an update (pi = pi_old), positive later, and
+    # KL(pi_old || pi): the stored rollout distribution first, the differentiated new one second
+    assert all(kl.shape == (32,) and kl.requires_grad and (kl >= -1e-6).all() for kl in kls)
     assert kls[0].abs().max() < 1e-6 and kls[16].abs().max() < 1e-6 and kls[15].max() > 0
+    assert kl_args == [(False, True)] * 32
     assert [v for _, v in read_scalars(res["run_dir"], "charts/kl_coef")] == pytest.approx([0.3, 0.3])
     assert len(read_scalars(res["run_dir"], "losses/kl")) == 2
     seen.clear()

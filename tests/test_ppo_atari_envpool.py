@@ -296,6 +296,9 @@ def test_kl_penalty_loss_with_mask_and_the_adaptive_rule():
                        + beta * torch.distributions.kl_divergence(p_old, p).item())
     assert stats["policy_loss"].item() == pytest.approx(sum(ref) / len(ref), abs=1e-6)
     assert [pae.adapt_kl_coef(2.0, kl, 0.03) for kl in (0.01, 0.03, 0.05)] == [1.0, 2.0, 4.0]
+    z = torch.zeros(4)
+    with pytest.raises(ValueError, match="kl_coef needs kl"):  # the penalty without its KL is a caller's error
+        pae.ppo_loss(z, z, z, z, z, z, z, torch.ones(4), 0.2, False, 0.0, 0.0, False, kl_coef=1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -396,13 +399,17 @@ def test_load_policy_plays_the_saved_agent(tmp_path):
 def test_the_update_uses_the_kl_penalty_loss_with_a_fixed_coefficient(tmp_path, monkeypatch):
     seen = []
     original = pae.ppo_loss
-    kls = []
+    kls, kl_args, original_kl = [], [], pae.categorical_kl
     monkeypatch.setattr(pae, "ppo_loss", lambda *a, **k: seen.append(a[13] if len(a) > 13 else k.get("kl_coef"))
                         or kls.append(a[14] if len(a) > 14 else k.get("kl")) or original(*a, **k))
+    # KL(pi_old || pi): the stored rollout log-probs (no gradient) first, the new ones (differentiated) second
+    monkeypatch.setattr(pae, "categorical_kl", lambda old, new: torch.is_grad_enabled() and kl_args.append(
+        (old.requires_grad, new.requires_grad)) or original_kl(old, new))
     res = pae.main(tiny(tmp_path, total_timesteps=128, kl_penalty_coef=0.3))  # 2 iterations of 2 updates
     assert len(seen) == 4 and all(torch.is_tensor(c) and c.item() == pytest.approx(0.3) for c in seen)
+    assert kl_args == [(False, True)] * 4
     # the exact KL of each state: 0 on the first minibatch of an update (pi = pi_old), positive later
-    assert all(kl.ndim == 1 and (kl >= -1e-6).all() for kl in kls)
+    assert all(kl.ndim == 1 and kl.requires_grad and (kl >= -1e-6).all() for kl in kls)
     assert kls[0].abs().max() < 1e-5 and kls[2].abs().max() < 1e-5 and kls[1].max() > 0
     assert [v for _, v in scalars(res["run_dir"], "charts/kl_coef")] == pytest.approx([0.3, 0.3])
 

@@ -232,6 +232,9 @@ def test_kl_penalty_policy_loss_and_adaptive_coefficient():
     np.testing.assert_allclose(x.grad.numpy(), y.grad.numpy(), rtol=1e-4, atol=1e-6)
     assert [pc.adapt_kl_coef(1.0, kl, 0.01) for kl in (0.006, 0.0067, 0.0149, 0.016)] == [0.5, 1.0, 1.0, 2.0]
     assert pc.adapt_kl_coef(1e-6, 0.0, 0.01) == 1e-6 and pc.adapt_kl_coef(1e6, 1.0, 0.01) == 1e6
+    z = torch.zeros(4)
+    with pytest.raises(ValueError, match="kl_coef needs kl"):  # the penalty without its KL is a caller's error
+        pc.ppo_loss(z, z, z, z, z, z, z, 0.2, False, 0.0, 0.0, False, kl_coef=1.0)
 
 
 def test_compute_gae_matches_loop():
@@ -549,15 +552,35 @@ def test_readme_example_of_load_policy_runs(tmp_path, monkeypatch):
 def test_the_update_uses_the_kl_penalty_loss_with_a_fixed_coefficient(tmp_path, monkeypatch):
     seen = []
     original = pc.ppo_loss
-    kls = []
+    kls, kl_args, original_kl = [], [], pc.gaussian_kl
     monkeypatch.setattr(pc, "ppo_loss", lambda *a, **k: seen.append(a[12] if len(a) > 12 else k.get("kl_coef"))
                         or kls.append(a[13] if len(a) > 13 else k.get("kl")) or original(*a, **k))
+    # KL(pi_old || pi): pi_old's mean and log std (stored, no gradient) first, the new ones (differentiated) second
+    monkeypatch.setattr(pc, "gaussian_kl", lambda *a: torch.is_grad_enabled() and kl_args.append(
+        tuple(x.requires_grad for x in a)) or original_kl(*a))
     res = pc.main(tiny(tmp_path, total_timesteps=256, kl_penalty_coef=0.3))  # 2 iterations of 2 x 2 updates
     assert len(seen) == 8 and all(torch.is_tensor(c) and c.item() == pytest.approx(0.3) for c in seen)
     # the exact KL of each state: 0 on the first minibatch of an update (pi = pi_old), positive later
-    assert all(kl.ndim == 1 and (kl >= -1e-6).all() for kl in kls)
+    assert all(kl.ndim == 1 and kl.requires_grad and (kl >= -1e-6).all() for kl in kls)
     assert kls[0].abs().max() < 1e-5 and kls[4].abs().max() < 1e-5 and kls[3].max() > 0
+    assert kl_args == [(False, False, True, True)] * 8
     assert [v for _, v in read_scalars(res["run_dir"], "charts/kl_coef")] == pytest.approx([0.3, 0.3])
+
+
+def test_compile_follows_eager_with_the_adaptive_kl_penalty(tmp_path):
+    """The compiled rollout and update (the fused-weights policy; pi_old's mean and log std as update inputs; a
+    coefficient that doubles each iteration) take the eager run's learning path."""
+    kw = dict(total_timesteps=256, kl_penalty_target=1e-7)
+    eager = pc.main(tiny(tmp_path / "e", **kw))
+    compiled = pc.main(tiny(tmp_path / "c", compile=True, **kw))
+    # the same noise drawn -> the same episodes (actions equal up to float rounding of the compiled kernels)
+    assert len(eager["returns"]) > 2 and compiled["returns"] == pytest.approx(eager["returns"], rel=1e-6)
+    for k in ("value_loss", "entropy", "approx_kl"):
+        assert compiled["stats"][k] == pytest.approx(eager["stats"][k], rel=1e-3, abs=1e-5), k
+    for k in ("policy_loss", "kl"):
+        assert compiled["stats"][k] == pytest.approx(eager["stats"][k], rel=1e-3, abs=0), k
+    coefs = [v for _, v in read_scalars(compiled["run_dir"], "charts/kl_coef")]
+    assert coefs == [v for _, v in read_scalars(eager["run_dir"], "charts/kl_coef")] == [1.0, 2.0]
 
 
 @pytest.mark.parametrize("variant", [{}, {"kl_penalty_target": 1e-3}], ids=["clip", "adaptive-kl"])
