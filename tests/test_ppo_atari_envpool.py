@@ -501,6 +501,27 @@ def test_same_seed_same_run(tmp_path):
     assert a["stats"] != c["stats"]
 
 
+@pytest.mark.parametrize("variant", [{}, {"kl_penalty_target": 1e-7}], ids=["clip", "adaptive-kl"])
+def test_compile_follows_eager_learning_path(tmp_path, variant):
+    """The compiled rollout (action sampling) and update (the whole minibatch step, the KL coefficient read from a
+    tensor that changes between iterations) follow the eager run: the same actions, so the same observations, the
+    same losses and the same weights at the end, up to float rounding of the compiled kernels."""
+    kw = dict(total_timesteps=128, update_epochs=2, save_model=True, **variant)
+    eager = pae.main(tiny(tmp_path / "e", **kw))
+    compiled = pae.main(tiny(tmp_path / "c", compile=True, **kw))
+    weights = [torch.load(os.path.join(r["run_dir"], "checkpoint.pt"), weights_only=True)["model"]
+               for r in (eager, compiled)]
+    for k, v in weights[0].items():
+        assert torch.allclose(weights[1][k], v, rtol=1e-3, atol=1e-5), k
+    for k in ("policy_loss", "value_loss", "entropy", "approx_kl") + (("kl",) if variant else ()):
+        assert compiled["stats"][k] == pytest.approx(eager["stats"][k], rel=1e-3, abs=1e-5), k
+    if variant:  # a stale coefficient (1 instead of 2) would move the penalty's terms by far more than rel=1e-3
+        for k in ("policy_loss", "kl"):
+            assert compiled["stats"][k] == pytest.approx(eager["stats"][k], rel=1e-3, abs=0), k
+        coefs = [v for _, v in scalars(compiled["run_dir"], "charts/kl_coef")]
+        assert coefs == [v for _, v in scalars(eager["run_dir"], "charts/kl_coef")] and coefs == [1.0, 2.0]
+
+
 def test_non_finite_update_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     calls = []
     real_gae = pae.compute_gae
