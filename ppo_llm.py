@@ -589,13 +589,13 @@ def rule_reward(response: str, answer: Optional[str]) -> float:
 # ---------------------------------------------------------------------------------------------------------
 # Models: policy, frozen reference, critic (separate copy or shared trunk)
 # ---------------------------------------------------------------------------------------------------------
-def build_tiny_model(tok, seed: int, hidden_size: int, num_layers: int):
+def build_tiny_model(tok, seed: int, hidden_size: int, num_layers: int, max_positions: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                       num_hidden_layers=num_layers,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=max_positions,
                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
                       tie_word_embeddings=True)
     return LlamaForCausalLM(cfg)
@@ -614,6 +614,34 @@ def load_tokenizer(path: str, trust_remote_code: bool):
         print(f"note: tokenizer in {path} has no pad token; using EOS ({tok.eos_token!r}) as pad token")
         tok.pad_token = tok.eos_token
     return tok
+
+
+def stop_token_ids(tok, model) -> list[int]:
+    """The ids that end a response, as Hugging Face's generate stops: the tokenizer's EOS and those of the model's
+    generation config (a chat model's end of turn, e.g. Qwen2.5's <|im_end|> beside the tokenizer's <|endoftext|>,
+    or Llama 3 Instruct's <|eot_id|>). The tokenizer's EOS comes first."""
+    ids = [tok.eos_token_id]
+    extra = getattr(getattr(getattr(model, "module", model), "generation_config", None), "eos_token_id", None)
+    for i in [extra] if isinstance(extra, int) else list(extra or []):
+        if isinstance(i, int) and 0 <= i < len(tok) and i not in ids:
+            ids.append(i)
+    return ids
+
+
+def check_positions(model, length: int, source: str) -> None:
+    """A model with learned absolute position embeddings (GPT-2, OPT, ...) has no position past its table, so a
+    prompt plus response longer than it would fail deep inside a forward: exit 2 with the sizes. A rotary or ALiBi
+    model runs past max_position_embeddings (on positions it was not trained on): a note."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or length <= limit:
+        return
+    words = model.get_input_embeddings()
+    if any(isinstance(m, nn.Embedding) and m is not words and limit <= m.num_embeddings <= limit + 2
+           for m in model.modules()):
+        die(f"--prompt-length + --response-length = {length} tokens, more than the {limit} learned positions of "
+            f"{source}")
+    print(f"note: --prompt-length + --response-length = {length} tokens, more than {source}'s "
+          f"max_position_embeddings ({limit})")
 
 
 def load_causal_lm(path: str, trust_remote_code: bool):
@@ -691,26 +719,33 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: 
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
-def decode_responses(tok, responses: torch.Tensor) -> list[str]:
-    """Text of each response before its first EOS. Special tokens sampled inside it (pad, BOS, ...) stay in the text,
-    so that "1<pad>2" is not scored as "12"."""
-    keep = response_mask_from(responses, tok.eos_token_id).bool() & (responses != tok.eos_token_id)
+def decode_responses(tok, responses: torch.Tensor, stops=None) -> list[str]:
+    """Text of each response before its first stop token (default: the tokenizer's EOS). Special tokens sampled
+    inside it (pad, BOS, ...) stay in the text, so that "1<pad>2" is not scored as "12"."""
+    stops = tok.eos_token_id if stops is None else stops
+    keep = response_mask_from(responses, stops).bool() & ~is_stop(responses, stops)
     return [tok.decode(r[k].tolist(), skip_special_tokens=False) for r, k in zip(responses, keep)]
 
 
-def response_mask_from(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """1 for response tokens up to and including the first EOS, 0 after it."""
-    is_eos = (responses == eos_id).long()
+def is_stop(tokens: torch.Tensor, stops) -> torch.Tensor:
+    """Whether each token is a stop token; stops: one id or a list of ids (stop_token_ids)."""
+    return torch.isin(tokens, torch.as_tensor(stops, device=tokens.device))
+
+
+def response_mask_from(responses: torch.Tensor, stops) -> torch.Tensor:
+    """1 for response tokens up to and including the first stop token (EOS; one id or a list), 0 after it."""
+    is_eos = is_stop(responses, stops).long()
     return ((is_eos.cumsum(-1) - is_eos) == 0).long()
 
 
 @torch.no_grad()
-def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id: int, pad_id: int, temperature: float = 1.0,
+def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id, pad_id: int, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False, all_done=None, bf16: bool = False):
-    """Batched sampling with KV cache; stops when every row has produced EOS. Returns (B, max_new_tokens) tokens,
-    pad after EOS. all_done(done) -> bool: whether every rank is done (FSDP2: each forward is a collective, so all
-    ranks take the same number of steps). bf16: under bf16 autocast (--precision)."""
+    """Batched sampling with KV cache; stops when every row has produced EOS (eos_id: one id or a list of stop ids).
+    Returns (B, max_new_tokens) tokens, pad after EOS. all_done(done) -> bool: whether every rank is done (FSDP2: each
+    forward is a collective, so all ranks take the same number of steps). bf16: under bf16 autocast (--precision)."""
     B = prompt_ids.shape[0]
+    stop_ids = torch.as_tensor(eos_id, device=prompt_ids.device)  # (on the device once, not once a token)
     was_training = model.training
     model.eval()  # KV cache on (HF turns it off in training mode under gradient checkpointing)
     mask = prompt_mask.clone()
@@ -725,7 +760,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id: int, p
             tok = sample_token(out.logits[:, -1], temperature, top_p, top_k, gen, greedy)
             tok = torch.where(done, torch.full_like(tok, pad_id), tok)
             tokens.append(tok)
-            done |= tok == eos_id
+            done |= is_stop(tok, stop_ids)
             if bool(done.all()) if all_done is None else all_done(done):
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -1426,15 +1461,15 @@ def evaluate(policy, tok, rows: list[dict], args: Args, gen, device, rank: int =
     per_rank = len(rows) // world
     mine = rows[rank * per_rank:(rank + 1) * per_rank]
     res, chunk_size = {}, args.rollout_micro_batch_size or 256
+    stops = stop_token_ids(tok, policy)
     for name, greedy in (("greedy", True), ("sampled", False)):
         correct = 0.0
         for s in range(0, len(mine), chunk_size):
             chunk = mine[s:s + chunk_size]
             ids, mask = encode_batch(tok, chunk, args.prompt_length, args.apply_chat_template)
-            resp = generate(policy, ids.to(device), mask.to(device), args.response_length, tok.eos_token_id,
-                            tok.pad_token_id, args.temperature, args.top_p, args.top_k, gen, greedy, all_done,
-                            use_bf16(args)).cpu()
-            texts = decode_responses(tok, resp)
+            resp = generate(policy, ids.to(device), mask.to(device), args.response_length, stops, tok.pad_token_id,
+                            args.temperature, args.top_p, args.top_k, gen, greedy, all_done, use_bf16(args)).cpu()
+            texts = decode_responses(tok, resp, stops)
             correct += sum(rule_reward(t, r["answer"]) for t, r in zip(texts, chunk))
         res[f"accuracy_{name}"] = float(all_ranks_sum(torch.tensor([correct]), world)) / (per_rank * world)
     return res
@@ -1483,7 +1518,13 @@ def main(args: Args) -> dict:
         policy = load_causal_lm(args.model_name_or_path, args.trust_remote_code)
     else:
         tok = build_char_tokenizer()
-        policy = build_tiny_model(tok, args.seed, args.tiny_hidden_size, args.tiny_num_layers)
+        policy = build_tiny_model(tok, args.seed, args.tiny_hidden_size, args.tiny_num_layers,
+                                  max(64, args.prompt_length + args.response_length))
+    check_positions(policy, args.prompt_length + args.response_length, args.model_name_or_path or "the model")
+    stops = stop_token_ids(tok, policy)
+    if len(stops) > 1:
+        print(f"note: responses end at the tokenizer's EOS {tok.eos_token!r} and at "
+              f"{tok.convert_ids_to_tokens(stops[1:])} (the model's generation config)")
     if args.apply_chat_template and not tok.chat_template:
         die(f"--apply-chat-template: the tokenizer of {args.model_name_or_path or 'the built-in model'} has no chat "
             "template")
@@ -1697,11 +1738,11 @@ def main(args: Args) -> dict:
         policy.eval()
         gen_mb = args.rollout_micro_batch_size or p_ids.shape[0]  # (every rank runs the same number of chunks)
         resp = torch.cat([generate(policy, p_ids[s:s + gen_mb].to(device), p_mask[s:s + gen_mb].to(device), R,
-                                   tok.eos_token_id, tok.pad_token_id, args.temperature, args.top_p, args.top_k,
+                                   stops, tok.pad_token_id, args.temperature, args.top_p, args.top_k,
                                    gen_dev, all_done=all_done, bf16=use_bf16(args)).cpu()
                           for s in range(0, p_ids.shape[0], gen_mb)])
         t_gen = time.time() - t0
-        resp_mask = response_mask_from(resp, tok.eos_token_id)
+        resp_mask = response_mask_from(resp, stops)
         ids = torch.cat([p_ids, resp], 1).to(device)
         attn = torch.cat([p_mask, resp_mask], 1).to(device)
         full_in_reward = args.kl_penalty == "full"
@@ -1725,8 +1766,8 @@ def main(args: Args) -> dict:
         values = values * maskf if values is not None else torch.zeros_like(old_logp)
 
         # Reward: score (rule or reward model) on the last response token, normalise, KL penalty
-        texts = decode_responses(tok, resp)
-        eos = (resp == tok.eos_token_id).any(-1)
+        texts = decode_responses(tok, resp, stops)
+        eos = is_stop(resp, stops).any(-1)
         correct = torch.tensor([rule_reward(t, r["answer"]) for t, r in zip(texts, rows)])
         if rm is not None:
             enc = reward_model_inputs(rm_tok, [r["prompt"] for r in rows], texts, args.apply_chat_template)

@@ -513,6 +513,46 @@ def test_decode_stops_at_eos_with_a_printable_id_0():
     assert [P.rule_reward(t, "12") for t in texts] == [1.0, 0.0, 0.0, 0.0]
 
 
+def test_responses_also_end_at_the_end_of_turn_of_the_generation_config(tiny_copy, tmp_path, capsys):
+    """A chat model's turn ends with a token of its generation config that is not the tokenizer's EOS (Qwen2.5's
+    <|im_end|> beside <|endoftext|>): generation, the response mask, the text scored and the EOS flag stop there."""
+    tok, m = tiny_copy
+    ids, mask = P.left_pad([tok.encode("321=", add_special_tokens=False)], tok.pad_token_id, 6)
+    first = int(P.generate(m, ids, mask, 3, tok.eos_token_id, tok.pad_token_id, greedy=True)[0, 0])
+    assert first != tok.eos_token_id
+    assert P.stop_token_ids(tok, m) == [tok.eos_token_id]
+    m.generation_config.eos_token_id = [tok.eos_token_id, first]
+    stops = P.stop_token_ids(tok, m)
+    assert stops == [tok.eos_token_id, first]
+    resp = P.generate(m, ids, mask, 3, stops, tok.pad_token_id, greedy=True)
+    assert resp[0].tolist() == [first, tok.pad_token_id, tok.pad_token_id]  # stopped after the end-of-turn token
+    assert P.response_mask_from(resp, stops).tolist() == [[1, 0, 0]]
+    assert P.decode_responses(tok, resp, stops) == [""] and P.is_stop(resp, stops).any(-1).tolist() == [True]
+    assert P.response_mask_from(torch.tensor([[5, 7, 1, 1]]), [1, 7]).tolist() == [[1, 1, 0, 0]]
+    # through main: the model's generation config is read and the extra stop token named
+    m.save_pretrained(tmp_path / "lm")
+    tok.save_pretrained(tmp_path / "lm")
+    P.main(P.parse_args([*TINY, "--num-iterations", "1", "--sft-steps", "0", "--model-name-or-path",
+                         str(tmp_path / "lm"), "--runs-dir", str(tmp_path / "r")]))
+    assert f"and at {tok.convert_ids_to_tokens([first])}" in capsys.readouterr().out
+
+
+def test_learned_positions_shorter_than_prompt_plus_response_is_one_line_error(capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=16, vocab_size=40))
+    P.check_positions(gpt2, 16, "gpt2")  # fits
+    with pytest.raises(SystemExit) as e:
+        P.check_positions(gpt2, 24, "gpt2")
+    assert e.value.code == 2 and "more than the 16 learned positions of gpt2" in capsys.readouterr().err
+    with pytest.raises(IndexError):  # what the check saves the user from
+        gpt2(torch.zeros(1, 24, dtype=torch.long))
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16))
+    P.check_positions(llama, 24, "llama")  # rotary: runs on, with a note
+    assert "more than llama's max_position_embeddings (16)" in capsys.readouterr().out
+
+
 def test_disable_dropout_also_zeroes_attention_dropout():
     from transformers import LlamaConfig, LlamaForCausalLM
 
