@@ -271,8 +271,9 @@ def validate(args: Args) -> None:
         die(f"--kl-penalty-coef must be >= 0, got {args.kl_penalty_coef}")
     if args.kl_penalty_target is not None and args.kl_penalty_target <= 0:
         die(f"--kl-penalty-target must be positive, got {args.kl_penalty_target}")
-    if args.eval_deterministic and not args.eval_episodes and int(os.environ.get("RANK", "0")) == 0:
-        print("note: --eval-deterministic applies to --eval-episodes; none asked")
+    for flag, asked in (("--eval-deterministic", args.eval_deterministic), ("--capture-video", args.capture_video)):
+        if asked and not args.eval_episodes and int(os.environ.get("RANK", "0")) == 0:
+            print(f"note: {flag} applies to the --eval-episodes games; none asked")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun: one rollout of every process
     if args.seed < 0 or args.seed + args.total_timesteps + world * args.num_envs >= 2**31:
         die(f"--seed {args.seed}: envpool seeds (seed + global step + env index) must lie in [0, 2**31)")
@@ -445,10 +446,11 @@ def bootstrap_truncated(rewards, values, next_value, truncated, gamma: float):
 
 
 def to_bootstrap(terminations: np.ndarray, truncations: np.ndarray, lives_before: np.ndarray,
-                 lives_after: np.ndarray) -> np.ndarray:
+                 lives_after: np.ndarray, game_over: np.ndarray) -> np.ndarray:
     """The steps whose next value is bootstrapped: cut by the time limit and not terminal. envpool reports a life
-    lost (or the game over) on the time limit's last step as truncated and not terminated: the drop in lives tells."""
-    return truncations & ~terminations & (lives_after >= lives_before)
+    lost (or the game over) on the time limit's last step as truncated and not terminated: the drop in lives tells,
+    and info["terminated"] (game_over) in games without lives (Pong's lives stay 0)."""
+    return truncations & ~terminations & (game_over == 0) & (lives_after >= lives_before)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -908,7 +910,8 @@ def main(args: Args) -> dict:
 
             next_obs_np, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
             rewards_h[step] = torch.from_numpy(reward)  # clipped to its sign by envpool (reward_clip)
-            truncs_h[step] = torch.from_numpy(to_bootstrap(terminations, truncations, lives, infos["lives"]))
+            truncs_h[step] = torch.from_numpy(to_bootstrap(terminations, truncations, lives, infos["lives"],
+                                                           infos["terminated"]))
             lives = infos["lives"]
             next_done = np.logical_or(terminations, truncations)  # detail: a life loss is terminal for GAE
             for i, ret, length in episode_stats.update(infos["reward"], terminations, truncations,

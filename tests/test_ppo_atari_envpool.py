@@ -203,10 +203,31 @@ def test_life_lost_on_the_time_limit_step_is_not_bootstrapped():
         for t in range(1, limit + 3):  # (the reset step after a life loss is not counted by the limit)
             _, _, term, trunc, info = env.step(np.zeros(2, dtype=np.int64))
             cut += [t] if trunc[0] else []
-            bootstrapped += [t] if pae.to_bootstrap(term, trunc, lives, info["lives"])[0] else []
+            bootstrapped += [t] if pae.to_bootstrap(term, trunc, lives, info["lives"], info["terminated"])[0] else []
             lives = info["lives"]
         env.close()
         assert len(cut) == 1 and bootstrapped == (cut if plain else [])
+
+
+def test_game_over_on_the_time_limit_step_is_not_bootstrapped_in_a_game_without_lives():
+    """Pong has no lives (0 throughout): a game lost with NOOP on exactly the time limit's step is reported as
+    truncated only, and info["terminated"] is what tells it from a plain truncation 50 steps earlier."""
+    def play(limit):
+        env = pae.make_envs(pae.Args(env_id="Pong-v5", max_episode_steps=limit), 1, seed=1)
+        _, info = env.reset()
+        lives = info["lives"]
+        for t in range(1, limit + 1):
+            _, _, term, trunc, info = env.step(np.zeros(1, dtype=np.int64))
+            if term[0] or trunc[0]:
+                env.close()
+                return t, bool(term[0]), bool(trunc[0]), pae.to_bootstrap(term, trunc, lives, info["lives"],
+                                                                          info["terminated"])[0], info["lives"][0]
+            lives = info["lives"]
+
+    end, term, trunc, boot, lives = play(27_000)
+    assert term and not trunc and not boot and lives == 0 and 100 < end < 27_000  # the game lost, no limit
+    assert play(end) == (end, False, True, False, 0)  # game over on the limit's step: truncated only, terminal
+    assert play(end - 50) == (end - 50, False, True, True, 0)  # a plain truncation: bootstrapped
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -439,6 +460,15 @@ def test_deterministic_evaluation_plays_the_most_likely_action(monkeypatch, caps
         runs.append(pae.evaluate(agent, args, torch.device("cpu"), 1))
     assert len(runs[0]) == 1 and runs[0] == runs[1]
     assert "eval game 1/1" in capsys.readouterr().out
+
+
+def test_evaluation_flags_without_evaluation_games_get_a_note(capsys):
+    pae.validate(pae.Args(capture_video=True, eval_deterministic=True))
+    out = capsys.readouterr().out
+    assert "--capture-video applies to the --eval-episodes games; none asked" in out
+    assert "--eval-deterministic applies" in out
+    pae.validate(pae.Args(capture_video=True, eval_episodes=2))
+    assert "note" not in capsys.readouterr().out
 
 
 def test_resume_with_another_rollout_size_is_one_line_error(tmp_path, capsys):
