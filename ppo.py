@@ -672,6 +672,14 @@ def gather_objects(obj, world: int) -> list:
 # ---------------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------------
+def cudagraph_skips() -> int:
+    """How many compiled graphs torch decided to run without CUDA graphs (dynamo's and inductor's count; a graph that
+    mutates an input whose address is not fixed is one), so that --cudagraphs never falls back silently."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
 def main(args: Args) -> dict:
     rank, world, device = setup_distributed(args)
     batch_size = args.num_envs * args.num_steps  # per rank; the global batch is world * batch_size
@@ -743,6 +751,8 @@ def main(args: Args) -> dict:
                       "(--kl-penalty-coef sets the start of a new run only)")
     for p in agent.parameters():  # gradients allocated here, outside any CUDA graph's memory pool; the update
         p.grad = torch.zeros_like(p)  # zeroes them in place (zero_grad(set_to_none=False))
+        if args.cudagraphs:  # a fixed address, so that the graph of clip + optimizer step may update them in place
+            torch._dynamo.mark_static_address(p.grad)
     train_agent = agent  # what the update calls: the agent itself, or DDP around it under torchrun
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -937,6 +947,9 @@ def main(args: Args) -> dict:
             print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={sps}  "
                   f"return(last 20)={recent:.1f}  approx_kl={last_stats['approx_kl']:.4f}"
                   + (f"  kl={last_stats['kl']:.4f} kl_coef={beta:.3g}" if penalty else ""), flush=True)
+        if args.cudagraphs and iteration == start_iteration and rank == 0 and cudagraph_skips():
+            print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs says "
+                  "why)", flush=True)
         if args.kl_penalty_target is not None:  # the coefficient of the next update
             beta = adapt_kl_coef(beta, last_stats["kl"], args.kl_penalty_target)
             kl_coef.fill_(beta)

@@ -614,6 +614,20 @@ def test_torchrun_two_ranks_stop_then_resume(tmp_path):
         assert [s for s, _ in scalars(run_dir, tag)] == [128, 256, 384], tag
 
 
+def test_cudagraph_skips_reads_torchs_count_of_graphs_run_without_cuda_graphs():
+    """(--cudagraphs prints a note after its first iteration when this is not 0: a fall-back is never silent)"""
+    import ppo
+    import ppo_continuous
+    from torch._dynamo.utils import counters
+
+    before = counters["inductor"]["cudagraph_skips"]
+    try:
+        counters["inductor"]["cudagraph_skips"] = before + 2
+        assert pae.cudagraph_skips() == ppo.cudagraph_skips() == ppo_continuous.cudagraph_skips() == before + 2
+    finally:
+        counters["inductor"]["cudagraph_skips"] = before
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--cudagraphs"], "--cudagraphs needs --cuda"),  # checked first: no GPU at all
     (["--cuda", "--cudagraphs"], "--cudagraphs is not supported under torchrun"),  # before the CUDA device check
