@@ -47,7 +47,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 # Before torch loads OpenMP: spinning OpenMP threads collapse on a shared CPU (measured 35 vs 154 SPS on 2 busy
 # cores); on free cores it should cost little (not measured: these cores were never free). A user's value wins.
@@ -160,7 +160,9 @@ class Args:
     update_epochs: Count = 4
     """epochs E over each rollout"""
     norm_adv: bool = True
-    """standardise advantages per minibatch"""
+    """standardise the advantages (where: --norm-adv-scope)"""
+    norm_adv_scope: Literal["minibatch", "rollout"] = "minibatch"
+    """minibatch: in each minibatch, (A-mean)/(std+eps) (CleanRL); rollout: once, (A-mean)/sqrt(var+eps) (the note)"""
     clip_coef: float = 0.1
     """clip range epsilon of the policy ratio"""
     clip_vloss: bool = True
@@ -463,6 +465,14 @@ def normalize_advantages(adv: torch.Tensor, mask: torch.Tensor, eps: float = 1e-
     mean = (adv * mask).sum() / n.clamp(min=1.0)
     var = (((adv - mean) ** 2) * mask).sum() / (n - 1).clamp(min=1.0)
     return (adv - mean) / (var.sqrt() + eps)
+
+
+def normalize_advantages_rollout(adv: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """The note's advantage normalisation over the whole rollout, of the entries with mask 1: (A - mean) /
+    sqrt(population variance + eps)."""
+    n = mask.sum().clamp(min=1.0)
+    mean = (adv * mask).sum() / n
+    return (adv - mean) / torch.sqrt((((adv - mean) ** 2) * mask).sum() / n + eps)
 
 
 def categorical_kl(old_logp: torch.Tensor, new_logp: torch.Tensor) -> torch.Tensor:
@@ -826,6 +836,7 @@ def main(args: Args) -> dict:
                         "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
     # The two hot functions: action sampling during the rollout and one minibatch update.
+    norm_per_minibatch = args.norm_adv and args.norm_adv_scope == "minibatch"
     def policy(obs):
         action, logprob, _, value, logp_all = agent(obs)
         return action, logprob, value, logp_all
@@ -837,8 +848,8 @@ def main(args: Args) -> dict:
         # gradients of the ranks: ranks with different numbers of masked steps are weighted equally (as in
         # CleanRL's multi-GPU PPO), not by their counts of valid steps.
         loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
-                               mb_mask, args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef, args.norm_adv,
-                               kl_coef if penalty else None,
+                               mb_mask, args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef,
+                               norm_per_minibatch, kl_coef if penalty else None,
                                categorical_kl(mb_old_logp_all, logp_all) if penalty else None)
         loss.backward()
         stats["grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
@@ -950,8 +961,10 @@ def main(args: Args) -> dict:
         b_logprobs, b_actions, b_mask = logprobs.reshape(-1), actions.reshape(-1), mask.reshape(-1)
         b_advantages, b_returns, b_values = advantages.reshape(-1), returns.reshape(-1), values.reshape(-1)
         b_old_logp_all = old_logp_all.reshape(batch_size, n_actions) if penalty else None
+        if args.norm_adv and not norm_per_minibatch:  # the note's form (the default is per minibatch, in ppo_loss)
+            b_advantages = normalize_advantages_rollout(b_advantages, b_mask)
 
-        # Optimise policy & value for E epochs (advantage normalisation happens per minibatch in ppo_loss)
+        # Optimise policy & value for E epochs
         stats_sum, n_updates = None, 0
         for epoch in range(args.update_epochs):
             b_inds = torch.randperm(batch_size, device=device)

@@ -146,7 +146,9 @@ class Args:
     update_epochs: Count = 10
     """epochs E over each rollout"""
     norm_adv: bool = True
-    """standardise advantages per minibatch"""
+    """standardise the advantages (where: --norm-adv-scope)"""
+    norm_adv_scope: Literal["minibatch", "rollout"] = "minibatch"
+    """minibatch: in each minibatch, (A-mean)/(std+eps) (CleanRL); rollout: once, (A-mean)/sqrt(var+eps) (the note)"""
     clip_coef: float = 0.2
     """clip range epsilon of the policy ratio"""
     clip_vloss: bool = True
@@ -248,7 +250,7 @@ def validate(args: Args) -> None:
     batch = args.num_envs * args.num_steps
     if batch % args.num_minibatches:
         die(f"num_envs*num_steps = {batch} is not divisible by --num-minibatches {args.num_minibatches}")
-    if args.norm_adv and batch // args.num_minibatches < 2:
+    if args.norm_adv and args.norm_adv_scope == "minibatch" and batch // args.num_minibatches < 2:
         die(f"minibatches of {batch // args.num_minibatches} sample: --norm-adv needs at least 2 (their std)")
     if not 0 <= args.seed < 2**31:
         die(f"--seed must lie in [0, 2**31), got {args.seed}")
@@ -549,6 +551,11 @@ def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, lam
 def normalize_advantages(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(A - mean) / (std + eps), with the unbiased std as in CleanRL and the OpenAI baselines."""
     return (adv - adv.mean()) / (adv.std() + eps)
+
+
+def normalize_advantages_rollout(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """The note's advantage normalisation over the whole rollout: (A - mean) / sqrt(population variance + eps)."""
+    return (adv - adv.mean()) / torch.sqrt(adv.var(unbiased=False) + eps)
 
 
 def gaussian_kl(old_mean, old_logstd, mean, logstd) -> torch.Tensor:
@@ -1022,6 +1029,7 @@ def main(args: Args) -> dict:
                         "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
     # The two hot functions: action sampling during the rollout and one minibatch update.
+    norm_per_minibatch = args.norm_adv and args.norm_adv_scope == "minibatch"
     def policy(obs, fused):
         action, logprob, _, value, (mean, _) = agent(obs, fused=fused)
         return action, logprob, value, mean
@@ -1031,7 +1039,7 @@ def main(args: Args) -> dict:
         optimizer.zero_grad(set_to_none=False)
         _, newlogprob, entropy, newvalue, (mean, logstd) = train_agent(mb_obs, mb_actions)
         loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
-                               args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef, args.norm_adv,
+                               args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef, norm_per_minibatch,
                                kl_coef if penalty else None,
                                gaussian_kl(mb_old_mean, mb_old_logstd, mean, logstd) if penalty else None)
         loss.backward()
@@ -1170,8 +1178,10 @@ def main(args: Args) -> dict:
         b_returns, b_values = torch.from_numpy(returns).to(device).reshape(-1), values.reshape(-1)
         if penalty:
             b_old_means = old_means.reshape(batch_size, act_dim)
+        if args.norm_adv and not norm_per_minibatch:  # the note's form (the default is per minibatch, in ppo_loss)
+            b_advantages = normalize_advantages_rollout(b_advantages)
 
-        # Optimise policy & value for E epochs (advantage normalisation happens per minibatch in ppo_loss)
+        # Optimise policy & value for E epochs
         stats_sum, n_updates = None, 0
         for epoch in range(args.update_epochs):
             b_inds = torch.randperm(batch_size, device=device)

@@ -462,6 +462,25 @@ def test_deterministic_evaluation_plays_the_most_likely_action(monkeypatch, caps
     assert "eval game 1/1" in capsys.readouterr().out
 
 
+def test_norm_adv_scope_rollout_is_the_notes_normalisation_over_the_valid_steps(tmp_path, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    adv, mask = torch.randn(40, generator=g) * 3 + 1, (torch.rand(40, generator=g) > 0.2).float()
+    valid = adv[mask.bool()].tolist()
+    mean = sum(valid) / len(valid)
+    sigma = math.sqrt(sum((a - mean) ** 2 for a in valid) / len(valid) + 1e-8)  # the note's: population, eps inside
+    assert pae.normalize_advantages_rollout(adv, mask).tolist() == pytest.approx(
+        [(a - mean) / sigma for a in adv.tolist()], abs=1e-6)
+    seen, original = [], pae.ppo_loss
+    monkeypatch.setattr(pae, "ppo_loss", lambda *a, **k: seen.append((a[2].clone(), a[7].clone(), a[12]))
+                        or original(*a, **k))
+    pae.main(tiny(tmp_path, total_timesteps=64, update_epochs=2, norm_adv_scope="rollout"))
+    assert len(seen) == 2 * 2 and {flag for *_, flag in seen} == {False}
+    a, m = (torch.cat([x[i] for x in seen[:2]]) for i in (0, 1))  # epoch 1: the whole rollout
+    mean = (a * m).sum() / m.sum()
+    assert mean.item() == pytest.approx(0, abs=1e-5)
+    assert ((((a - mean) ** 2) * m).sum() / m.sum()).item() == pytest.approx(1, abs=1e-4)
+
+
 def test_evaluation_flags_without_evaluation_games_get_a_note(capsys):
     pae.validate(pae.Args(capture_video=True, eval_deterministic=True))
     out = capsys.readouterr().out

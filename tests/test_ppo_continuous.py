@@ -567,6 +567,26 @@ def test_the_update_uses_the_kl_penalty_loss_with_a_fixed_coefficient(tmp_path, 
     assert [v for _, v in read_scalars(res["run_dir"], "charts/kl_coef")] == pytest.approx([0.3, 0.3])
 
 
+def note_normalisation(adv, eps=1e-8):
+    """The note's advantage averaging, written as its three lines: mean over T, sqrt of the mean square + eps."""
+    n = len(adv)
+    mean = sum(adv) / n
+    sigma = math.sqrt(sum((a - mean) ** 2 for a in adv) / n + eps)
+    return [(a - mean) / sigma for a in adv]
+
+
+def test_norm_adv_scope_rollout_is_the_notes_normalisation_once_before_the_epochs(tmp_path, monkeypatch):
+    adv = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    assert pc.normalize_advantages_rollout(adv).tolist() == pytest.approx(note_normalisation(adv.tolist()), abs=1e-6)
+    seen, original = [], pc.ppo_loss
+    monkeypatch.setattr(pc, "ppo_loss", lambda *a, **k: seen.append((a[2].clone(), a[11])) or original(*a, **k))
+    pc.main(tiny(tmp_path, total_timesteps=128, norm_adv_scope="rollout"))
+    assert len(seen) == 2 * 2 and {flag for _, flag in seen} == {False}  # not standardised again per minibatch
+    first_epoch = torch.cat([a for a, _ in seen[:2]])
+    assert first_epoch.mean().item() == pytest.approx(0, abs=1e-5)
+    assert first_epoch.var(unbiased=False).item() == pytest.approx(1, abs=1e-4)
+
+
 def test_compile_follows_eager_with_the_adaptive_kl_penalty(tmp_path):
     """The compiled rollout and update (the fused-weights policy; pi_old's mean and log std as update inputs; a
     coefficient that doubles each iteration) take the eager run's learning path."""
