@@ -289,6 +289,9 @@ def check_env(args: Args) -> None:
     if not isinstance(probe.action_space, gym.spaces.Discrete):
         die(f"{args.env_id} has a {type(probe.action_space).__name__} action space; ppo.py needs Discrete "
             "(use ppo_continuous.py for continuous actions)")
+    if int(probe.action_space.start) != 0:  # the agent's actions are indices 0..n-1
+        die(f"{args.env_id} has actions {int(probe.action_space.start)}..{int(probe.action_space.start)} + "
+            f"{probe.action_space.n - 1}; ppo.py needs Discrete actions that start at 0")
     if not isinstance(probe.observation_space, gym.spaces.Box):
         die(f"{args.env_id} has a {type(probe.observation_space).__name__} observation space; ppo.py needs a Box")
     probe.close()
@@ -310,8 +313,21 @@ def make_vector_env(args: Args):
     import gymnasium as gym
 
     fns = [make_env(args.env_id, i) for i in range(args.num_envs)]
-    cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
-    return cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    if args.vector_mode == "sync":
+        return gym.vector.SyncVectorEnv(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    return gym.vector.AsyncVectorEnv([leave_signals_to_main(fn) for fn in fns],
+                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+
+def leave_signals_to_main(make):
+    """An async worker ignores SIGINT and SIGTERM: a Ctrl-C reaches the whole process group, and a worker that died
+    of it would break the main process's last step and close instead of its checkpoint and clean exit."""
+    def thunk():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return make()
+
+    return thunk
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -973,7 +989,8 @@ def main(args: Args) -> dict:
             if rank == 0:
                 launcher = f"torchrun --nproc-per-node {world}" if world > 1 else "python"
                 print(f"stopped at iteration {iteration} ({why}); continue with: {launcher} {SCRIPT} --resume "
-                      f"{ckpt_path}", flush=True)
+                      f"{ckpt_path}" + (f" (which stops again after {args.stop_after} iterations, the checkpoint's "
+                       "--stop-after; add --stop-after 0 to run to the end)" if args.stop_after else ""), flush=True)
             finished = False
             break
         if args.checkpoint_every and iteration % args.checkpoint_every == 0:

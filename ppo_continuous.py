@@ -307,7 +307,7 @@ def make_env(env_id: str, idx: int = 0, capture_video: bool = False, video_dir: 
 
 
 def check_env(env_id: str) -> None:
-    """Die with one line unless env_id makes an env with a Box action space and a flat Box observation space."""
+    """Die with one line unless env_id makes an env with flat Box action and observation spaces."""
     import gymnasium as gym
 
     try:
@@ -319,6 +319,8 @@ def check_env(env_id: str) -> None:
     if not isinstance(probe.action_space, gym.spaces.Box):
         die(f"{env_id} has a {type(probe.action_space).__name__} action space; ppo_continuous.py needs a Box "
             "(use ppo.py for discrete actions)")
+    if len(probe.action_space.shape) != 1:  # actions are (N, act_dim), clipped to the bounds of a flat Box
+        die(f"{env_id} has a {probe.action_space} action space; ppo_continuous.py needs a flat Box")
     if not isinstance(probe.observation_space, gym.spaces.Box) or len(probe.observation_space.shape) != 1:
         die(f"{env_id} has a {probe.observation_space} observation space; ppo_continuous.py needs a flat Box")
     probe.close()
@@ -330,8 +332,21 @@ def make_vector_env(args: Args):
     import gymnasium as gym
 
     fns = [make_env(args.env_id, i) for i in range(args.num_envs)]
-    cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
-    return cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    if args.vector_mode == "sync":
+        return gym.vector.SyncVectorEnv(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    return gym.vector.AsyncVectorEnv([leave_signals_to_main(fn) for fn in fns],
+                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+
+def leave_signals_to_main(make):
+    """An async worker ignores SIGINT and SIGTERM: a Ctrl-C reaches the whole process group, and a worker that died
+    of it would break the main process's last step and close instead of its checkpoint and clean exit."""
+    def thunk():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return make()
+
+    return thunk
 
 
 def setup_rendering(env_id: str) -> str:
@@ -1255,7 +1270,8 @@ def main(args: Args) -> dict:
             if rank == 0:
                 launcher = f"torchrun --nproc-per-node {world}" if world > 1 else "python"
                 print(f"stopped at iteration {iteration} ({why}); continue with: {launcher} {SCRIPT} --resume "
-                      f"{ckpt_path}", flush=True)
+                      f"{ckpt_path}" + (f" (which stops again after {args.stop_after} iterations, the checkpoint's "
+                       "--stop-after; add --stop-after 0 to run to the end)" if args.stop_after else ""), flush=True)
             finished = False
             break
         if args.checkpoint_every and iteration % args.checkpoint_every == 0:

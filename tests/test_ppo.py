@@ -572,6 +572,43 @@ def test_sigterm_writes_checkpoint_and_exits_cleanly(tmp_path):
     assert 0 < state["global_step"] < 1_000_000 and state["global_step"] == state["iteration"] * 512
 
 
+def test_ctrl_c_to_the_process_group_of_an_async_run_checkpoints_and_exits_cleanly(tmp_path):
+    """A terminal's Ctrl-C reaches every process of the group: the async workers leave it to the main process,
+    which finishes the iteration, writes the checkpoint and closes the envs (a worker that died of it broke the
+    close with a BrokenPipeError traceback and exit code 1)."""
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "ppo.py"), "--total-timesteps", "1e6", "--vector-mode",
+                          "async", "--runs-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=tmp_path, start_new_session=True)
+    first = p.stdout.readline()
+    assert first.startswith("iter 1/"), first + p.stderr.read()
+    time.sleep(0.5)
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and "Traceback" not in err, err
+    assert "(SIGINT); continue with: python ppo.py --resume" in out
+    assert len(glob.glob(str(tmp_path / "CartPole-v1__ppo__1__*" / "checkpoint.pt"))) == 1
+
+
+def test_discrete_actions_that_do_not_start_at_0_are_one_line_error(capsys):
+    import gymnasium as gym
+
+    class Shifted(gym.Env):
+        observation_space = gym.spaces.Box(-1.0, 1.0, (2,))
+        action_space = gym.spaces.Discrete(3, start=-1)
+
+    gym.register("ShiftedActions-v0", entry_point=Shifted)
+    try:
+        with pytest.raises(SystemExit) as e:
+            ppo.check_env(ppo.Args(env_id="ShiftedActions-v0"))
+        assert e.value.code == 2 and "actions -1..-1 + 2; ppo.py needs Discrete actions that start at 0" in \
+            capsys.readouterr().err
+    finally:
+        del gym.registry["ShiftedActions-v0"]
+
+
 def test_env_state_only_for_envs_whose_whole_state_is_saved():
     """An env whose state lives outside plain attributes (Box2D's world, an emulator) gets no snapshot: restoring
     part of it would continue another episode than the one saved. Stand-in: CartPole defined elsewhere."""

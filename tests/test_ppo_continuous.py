@@ -368,6 +368,20 @@ def test_deterministic_evaluation_plays_the_mean_action(monkeypatch):
     assert runs[0] == runs[1] != sampled
 
 
+def test_an_action_box_that_is_not_flat_is_one_line_error(capsys):
+    import gymnasium as gym
+
+    class Grid(gym.Env):  # (2, 2) actions: clipping (N, 4) samples to its bounds could not broadcast
+        observation_space = gym.spaces.Box(-1.0, 1.0, (3,))
+        action_space = gym.spaces.Box(-1.0, 1.0, (2, 2))
+
+    gym.register("GridActions-v0", entry_point=Grid)
+    try:
+        assert "needs a flat Box" in one_line_error(capsys, pc.check_env, "GridActions-v0")
+    finally:
+        del gym.registry["GridActions-v0"]
+
+
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert "Discrete action space" in one_line_error(capsys, pc.check_env, "CartPole-v1")
     assert "unknown or unusable env id" in one_line_error(capsys, pc.check_env, "NoSuchEnv-v9")
@@ -472,6 +486,22 @@ def test_sigterm_writes_checkpoint_and_exits_cleanly(tmp_path):
     assert 0 < state["global_step"] < 1_000_000 and state["global_step"] == state["iteration"] * 256
     assert f"stopped at iteration {state['iteration']} (SIGTERM)" in out
     assert state["rollout"]["envs"][0]["mujoco"] is not None  # the episode in flight is part of it
+
+
+def test_ctrl_c_to_the_process_group_of_an_async_run_checkpoints_and_exits_cleanly(tmp_path):
+    """The async workers leave a Ctrl-C (sent to the whole group) to the main process: checkpoint, clean exit."""
+    p = subprocess.Popen([sys.executable, SCRIPT, "--env-id", "Hopper-v5", "--total-timesteps", "1e6", "--num-envs",
+                          "2", "--num-steps", "128", "--num-minibatches", "4", "--update-epochs", "1", "--vector-mode",
+                          "async", "--runs-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=tmp_path, start_new_session=True)
+    first = p.stdout.readline()
+    assert first.startswith("iter 1/"), first + p.stderr.read()
+    time.sleep(0.5)
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and "Traceback" not in err, err
+    assert "(SIGINT); continue with: python ppo_continuous.py --resume" in out
+    assert len(glob.glob(str(tmp_path / "Hopper-v5__ppo_continuous__1__*" / "checkpoint.pt"))) == 1
 
 
 def tiny(tmp_path, **kw):
