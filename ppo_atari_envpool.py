@@ -1041,7 +1041,8 @@ def main(args: Args) -> dict:
             if rank == 0:
                 launcher = f"torchrun --nproc-per-node {world}" if world > 1 else "python"
                 print(f"stopped at iteration {iteration} ({why}); continue with: {launcher} {SCRIPT} --resume "
-                      f"{ckpt_path}", flush=True)
+                      f"{ckpt_path}" + (f" (which stops again after {args.stop_after} iterations, the checkpoint's "
+                       "--stop-after; add --stop-after 0 to run to the end)" if args.stop_after else ""), flush=True)
             finished = False
             break
         if args.checkpoint_every and iteration % args.checkpoint_every == 0:

@@ -348,6 +348,7 @@ def test_smoke_run_stops_then_resumes_with_steps_lr_schedule_and_tags(tmp_path):
     common = ["--total-timesteps", "512", "--runs-dir", str(tmp_path), *TINY]  # 8 iterations of 64 steps
     out = run([*common, "--stop-after", "3"], tmp_path)
     assert "stopped at iteration 3 (--stop-after 3); continue with: python ppo_atari_envpool.py --resume" in out
+    assert "(which stops again after 3 iterations, the checkpoint's --stop-after; add --stop-after 0" in out
     (run_dir,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path)]
     ckpt_path = os.path.join(run_dir, "checkpoint.pt")
     ckpt = torch.load(ckpt_path, weights_only=True)
