@@ -289,9 +289,9 @@ def check_env(args: Args) -> None:
     if not isinstance(probe.action_space, gym.spaces.Discrete):
         die(f"{args.env_id} has a {type(probe.action_space).__name__} action space; ppo.py needs Discrete "
             "(use ppo_continuous.py for continuous actions)")
-    if int(probe.action_space.start) != 0:  # the agent's actions are indices 0..n-1
-        die(f"{args.env_id} has actions {int(probe.action_space.start)}..{int(probe.action_space.start)} + "
-            f"{probe.action_space.n - 1}; ppo.py needs Discrete actions that start at 0")
+    start, n = int(probe.action_space.start), int(probe.action_space.n)
+    if start != 0:  # the agent's actions are indices 0..n-1
+        die(f"{args.env_id} has actions {start}..{start + n - 1}; ppo.py needs Discrete actions that start at 0")
     if not isinstance(probe.observation_space, gym.spaces.Box):
         die(f"{args.env_id} has a {type(probe.observation_space).__name__} observation space; ppo.py needs a Box")
     probe.close()
@@ -313,10 +313,10 @@ def make_vector_env(args: Args):
     import gymnasium as gym
 
     fns = [make_env(args.env_id, i) for i in range(args.num_envs)]
-    if args.vector_mode == "sync":
-        return gym.vector.SyncVectorEnv(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
-    return gym.vector.AsyncVectorEnv([leave_signals_to_main(fn) for fn in fns],
-                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
+    if args.vector_mode == "async":
+        fns = [leave_signals_to_main(fn) for fn in fns]
+    return cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
 
 def leave_signals_to_main(make):

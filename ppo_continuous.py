@@ -332,10 +332,10 @@ def make_vector_env(args: Args):
     import gymnasium as gym
 
     fns = [make_env(args.env_id, i) for i in range(args.num_envs)]
-    if args.vector_mode == "sync":
-        return gym.vector.SyncVectorEnv(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
-    return gym.vector.AsyncVectorEnv([leave_signals_to_main(fn) for fn in fns],
-                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
+    if args.vector_mode == "async":
+        fns = [leave_signals_to_main(fn) for fn in fns]
+    return cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
 
 def leave_signals_to_main(make):

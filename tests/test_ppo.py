@@ -603,7 +603,7 @@ def test_discrete_actions_that_do_not_start_at_0_are_one_line_error(capsys):
     try:
         with pytest.raises(SystemExit) as e:
             ppo.check_env(ppo.Args(env_id="ShiftedActions-v0"))
-        assert e.value.code == 2 and "actions -1..-1 + 2; ppo.py needs Discrete actions that start at 0" in \
+        assert e.value.code == 2 and "actions -1..1; ppo.py needs Discrete actions that start at 0" in \
             capsys.readouterr().err
     finally:
         del gym.registry["ShiftedActions-v0"]
