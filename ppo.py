@@ -294,6 +294,10 @@ def check_env(args: Args) -> None:
         die(f"{args.env_id} has actions {start}..{start + n - 1}; ppo.py needs Discrete actions that start at 0")
     if not isinstance(probe.observation_space, gym.spaces.Box):
         die(f"{args.env_id} has a {type(probe.observation_space).__name__} observation space; ppo.py needs a Box")
+    space = probe.observation_space
+    if space.dtype == np.uint8 and len(space.shape) >= 2 and int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: {args.env_id} observes {space.shape} uint8 images; ppo.py's MLP takes them flat and unscaled "
+              "(0..255): for Atari use ppo_atari_envpool.py (CNN, inputs scaled by 1/255)")
     probe.close()
     if args.capture_video and not args.eval_episodes and int(os.environ.get("RANK", "0")) == 0:
         print("note: --capture-video records the --eval-episodes only; none asked")

@@ -609,6 +609,28 @@ def test_discrete_actions_that_do_not_start_at_0_are_one_line_error(capsys):
         del gym.registry["ShiftedActions-v0"]
 
 
+def test_image_observations_get_a_note_that_they_go_in_unscaled(capsys):
+    import gymnasium as gym
+
+    class Pixels(gym.Env):
+        observation_space = gym.spaces.Box(0, 255, (8, 8, 3), dtype=np.uint8)
+        action_space = gym.spaces.Discrete(2)
+
+    class Floats(Pixels):
+        observation_space = gym.spaces.Box(0.0, 1.0, (8, 8, 3), dtype=np.float32)
+
+    gym.register("PixelObs-v0", entry_point=Pixels)
+    gym.register("FloatImageObs-v0", entry_point=Floats)
+    try:
+        ppo.check_env(ppo.Args(env_id="PixelObs-v0"))
+        assert "observes (8, 8, 3) uint8 images; ppo.py's MLP takes them flat and unscaled" in capsys.readouterr().out
+        ppo.check_env(ppo.Args(env_id="FloatImageObs-v0"))
+        ppo.check_env(ppo.Args(env_id="CartPole-v1"))
+        assert "note" not in capsys.readouterr().out
+    finally:
+        del gym.registry["PixelObs-v0"], gym.registry["FloatImageObs-v0"]
+
+
 def test_env_state_only_for_envs_whose_whole_state_is_saved():
     """An env whose state lives outside plain attributes (Box2D's world, an emulator) gets no snapshot: restoring
     part of it would continue another episode than the one saved. Stand-in: CartPole defined elsewhere."""
