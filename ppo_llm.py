@@ -774,6 +774,14 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id, pad_id
     return resp
 
 
+def compile_forward(model, backend: str = "inductor"):
+    """--compile: the model's forward through torch.compile, with dynamic shapes (prompt, response and KV-cache
+    lengths vary), so generation, scoring and the update all run the compiled graphs; the weights stay shared.
+    (backend: the tests trace with "aot_eager", which skips inductor's minutes of kernel compilation on a CPU.)"""
+    model.forward = torch.compile(model.forward, dynamic=True, backend=backend)
+    return model
+
+
 def model_forward(model, input_ids, attention_mask, resp_len: int, temperature: float, shared_value_head=None,
                   full: bool = False, entropy: bool = False):
     """One forward over [prompt | response]: per response token the log-prob (logits / temperature), optionally
@@ -1627,7 +1635,7 @@ def main(args: Args) -> dict:
     if args.compile:
         for m in (policy, critic):
             if m is not None:
-                m.forward = torch.compile(m.forward, dynamic=True)
+                compile_forward(m)
     train_policy, train_critic, train_value_head = policy, critic, value_head  # what the update calls
     all_done = None  # generation: when to stop (FSDP2: when every rank is done)
     if world > 1:  # after the warm-start (each rank ran the same one), before the optimizers take the parameters
