@@ -95,6 +95,47 @@ def test_truncated_episode_is_bootstrapped_and_terminated_is_not():
     assert ret[0, 1].item() == pytest.approx(1.0 + gamma * v_final)
 
 
+def forever_env():
+    """Reward 1 every step, never terminates; the time limit cuts it after 5 steps. Observation: the step's parity
+    (the final observation is one the critic trains on). With truncation bootstrapped, V(s) = 1 / (1 - gamma) = 5 in
+    every state (gamma 0.8); taking truncation for termination would give V(t) = (1 - gamma^(5 - t)) / (1 - gamma),
+    3.4 ... 1.0."""
+    import gymnasium as gym
+
+    class Forever(gym.Env):
+        observation_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float64)
+        action_space = gym.spaces.Discrete(2)
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.t = 0
+            return np.array([0.0]), {}
+
+        def step(self, action):
+            self.t += 1
+            return np.array([float(self.t % 2)]), 1.0, False, False, {}
+
+    return Forever()
+
+
+def test_a_run_bootstraps_truncated_episodes_with_the_value_of_the_final_observation(tmp_path):
+    import gymnasium as gym
+
+    gym.register("ForeverDiscrete-v0", entry_point=forever_env, max_episode_steps=5)
+    try:
+        res = ppo.main(small_args(tmp_path, env_id="ForeverDiscrete-v0", total_timesteps=4000, num_steps=50,
+                                  num_minibatches=2, update_epochs=10, learning_rate=1e-2, anneal_lr=False,
+                                  gamma=0.8, gae_lambda=1.0, clip_vloss=False, max_grad_norm=100.0, seed=3,
+                                  save_model=True))
+    finally:
+        del gym.registry["ForeverDiscrete-v0"]
+    agent = ppo.Agent(1, 2)
+    agent.load_state_dict(torch.load(os.path.join(res["run_dir"], "checkpoint.pt"), weights_only=True)["model"])
+    with torch.no_grad():
+        v = agent.get_value(torch.tensor([[0.0], [1.0]])).numpy()
+    np.testing.assert_allclose(v, 5.0, atol=0.5)
+
+
 def test_normalize_advantages():
     a = torch.tensor([1.0, 2.0, 3.0, 10.0])
     n = ppo.normalize_advantages(a)
