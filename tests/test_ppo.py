@@ -14,6 +14,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import ppo  # noqa: E402
+from references import reference_gae  # noqa: E402  (tests/references.py)
 
 
 def run_script(*argv, cwd=None, timeout=240):
@@ -36,26 +37,6 @@ def read_scalars(run_dir, tag):
 # --------------------------------------------------------------------------------------------------------------
 # GAE
 # --------------------------------------------------------------------------------------------------------------
-def reference_gae(rewards, values, dones, next_value, next_done, gamma, lam):
-    """A_t = sum_l (gamma*lam)^l delta_{t+l}, summed forward until the episode ends (plain Python floats)."""
-    T, N = len(rewards), len(rewards[0])
-    # episode_over[t][i]: the transition at t is the last of its episode
-    over = [[(dones[t + 1][i] if t + 1 < T else next_done[i]) for i in range(N)] for t in range(T)]
-    v_next = [[(values[t + 1][i] if t + 1 < T else next_value[i]) for i in range(N)] for t in range(T)]
-    adv = [[0.0] * N for _ in range(T)]
-    for i in range(N):
-        for t in range(T):
-            total, weight = 0.0, 1.0
-            for k in range(t, T):
-                delta = rewards[k][i] + (0.0 if over[k][i] else gamma * v_next[k][i]) - values[k][i]
-                total += weight * delta
-                if over[k][i]:
-                    break
-                weight *= gamma * lam
-            adv[t][i] = total
-    return adv
-
-
 def test_compute_gae_matches_forward_sum_with_episode_ends():
     g = torch.Generator().manual_seed(0)
     T, N = 9, 3

@@ -18,6 +18,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import ppo_atari_envpool as pae  # noqa: E402
+from references import reference_gae  # noqa: E402  (tests/references.py)
 
 SCRIPT = os.path.join(ROOT, "ppo_atari_envpool.py")
 
@@ -250,24 +251,26 @@ def test_observation_shape_dtype_and_agent():
 # ---------------------------------------------------------------------------------------------------------
 # Pure functions vs plain loops
 # ---------------------------------------------------------------------------------------------------------
-def test_gae_and_truncation_bootstrap_against_loop():
+def test_gae_and_truncation_bootstrap_against_forward_sum():
     torch.manual_seed(0)
     T, N, gamma, lam = 7, 3, 0.9, 0.8
     rewards, values = torch.randn(T, N), torch.randn(T, N)
     dones = (torch.rand(T, N) < 0.3).float()
     truncs = (torch.rand(T, N) < 0.3).float()
     next_value, next_done = torch.randn(N), torch.tensor([0.0, 1.0, 0.0])
+    assert dones[1:].sum() > 0 and truncs.sum() > 0
     r2 = pae.bootstrap_truncated(rewards, values, next_value, truncs, gamma)
+    # a step cut by the time limit gets r + gamma * V(the observation after it), every other step its r
+    for t in range(T):
+        for n in range(N):
+            v_after = values[t + 1, n].item() if t + 1 < T else next_value[n].item()
+            want = rewards[t, n].item() + (gamma * v_after if truncs[t, n] else 0.0)
+            assert r2[t, n].item() == pytest.approx(want, abs=1e-6)
     adv, ret = pae.compute_gae(r2, values, dones, next_value, next_done, gamma, lam)
-    for n in range(N):
-        vals = values[:, n].tolist() + [next_value[n].item()]
-        d = dones[:, n].tolist() + [next_done[n].item()]
-        a = 0.0
-        for t in reversed(range(T)):
-            r = rewards[t, n].item() + (gamma * vals[t + 1] if truncs[t, n] else 0.0)
-            a = r + gamma * vals[t + 1] * (1 - d[t + 1]) - vals[t] + gamma * lam * (1 - d[t + 1]) * a
-            assert abs(adv[t, n].item() - a) < 1e-5
-            assert abs(ret[t, n].item() - (a + vals[t])) < 1e-5
+    ref = reference_gae(r2.tolist(), values.tolist(), dones.tolist(), next_value.tolist(), next_done.tolist(),
+                        gamma, lam)
+    np.testing.assert_allclose(adv.numpy(), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ret.numpy(), adv.numpy() + values.numpy(), rtol=1e-6)
 
 
 def plain_loss(newlp, oldlp, adv, newv, oldv, ret, ent, clip, ent_coef, vf_coef):

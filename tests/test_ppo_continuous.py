@@ -19,6 +19,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import ppo_continuous as pc  # noqa: E402
+from references import reference_gae  # noqa: E402  (tests/references.py)
 
 SCRIPT = os.path.join(ROOT, "ppo_continuous.py")
 
@@ -237,21 +238,17 @@ def test_kl_penalty_policy_loss_and_adaptive_coefficient():
         pc.ppo_loss(z, z, z, z, z, z, z, 0.2, False, 0.0, 0.0, False, kl_coef=1.0)
 
 
-def test_compute_gae_matches_loop():
+def test_compute_gae_matches_forward_sum():
     rng = np.random.default_rng(2)
     T, N, gamma, lam = 9, 3, 0.97, 0.9
     r, v = rng.normal(size=(T, N)), rng.normal(size=(T, N))
     d = (rng.random((T, N)) < 0.3).astype(np.float64)
     nv, nd = rng.normal(size=N), np.array([0.0, 1.0, 0.0])
+    assert d[1:].sum() > 0  # episode ends inside the rollout, not only at its end
     adv, ret = pc.compute_gae(r, v, d, nv, nd, gamma, lam)
-    for i in range(N):
-        a = 0.0
-        for t in reversed(range(T)):
-            nonterm = 1.0 - (nd[i] if t == T - 1 else d[t + 1, i])
-            nxt = nv[i] if t == T - 1 else v[t + 1, i]
-            a = r[t, i] + gamma * nxt * nonterm - v[t, i] + gamma * lam * nonterm * a
-            assert adv[t, i] == pytest.approx(a)
-            assert ret[t, i] == pytest.approx(a + v[t, i])
+    ref = reference_gae(r.tolist(), v.tolist(), d.tolist(), nv.tolist(), nd.tolist(), gamma, lam)
+    np.testing.assert_allclose(adv, ref, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(ret, np.array(ref) + v, rtol=1e-9, atol=1e-9)
 
 
 # ---------------------------------------------------------------------------------------------------------
