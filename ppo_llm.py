@@ -1837,6 +1837,7 @@ def main(args: Args) -> dict:
         for k, v in metrics.items():
             writer.add_scalar(k, v, global_step)
         tracker.setdefault("rollout", []).append([iteration, metrics["rollout/accuracy"]])
+        tracker["metrics"] = metrics  # (the last iteration's, returned)
         now = time.time()
         if now - last_print >= 5.0 or iteration == args.num_iterations or iteration == start_iteration:
             last_print = now
@@ -1886,7 +1887,8 @@ def main(args: Args) -> dict:
             sys.stdout.flush(), sys.stderr.flush()
             os._exit(1)
         sys.exit(1)
-    return {"run_dir": run_dir, "curve": tracker["curve"], "stats": stats, "checkpoint": ckpt_path}
+    return {"run_dir": run_dir, "curve": tracker["curve"], "stats": stats, "checkpoint": ckpt_path,
+            "metrics": tracker.get("metrics", {})}
 
 
 if __name__ == "__main__":

@@ -395,7 +395,10 @@ def test_resume_restores_network_optimizer_rng_and_counters(tmp_path):
     saved = torch.load(path, weights_only=True)
     assert saved["optimizer"]["state"]  # Adam moments exist after two updates
     args = pae.parse_args(["--resume", path, "--total-timesteps", "128", "--save-model"])  # 128 steps are done
+    before = os.stat(path)
     pae.main(args)
+    after = os.stat(path)  # written again (a new file put in place), not the old one read back
+    assert (after.st_ino, after.st_mtime_ns) != (before.st_ino, before.st_mtime_ns)
     again = torch.load(path, weights_only=True)
     assert (again["iteration"], again["global_step"]) == (saved["iteration"], saved["global_step"]) == (2, 128)
     for k, v in saved["model"].items():

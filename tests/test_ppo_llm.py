@@ -300,7 +300,7 @@ def test_response_mask_and_sampling_filters():
     assert P.response_mask_from(resp, 1).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(200, 1)
     g = torch.Generator().manual_seed(0)
-    assert set(P.sample_token(logits, 1.0, 1.0, 2, g).tolist()) <= {2, 3}
+    assert set(P.sample_token(logits, 1.0, 1.0, 2, g).tolist()) == {2, 3}  # both kept, nothing else
     p = torch.tensor([0.0, 1.0, 2.0, 3.0]).softmax(-1)  # top-p 0.7 keeps {3, 2} (0.64 + 0.24 >= 0.7)
     assert set(P.sample_token(logits, 1.0, 0.7, 0, g).tolist()) == {2, 3} and p[3] < 0.7
 
@@ -349,14 +349,23 @@ def test_prompt_token_ids_special_tokens_and_chat_template():
     assert enc["input_ids"][1].tolist()[-1] == tok.pad_token_id and enc["attention_mask"].sum(1).tolist() == [5, 3]
 
 
-def test_apply_chat_template_run_and_missing_template(tmp_path, capsys):
+def test_apply_chat_template_run_and_missing_template(tmp_path, capsys, monkeypatch):
     tok = P.build_char_tokenizer()
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the plain prompt: still learns
+    tok.chat_template = "{% for m in messages %}Q:{{ m['content'] }}{% endfor %}"  # the prompt behind a marker
     P.build_tiny_model(tok, 3, *SMALL).save_pretrained(tmp_path / "lm")
     tok.save_pretrained(tmp_path / "lm")
+    prompts, encode = [], P.encode_batch  # what the policy is given: the prompts in the template
+
+    def spy(tok, rows, length, chat=False):
+        ids, mask = encode(tok, rows, length, chat)
+        prompts.extend(tok.decode(i[m.bool()]) for i, m in zip(ids, mask))
+        return ids, mask
+
+    monkeypatch.setattr(P, "encode_batch", spy)
     res = P.main(P.parse_args([*TINY, "--num-iterations", "1", "--runs-dir", str(tmp_path / "r"),
                                "--model-name-or-path", str(tmp_path / "lm"), "--apply-chat-template"]))
     assert all(math.isfinite(v) for v in res["stats"].values())
+    assert prompts and all(p.startswith("Q:") and p.endswith("=") for p in prompts), prompts[:3]
     with pytest.raises(SystemExit) as e:
         P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path / "r"), "--apply-chat-template"]))
     assert e.value.code == 2 and "no chat template" in capsys.readouterr().err
@@ -842,19 +851,48 @@ def test_smoke_two_iterations_subprocess(tmp_path):
                for f in os.listdir(tmp_path / d))
 
 
-@pytest.mark.parametrize("extra", [
-    ["--critic", "shared", "--use-kl-loss", "--use-kl-in-reward", "--kl-loss-type", "full", "--kl-penalty", "full",
-     "--kl-ctrl-type", "adaptive", "--reward-norm", "group", "--gradient-checkpointing", "--critic-warmup", "1",
-     "--huber-delta", "1.0", "--top-k", "5", "--top-p", "0.9", "--temperature", "0.8"],
-    ["--adv-estimator", "reinforce_plus_plus", "--critic", "none", "--loss-agg-mode", "seq-mean-token-sum-norm",
-     "--reward-norm", "running", "--reward-clip", "1.0", "--missing-eos-penalty", "1.0", "--advantage-clip", "2.0"],
-    ["--adv-type", "gae", "--use-critic-model", "False", "--loss-agg-func", "seq-mean-token-mean", "--gae-lambda",
-     "0.95", "--pg-clip", "0.1", "--rollout-micro-batch-size", "2", "--logprob-forward-micro-batch-size", "4"],
+def kl_coef_adapted(m, updates):  # adaptive controller: the coefficient has left its initial 0.001
+    return m["kl/kl_coef"] != 0.001
+
+
+def warmup_then_actor(m, updates):  # --critic-warmup 1: iteration 1 trains the critic only, iteration 2 the actor too
+    return [u["update_actor"] for u in updates] == [False, True]
+
+
+def advantages_clipped(m, updates):  # --advantage-clip 2.0 on what the update receives; no critic: no EV
+    return max(u["max_abs_adv"] for u in updates) <= 2.0 and math.isnan(m["losses/explained_variance"])
+
+
+def shared_value_head(m, updates):  # --use-critic-model False = --critic shared: a value head is trained, no critic
+    return all(u["value_head"] and not u["critic"] for u in updates) and math.isfinite(m["losses/value_loss"])
+
+
+@pytest.mark.parametrize("extra,effect", [
+    (["--critic", "shared", "--use-kl-loss", "--use-kl-in-reward", "--kl-loss-type", "full", "--kl-penalty", "full",
+      "--kl-ctrl-type", "adaptive", "--reward-norm", "group", "--gradient-checkpointing", "--critic-warmup", "1",
+      "--huber-delta", "1.0", "--top-k", "5", "--top-p", "0.9", "--temperature", "0.8"], [kl_coef_adapted,
+                                                                                           warmup_then_actor]),
+    (["--adv-estimator", "reinforce_plus_plus", "--critic", "none", "--loss-agg-mode", "seq-mean-token-sum-norm",
+      "--reward-norm", "running", "--reward-clip", "1.0", "--missing-eos-penalty", "1.0", "--advantage-clip", "2.0"],
+     [advantages_clipped]),
+    (["--adv-type", "gae", "--use-critic-model", "False", "--loss-agg-func", "seq-mean-token-mean", "--gae-lambda",
+      "0.95", "--pg-clip", "0.1", "--rollout-micro-batch-size", "2", "--logprob-forward-micro-batch-size", "4"],
+     [shared_value_head]),
 ])
-def test_option_combinations_run(tmp_path, extra):
+def test_option_combinations_run(tmp_path, monkeypatch, extra, effect):
+    updates, update = [], P.ppo_update
+
+    def spy(policy, critic, value_head, optimizers, schedulers, batch, args, gen, update_actor=True, *a, **k):
+        updates.append({"update_actor": update_actor, "max_abs_adv": batch["advantages"].abs().max().item(),
+                        "critic": critic is not None, "value_head": value_head is not None})
+        return update(policy, critic, value_head, optimizers, schedulers, batch, args, gen, update_actor, *a, **k)
+
+    monkeypatch.setattr(P, "ppo_update", spy)
     res = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), *extra]))
     assert all(math.isfinite(v) for v in res["stats"].values())
-    assert len(res["curve"]) == 2
+    assert len(res["curve"]) == 2 and len(updates) == 2
+    for check in effect:
+        assert check(res["metrics"], updates), check.__name__
 
 
 def test_bf16_precision_runs_under_autocast_on_the_cpu(tmp_path, monkeypatch):
