@@ -461,12 +461,24 @@ def test_deterministic_evaluation_plays_the_most_likely_action(monkeypatch, caps
     agent = pae.Agent(4)
     args = pae.Args(eval_deterministic=True, max_episode_steps=100, num_threads=1)
     monkeypatch.setattr(agent, "get_action_and_value", lambda *a, **k: pytest.fail("sampled an action"))
+    played, act = [], agent.act
+
+    def spy(obs, deterministic):
+        action = act(obs, deterministic)
+        played.append((obs.clone(), deterministic, action.clone()))
+        return action
+
+    monkeypatch.setattr(agent, "act", spy)
     runs = []
     for seed in (1, 2):  # torch's RNG plays no part
         torch.manual_seed(seed)
         runs.append(pae.evaluate(agent, args, torch.device("cpu"), 1))
     assert len(runs[0]) == 1 and runs[0] == runs[1]
     assert "eval game 1/1" in capsys.readouterr().out
+    assert len(played) >= 2 * 100 and all(flag for _, flag, _ in played)
+    obs = torch.cat([o for o, _, _ in played])
+    with torch.no_grad():  # each action played is the argmax of the policy's logits for that observation
+        assert torch.equal(torch.cat([a for *_, a in played]), agent.actor(agent.hidden(obs)).argmax(-1))
 
 
 def test_norm_adv_scope_rollout_is_the_notes_normalisation_over_the_valid_steps(tmp_path, monkeypatch):
