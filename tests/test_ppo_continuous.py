@@ -384,7 +384,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert "unknown or unusable env id" in one_line_error(capsys, pc.check_env, "NoSuchEnv-v9")
     assert "not divisible" in one_line_error(capsys, pc.parse_args, ["--num-minibatches", "3"])
     assert "less than one rollout" in one_line_error(capsys, pc.parse_args, ["--total-timesteps", "1000"])
-    one_line_error(capsys, pc.parse_args, ["--num-envs", "1.5"])
+    assert "not a whole number" in one_line_error(capsys, pc.parse_args, ["--num-envs", "1.5"])
     foreign = tmp_path / "ppo_ckpt.pt"
     torch.save({"script": "ppo.py", "env_id": "CartPole-v1", "args": {}}, foreign)
     assert "not a ppo_continuous.py checkpoint" in one_line_error(capsys, pc.parse_args, ["--resume", str(foreign)])
@@ -426,7 +426,7 @@ def error_lines(stderr):
     (["--kl-penalty-target", "-0.01"], "must be positive"),
     (["--seed", "5e9"], "[0, 2**31)"),
     (["--num-envs", "1", "--num-steps", "4", "--num-minibatches", "4"], "at least 2"),
-    (["--vector-mode", "fast"], "fast"),
+    (["--vector-mode", "fast"], "Expected one of ('sync', 'async')"),
     (["--no-such-flag"], "Unrecognized"),
     (["--env-id", "CartPole-v1"], "use ppo.py"),
     (["--resume", "{missing}"], "no such file"),

@@ -791,7 +791,7 @@ def test_whitening_would_make_rloo_the_same_as_reinforce_plus_plus_baseline():
     (["--eval-prompts", "20000"], "at most 10000"),
     (["--seed", "-1"], "[0, 2**31)"),
     (["--lr", "nan"], "finite"),
-    (["--sft-lr", "-1"], "--sft-lr"),
+    (["--sft-lr", "-1"], "--sft-lr and --max-grad-norm must be positive"),
     (["--weight-decay", "-0.1"], "must be >= 0"),
     (["--reward-clip", "-1"], "must be positive"),
     (["--advantage-clip", "-2"], "must be positive"),
