@@ -115,10 +115,10 @@ def test_other_return_tag(tmp_path):
 
 def test_mean_band_resamples_seeds():
     x1, y1 = np.array([0, 10, 20]), np.array([0.0, 10.0, 20.0])
-    x2, y2 = np.array([0, 10, 20, 30]), np.array([2.0, 12.0, 22.0, 99.0])
-    grid, mean, std = report.mean_band([x1, x2], [y1, y2], points=3)
-    assert list(grid) == [0, 10, 20]  # up to the shortest seed
-    assert mean[0] == pytest.approx(1.0) and std[0] == pytest.approx(1.0)
+    x2, y2 = np.array([0, 20, 30]), np.array([2.0, 22.0, 99.0])  # other x: interpolated onto the grid
+    grid, mean, std = report.mean_band([x1, x2], [y1, y2], points=5)
+    assert list(grid) == [0, 5, 10, 15, 20]  # up to the shortest seed
+    assert list(mean) == pytest.approx([1.0, 6.0, 11.0, 16.0, 21.0]) and list(std) == pytest.approx([1.0] * 5)
 
 
 def test_missing_and_empty_runs_are_reported(tmp_path, capsys):
@@ -289,9 +289,10 @@ def test_progress_line_parsing():
     assert (job.iteration, job.num_iterations, job.global_step, job.sps) == (5, 20, 2560, 1200)
     assert job.total_steps == 10240
     assert "2,560/10,240 (25%)" in job.status()
+    assert common.eta([job], 0, 1, time.time()) == pytest.approx(30, abs=1)  # a quarter in 10 s: 30 s to go
+    assert common.eta([job], 2, 1, time.time()) == pytest.approx(110, abs=1)  # + two queued of 40 s, one slot
     job.feed("iter 3/10  reward=0.5\n")  # ppo_llm.py style: iterations only
     assert job.global_step == 0 and "iter 3/10" in job.status()
-    assert common.eta([job], 0, 1, time.time()) is not None
 
 
 def test_llm_throughput_names_the_precision_of_its_runs():
