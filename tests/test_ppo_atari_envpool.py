@@ -274,12 +274,20 @@ def test_gae_and_truncation_bootstrap_against_forward_sum():
 
 
 def plain_loss(newlp, oldlp, adv, newv, oldv, ret, ent, clip, ent_coef, vf_coef):
-    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-    ratio = (newlp - oldlp).exp()
-    pg = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip)).mean()
-    vclip = oldv + (newv - oldv).clamp(-clip, clip)
-    v = 0.5 * torch.max((newv - ret) ** 2, (vclip - ret) ** 2).mean()
-    return pg - ent_coef * ent.mean() + vf_coef * v
+    """CleanRL's loss written per sample (0-d tensors, so that autograd gives the reference gradients too)."""
+    n = len(adv)
+    mean = sum(adv.tolist()) / n
+    std = math.sqrt(sum((a - mean) ** 2 for a in adv.tolist()) / (n - 1))
+    pg = v = h = 0.0
+    for i in range(n):
+        a = (adv[i].item() - mean) / (std + 1e-8)
+        r = (newlp[i] - oldlp[i]).exp()
+        r_clipped = min(max(r, torch.tensor(1 - clip)), torch.tensor(1 + clip))
+        pg = pg + max(-a * r, -a * r_clipped)
+        v_clipped = oldv[i] + min(max(newv[i] - oldv[i], torch.tensor(-clip)), torch.tensor(clip))
+        v = v + max((newv[i] - ret[i]) ** 2, (v_clipped - ret[i]) ** 2)
+        h = h + ent[i]
+    return pg / n - ent_coef * h / n + vf_coef * 0.5 * v / n
 
 
 def test_ppo_loss_mask_equals_loss_on_real_transitions():
@@ -292,12 +300,22 @@ def test_ppo_loss_mask_equals_loss_on_real_transitions():
     kw = dict(clip_coef=0.1, clip_vloss=True, ent_coef=0.01, vf_coef=0.5, norm_adv=True)
     full, _ = pae.ppo_loss(newlp, oldlp, adv, newv, oldv, ret, ent, torch.ones(B), **kw)
     assert torch.allclose(full, plain_loss(newlp, oldlp, adv, newv, oldv, ret, ent, 0.1, 0.01, 0.5), atol=1e-6)
-    masked, stats = pae.ppo_loss(newlp, oldlp, adv, newv, oldv, ret, ent, mask, **kw)
-    sub = [x[keep] for x in (newlp, oldlp, adv, newv, oldv, ret, ent)]
-    assert torch.allclose(masked, plain_loss(*sub, 0.1, 0.01, 0.5), atol=1e-6)
-    assert not torch.allclose(masked, full)
-    ratio = (sub[0] - sub[1]).exp()
-    assert torch.allclose(stats["clipfrac"], ((ratio - 1).abs() > 0.1).float().mean())
+    lp, v = newlp.clone().requires_grad_(), newv.clone().requires_grad_()
+    masked, stats = pae.ppo_loss(lp, oldlp, adv, v, oldv, ret, ent, mask, **kw)
+    masked.backward()
+    lp_ref, v_ref = newlp[keep].clone().requires_grad_(), newv[keep].clone().requires_grad_()
+    ref = plain_loss(lp_ref, oldlp[keep], adv[keep], v_ref, oldv[keep], ret[keep], ent[keep], 0.1, 0.01, 0.5)
+    ref.backward()
+    assert torch.allclose(masked, ref, atol=1e-6) and not torch.allclose(masked, full)
+    # gradients: the reference's on the real transitions, exactly 0 on the masked ones
+    assert torch.allclose(lp.grad[keep], lp_ref.grad, atol=1e-6) and torch.allclose(v.grad[keep], v_ref.grad, atol=1e-6)
+    assert (lp.grad[~keep] == 0).all() and (v.grad[~keep] == 0).all() and lp_ref.grad.abs().sum() > 0
+    # statistics over the real transitions only
+    logr = (newlp[keep] - oldlp[keep]).tolist()
+    m = len(logr)
+    assert stats["old_approx_kl"].item() == pytest.approx(sum(-x for x in logr) / m, abs=1e-6)
+    assert stats["approx_kl"].item() == pytest.approx(sum(math.exp(x) - 1 - x for x in logr) / m, abs=1e-6)
+    assert stats["clipfrac"].item() == pytest.approx(sum(abs(math.exp(x) - 1) > 0.1 for x in logr) / m, abs=1e-6)
 
 
 def test_kl_penalty_loss_with_mask_and_the_adaptive_rule():
