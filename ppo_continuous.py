@@ -630,6 +630,14 @@ def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
     return float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y)
 
 
+def eta_text(seconds: float) -> str:
+    """Time left for the progress line: 2h05m, 13m20s or 45s ("?" before the speed is known)."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------------------------
@@ -1251,9 +1259,11 @@ def main(args: Args) -> dict:
         if rank == 0 and (now - last_print >= 5.0 or iteration == num_iterations):
             last_print = now
             recent = np.mean(recent_returns[-20:]) if recent_returns else float("nan")
+            steps_left = (num_iterations - iteration) * batch_size * world
             print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={sps}  "
                   f"return(last 20)={recent:.1f}  approx_kl={last_stats['approx_kl']:.4f}"
-                  + (f"  kl={last_stats['kl']:.4f} kl_coef={beta:.3g}" if penalty else ""), flush=True)
+                  + (f"  kl={last_stats['kl']:.4f} kl_coef={beta:.3g}" if penalty else "")
+                  + f"  eta={eta_text(steps_left / sps if sps else math.inf)}", flush=True)
         if args.cudagraphs and iteration == start_iteration and rank == 0 and cudagraph_skips():
             print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs says "
                   "why)", flush=True)

@@ -1110,6 +1110,14 @@ def explained_variance(values, returns, mask) -> float:
     return float("nan") if var_r == 0 else (1 - var_e / var_r).item()
 
 
+def eta_text(seconds: float) -> str:
+    """Time left for the progress line: 2h05m, 13m20s or 45s ("?" before the speed is known)."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Optimise policy & value: one minibatch, accumulated over micro-batches
 # ---------------------------------------------------------------------------------------------------------
@@ -1841,13 +1849,15 @@ def main(args: Args) -> dict:
         now = time.time()
         if now - last_print >= 5.0 or iteration == args.num_iterations or iteration == start_iteration:
             last_print = now
+            per_iteration = (now - start_time) / (iteration - start_iteration + 1)  # (evaluations included)
             print(f"iter {iteration}/{args.num_iterations}  reward={metrics['rollout/reward_mean']:.3f}  "
                   f"acc={metrics['rollout/accuracy']:.3f}  kl={seq_kl:.4f}  "
                   f"entropy={stats.get('entropy', float('nan')):.3f}  "
                   f"len={metrics['response/length_mean']:.2f}  clipfrac={stats.get('clipfrac', 0.0):.3f}  "
                   f"vloss={stats.get('value_loss', float('nan')):.4f}  "
                   f"gen_tok/s={metrics['perf/gen_tokens_per_s']:.0f}  train_tok/s="
-                  f"{metrics['perf/train_tokens_per_s']:.0f}", flush=True)
+                  f"{metrics['perf/train_tokens_per_s']:.0f}  "
+                  f"eta={eta_text(per_iteration * (args.num_iterations - iteration))}", flush=True)
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
             log_eval(iteration)
         stop_now = args.stop_after and iteration - start_iteration + 1 >= args.stop_after

@@ -3,6 +3,7 @@
 import glob
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -356,7 +357,7 @@ def test_smoke_run_subprocess_logs_metrics(tmp_path):
     r = run_script("--total-timesteps", "512", "--num-envs", "2", "--num-steps", "64", "--runs-dir",
                    str(tmp_path), "--vector-mode", "async", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "global_step=512" in r.stdout
+    assert "global_step=512" in r.stdout and re.search(r"iter 4/4 .*  eta=0s\n", r.stdout)  # time left: none
     (run_dir,) = glob.glob(str(tmp_path / "CartPole-v1__ppo__1__*"))
     for tag in ["charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/SPS",
                 "losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/old_approx_kl",
@@ -740,3 +741,7 @@ def test_parse_errors_in_process_are_one_line(capsys, argv, needle):
         ppo.parse_args(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and needle in err, err
+
+
+def test_eta_text():
+    assert [ppo.eta_text(x) for x in (45.9, 200, 7500, 0, math.inf, -1)] == ["45s", "3m20s", "2h05m", "0s", "?", "?"]

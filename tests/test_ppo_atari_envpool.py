@@ -387,7 +387,7 @@ def test_smoke_run_stops_then_resumes_with_steps_lr_schedule_and_tags(tmp_path):
     lr = scalars(run_dir, "charts/learning_rate")
     assert [s for s, _ in lr] == [64 * k for k in range(1, 9)]  # one point per iteration, no gap, no repeat
     assert np.allclose([v for _, v in lr], [(1 - (k - 1) / 8) * 2.5e-4 for k in range(1, 9)])
-    assert "global_step=512" in out
+    assert "global_step=512" in out and re.search(r"iter 8/8 .*  eta=0s\n", out)
     for tag in ("charts/SPS", "losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/approx_kl",
                 "losses/clipfrac", "losses/explained_variance"):
         values = scalars(run_dir, tag)
@@ -695,3 +695,7 @@ def test_cudagraphs_under_torchrun_one_line_exit_2(argv, needle, monkeypatch, ca
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
+
+
+def test_eta_text():
+    assert [pae.eta_text(x) for x in (45.9, 200, 7500, 0, math.inf, -1)] == ["45s", "3m20s", "2h05m", "0s", "?", "?"]

@@ -6,6 +6,7 @@
 import glob
 import math
 import os
+import re
 import signal
 import time
 import subprocess
@@ -296,7 +297,7 @@ def test_smoke_async_vector_env(tmp_path):
     r = run_script("--total-timesteps", "512", "--num-envs", "2", "--vector-mode", "async", "--num-steps", "128",
                    "--num-minibatches", "4", "--update-epochs", "2", "--runs-dir", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "iter 2/2  global_step=512" in r.stdout
+    assert "iter 2/2  global_step=512" in r.stdout and re.search(r"iter 1/2 .*  eta=(\d+[ms])+", r.stdout)
     (run,) = os.listdir(tmp_path)
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / run))
 
@@ -723,3 +724,7 @@ def test_non_finite_update_stops_and_keeps_the_last_good_checkpoint(tmp_path, mo
     state = torch.load(ckpt, weights_only=True)
     assert state["iteration"] == 2  # the checkpoint of the last good update, not one of the NaN update
     assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_eta_text():
+    assert [pc.eta_text(x) for x in (45.9, 200, 7500, 0, math.inf, -1)] == ["45s", "3m20s", "2h05m", "0s", "?", "?"]

@@ -847,6 +847,7 @@ def test_smoke_two_iterations_subprocess(tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "iter 2/2" in out.stdout and "eval iter 2" in out.stdout
+    assert re.search(r"iter 1/2 .*  eta=\d+(m\d\ds|s)\n", out.stdout) and re.search(r"iter 2/2 .*  eta=0s\n", out.stdout)
     assert any(f.startswith("events.out.tfevents") for d in os.listdir(tmp_path)
                for f in os.listdir(tmp_path / d))
 
@@ -1213,3 +1214,7 @@ def test_foreign_corrupt_and_incomplete_checkpoints_are_rejected(tmp_path, capsy
         assert e.value.code == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "\n" not in err and needle in err, err
+
+
+def test_eta_text():
+    assert [P.eta_text(x) for x in (45.9, 200, 7500, 0, math.inf, -1)] == ["45s", "3m20s", "2h05m", "0s", "?", "?"]
