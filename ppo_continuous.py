@@ -1260,10 +1260,11 @@ def main(args: Args) -> dict:
             last_print = now
             recent = np.mean(recent_returns[-20:]) if recent_returns else float("nan")
             steps_left = (num_iterations - iteration) * batch_size * world
+            rate = (global_step - steps_at_start) / (now - start_time)  # steps/s of this process, unrounded
             print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={sps}  "
                   f"return(last 20)={recent:.1f}  approx_kl={last_stats['approx_kl']:.4f}"
                   + (f"  kl={last_stats['kl']:.4f} kl_coef={beta:.3g}" if penalty else "")
-                  + f"  eta={eta_text(steps_left / sps if sps else math.inf)}", flush=True)
+                  + f"  eta={eta_text(steps_left / rate if rate > 0 else math.inf)}", flush=True)
         if args.cudagraphs and iteration == start_iteration and rank == 0 and cudagraph_skips():
             print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs says "
                   "why)", flush=True)

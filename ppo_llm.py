@@ -492,8 +492,9 @@ def validate(args: Args) -> None:
         die(f"--clip-ratio-c must be > 1 for dual clip, got {args.clip_ratio_c}")
     if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
         die("--gamma and --lam must lie in [0, 1]")
-    if args.lr <= 0 or args.critic_lr <= 0 or args.sft_lr <= 0 or args.max_grad_norm <= 0:
-        die("--lr, --critic-lr, --sft-lr and --max-grad-norm must be positive")
+    for name in ("lr", "critic_lr", "sft_lr", "max_grad_norm"):
+        if not getattr(args, name) > 0:
+            die(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("model_name_or_path", "reward_model_path"):
         path = getattr(args, name)
         if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
@@ -1732,7 +1733,7 @@ def main(args: Args) -> dict:
         log_eval(ckpt["iteration"])
     R, n = args.response_length, args.n
     ckpt_path = None
-    start_time, last_print, stats = time.time(), 0.0, {}
+    start_time, last_print, stats, last_metrics = time.time(), 0.0, {}, {}
     steps_at_start = global_step  # (a resumed run: SPS counts this process's steps)
 
     def save(iteration: int) -> str:  # every rank calls it at the same iteration; rank 0 writes
@@ -1845,7 +1846,7 @@ def main(args: Args) -> dict:
         for k, v in metrics.items():
             writer.add_scalar(k, v, global_step)
         tracker.setdefault("rollout", []).append([iteration, metrics["rollout/accuracy"]])
-        tracker["metrics"] = metrics  # (the last iteration's, returned)
+        last_metrics = metrics  # (returned)
         now = time.time()
         if now - last_print >= 5.0 or iteration == args.num_iterations or iteration == start_iteration:
             last_print = now
@@ -1898,7 +1899,7 @@ def main(args: Args) -> dict:
             os._exit(1)
         sys.exit(1)
     return {"run_dir": run_dir, "curve": tracker["curve"], "stats": stats, "checkpoint": ckpt_path,
-            "metrics": tracker.get("metrics", {})}
+            "metrics": last_metrics}
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/references.py
 import ppo  # noqa: E402
 from references import reference_gae  # noqa: E402  (tests/references.py)
 

@@ -17,6 +17,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/references.py
 import ppo_atari_envpool as pae  # noqa: E402
 from references import reference_gae  # noqa: E402  (tests/references.py)
 
@@ -481,7 +482,7 @@ def test_deterministic_evaluation_plays_the_most_likely_action(monkeypatch, caps
     monkeypatch.setattr(agent, "get_action_and_value", lambda *a, **k: pytest.fail("sampled an action"))
     played, act = [], agent.act
 
-    def spy(obs, deterministic):
+    def spy(obs, deterministic=False):
         action = act(obs, deterministic)
         played.append((obs.clone(), deterministic, action.clone()))
         return action
