@@ -968,7 +968,8 @@ def main(args: Args) -> dict:
             finished, failed = False, True  # no final checkpoint and no evaluation; exit 1 after the clean-up
             break
         last_stats["explained_variance"] = explained_variance(b_values.cpu().numpy(), b_returns.cpu().numpy())
-        sps = int((global_step - steps_at_start) / (time.time() - start_time))
+        rate = (global_step - steps_at_start) / (time.time() - start_time)  # steps/s of this process
+        sps = int(rate)
         writer.add_scalar("charts/learning_rate", lr_now, global_step)
         for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
                   "explained_variance"):
@@ -983,7 +984,6 @@ def main(args: Args) -> dict:
             last_print = now
             recent = np.mean(recent_returns[-20:]) if recent_returns else float("nan")
             steps_left = (num_iterations - iteration) * batch_size * world
-            rate = (global_step - steps_at_start) / (now - start_time)  # steps/s of this process, unrounded
             print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={sps}  "
                   f"return(last 20)={recent:.1f}  approx_kl={last_stats['approx_kl']:.4f}"
                   + (f"  kl={last_stats['kl']:.4f} kl_coef={beta:.3g}" if penalty else "")

@@ -14,9 +14,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/references.py
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/shared.py
 import ppo  # noqa: E402
-from references import reference_gae  # noqa: E402  (tests/references.py)
+from shared import ctrl_c_after_first_iteration, reference_gae  # noqa: E402  (tests/shared.py)
 
 
 def run_script(*argv, cwd=None, timeout=240):
@@ -602,18 +602,9 @@ def test_ctrl_c_to_the_process_group_of_an_async_run_checkpoints_and_exits_clean
     """A terminal's Ctrl-C reaches every process of the group: the async workers leave it to the main process,
     which finishes the iteration, writes the checkpoint and closes the envs (a worker that died of it broke the
     close with a BrokenPipeError traceback and exit code 1)."""
-    import signal
-    import time
-
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "ppo.py"), "--total-timesteps", "1e6", "--vector-mode",
-                          "async", "--runs-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, cwd=tmp_path, start_new_session=True)
-    first = p.stdout.readline()
-    assert first.startswith("iter 1/"), first + p.stderr.read()
-    time.sleep(0.5)
-    os.killpg(p.pid, signal.SIGINT)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 0 and "Traceback" not in err, err
+    rc, out, err = ctrl_c_after_first_iteration([os.path.join(ROOT, "ppo.py"), "--total-timesteps", "1e6",
+                                                 "--vector-mode", "async", "--runs-dir", str(tmp_path)], tmp_path)
+    assert rc == 0 and "Traceback" not in err, err
     assert "(SIGINT); continue with: python ppo.py --resume" in out
     assert len(glob.glob(str(tmp_path / "CartPole-v1__ppo__1__*" / "checkpoint.pt"))) == 1
 

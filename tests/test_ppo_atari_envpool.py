@@ -17,9 +17,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/references.py
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/shared.py
 import ppo_atari_envpool as pae  # noqa: E402
-from references import reference_gae  # noqa: E402  (tests/references.py)
+from shared import reference_gae  # noqa: E402  (tests/shared.py)
 
 SCRIPT = os.path.join(ROOT, "ppo_atari_envpool.py")
 

@@ -19,9 +19,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/references.py
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/shared.py
 import ppo_continuous as pc  # noqa: E402
-from references import reference_gae  # noqa: E402  (tests/references.py)
+from shared import ctrl_c_after_first_iteration, reference_gae  # noqa: E402  (tests/shared.py)
 
 SCRIPT = os.path.join(ROOT, "ppo_continuous.py")
 
@@ -490,16 +490,11 @@ def test_sigterm_writes_checkpoint_and_exits_cleanly(tmp_path):
 
 def test_ctrl_c_to_the_process_group_of_an_async_run_checkpoints_and_exits_cleanly(tmp_path):
     """The async workers leave a Ctrl-C (sent to the whole group) to the main process: checkpoint, clean exit."""
-    p = subprocess.Popen([sys.executable, SCRIPT, "--env-id", "Hopper-v5", "--total-timesteps", "1e6", "--num-envs",
-                          "2", "--num-steps", "128", "--num-minibatches", "4", "--update-epochs", "1", "--vector-mode",
-                          "async", "--runs-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, cwd=tmp_path, start_new_session=True)
-    first = p.stdout.readline()
-    assert first.startswith("iter 1/"), first + p.stderr.read()
-    time.sleep(0.5)
-    os.killpg(p.pid, signal.SIGINT)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 0 and "Traceback" not in err, err
+    rc, out, err = ctrl_c_after_first_iteration([SCRIPT, "--env-id", "Hopper-v5", "--total-timesteps", "1e6",
+                                                 "--num-envs", "2", "--num-steps", "128", "--num-minibatches", "4",
+                                                 "--update-epochs", "1", "--vector-mode", "async", "--runs-dir",
+                                                 str(tmp_path)], tmp_path)
+    assert rc == 0 and "Traceback" not in err, err
     assert "(SIGINT); continue with: python ppo_continuous.py --resume" in out
     assert len(glob.glob(str(tmp_path / "Hopper-v5__ppo_continuous__1__*" / "checkpoint.pt"))) == 1
 

@@ -1,4 +1,11 @@
-"""Slow, obviously correct references that the tests of more than one script compare with (plain Python floats)."""
+"""What the tests of more than one script share: slow, obviously correct references (plain Python floats) and a
+helper that runs a script the way a user does."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
 
 
 def reference_gae(rewards, values, dones, next_value, next_done, gamma, lam):
@@ -19,3 +26,16 @@ def reference_gae(rewards, values, dones, next_value, next_done, gamma, lam):
                 weight *= gamma * lam
             adv[t][i] = total
     return adv
+
+
+def ctrl_c_after_first_iteration(argv: list, cwd) -> tuple:
+    """Run `python *argv` in a process group of its own and, once its first progress line is out, send SIGINT to the
+    whole group, as a terminal's Ctrl-C does. Returns (exit code, stdout after the first line, stderr)."""
+    p = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                         start_new_session=True)
+    first = p.stdout.readline()
+    assert first.startswith("iter 1/"), first + p.stderr.read()
+    time.sleep(0.5)
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    return p.returncode, out, err
