@@ -563,14 +563,14 @@ def test_load_policy_normalises_with_the_saved_statistics_and_clips(tmp_path):
         greedy(np.zeros((2, 17)))
 
 
-def test_readme_example_of_load_policy_runs(tmp_path, monkeypatch):
-    readme = open(os.path.join(os.path.dirname(SCRIPT), "README.md")).read()
-    code = readme.split("### A trained policy in your own code")[1].split("```python\n")[1].split("```")[0]
+def test_the_docs_example_of_load_policy_runs(tmp_path, monkeypatch):
+    readme = open(os.path.join(os.path.dirname(SCRIPT), "docs", "running.md")).read()
+    code = readme.split("## A trained policy in your own code")[1].split("```python\n")[1].split("```")[0]
     res = pc.main(tiny(tmp_path, env_id="HalfCheetah-v5", total_timesteps=256, save_model=True))
     code = code.replace("runs/<run>/checkpoint.pt", os.path.join(res["run_dir"], "checkpoint.pt"))
     monkeypatch.syspath_prepend(os.path.dirname(SCRIPT))
     scope = {}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, "docs/running.md", "exec"), scope)
     assert scope["env"].action_space.contains(scope["policy"](scope["obs"]).astype(np.float32))
 
 

@@ -644,8 +644,8 @@ def test_framework_option_names_are_flags(name, field):
 
 
 def readme_option_rows():
-    """(framework names, flag fields) of each row of README.md's option mapping table."""
-    text = open(os.path.join(os.path.dirname(SCRIPT), "README.md")).read()
+    """(framework names, flag fields) of each row of docs/ppo_llm.md option mapping table."""
+    text = open(os.path.join(os.path.dirname(SCRIPT), "docs", "ppo_llm.md")).read()
     table = text.split("### Option mapping")[1].split("\n\n| verl |")[1].split("\n\n")[0]
     rows = []
     for line in table.splitlines()[2:]:
