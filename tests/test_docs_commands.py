@@ -10,8 +10,8 @@ and `&`; redirections (`> file`) are dropped. A command starts at `python` / `py
 `<name>` placeholders and `[...]` optional parts may appear anywhere; a flag in brackets is checked like any other.
 
 Flags: every `--flag` / `--flag=value` before a bare `--` must be listed by `python <script> --help` (run once per
-script, all scripts at once in subprocesses). That is done for the four ppo*.py (tyro: their aliases count, and
-`--a_b` is `--a-b`) and benchmarks/*.py (argparse: the full name, no abbreviations); another script is only
+script, all of them in one process so that torch loads once). That is done for the four ppo*.py (tyro: aliases count,
+and `--a_b` is `--a-b`) and benchmarks/*.py (argparse: the full name, no abbreviations); another script is only
 checked to exist. After a bare `--` the flags go to an RL script (reproduce.py, speed.py, scaling.py): they are
 checked against every script named by `--script` / `--scripts`, or, where none is named, must exist in one ppo*.py.
 
@@ -243,16 +243,17 @@ IGNORED = _ignored_patterns()
 
 
 def is_ignored(path: str) -> bool:
-    """Under a directory (or matching a name) that .gitignore lists; enough for the patterns used here."""
-    parts = path.strip("/").split("/")
+    """The path, or a directory it lies under, is one that .gitignore lists (`runs/` at any depth, `*.pyc`, a path
+    from the root such as `benchmarks/results/runs/`); no negations: enough for the patterns used here."""
+    clean = path.strip("/")
     for pat in IGNORED:
-        pat = pat.lstrip("/")
-        if "/" in pat.rstrip("/"):  # anchored: benchmarks/results/runs/
-            if (path.strip("/") + "/").startswith(pat.rstrip("/") + "/"):
+        bare = pat.strip("/")
+        if pat.startswith("!") or not bare:
+            continue
+        if "/" in bare:  # a path from the root
+            if (clean + "/").startswith(bare + "/"):
                 return True
-        elif any(fnmatch.fnmatch(p, pat.rstrip("/")) for p in (parts if pat.endswith("/") else parts[-1:])):
-            return True
-        elif pat.endswith("/") and any(fnmatch.fnmatch(p, pat.rstrip("/")) for p in parts[:-1]):
+        elif any(fnmatch.fnmatch(part, bare) for part in clean.split("/")):
             return True
     return False
 
@@ -304,17 +305,18 @@ def check_markdown(text: str, name: str) -> list[str]:
             for word in part:
                 flag = word.strip("[]")
                 if flag.startswith("--") and len(flag) > 2:
-                    name_, _, value = flag.partition("=")
+                    flag_name, _, value = flag.partition("=")
                     if owners is None:
-                        if not any(accepts(s, name_) for s in RL_SCRIPTS):
-                            problems.append(f"{where}no ppo*.py has the flag {name_} (in `{shown}`)")
+                        if not any(accepts(s, flag_name) for s in RL_SCRIPTS):
+                            problems.append(f"{where}no ppo*.py has the flag {flag_name} (in `{shown}`)")
                     else:
                         for s in owners:
-                            if has_flag_check(s) and os.path.isfile(os.path.join(ROOT, s)) and not accepts(s, name_):
-                                problems.append(f"{where}{s} has no flag {name_} (in `{shown}`)")
-                    if value and (why := path_problem(value, name_)):
+                            if (has_flag_check(s) and os.path.isfile(os.path.join(ROOT, s))
+                                    and not accepts(s, flag_name)):
+                                problems.append(f"{where}{s} has no flag {flag_name} (in `{shown}`)")
+                    if value and (why := path_problem(value, flag_name)):
                         problems.append(f"{where}{why} (in `{shown}`)")
-                    prev = name_
+                    prev = flag_name
                     continue
                 if why := path_problem(word, prev):
                     problems.append(f"{where}{why} (in `{shown}`)")
