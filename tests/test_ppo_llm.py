@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -1221,3 +1222,111 @@ def test_foreign_corrupt_and_incomplete_checkpoints_are_rejected(tmp_path, capsy
 
 def test_eta_text():
     assert [P.eta_text(x) for x in (45.9, 200, 7500, 0, math.inf, -1)] == ["45s", "3m20s", "2h05m", "0s", "?", "?"]
+
+
+# ----- faults found with foreign models (issue #25) ----------------------------------------------------------------
+def one_line_exit(capsys, code, call, *a):
+    """call(*a) ends with SystemExit(code) and one line on stderr; returns that line."""
+    capsys.readouterr()  # (what came before the call)
+    with pytest.raises(SystemExit) as e:
+        call(*a)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == code and err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+def gpt2_reward_model(path, positions=64, vocab=200, num_labels=1):
+    """A 1-layer GPT-2 sequence classifier (learned positions), saved without a tokenizer of its own."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=positions, vocab_size=vocab, num_labels=num_labels,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    GPT2ForSequenceClassification(cfg).save_pretrained(path)
+    return path
+
+
+def test_a_reward_model_that_does_not_load_says_why_and_writes_nothing(tmp_path, capsys):
+    rm = gpt2_reward_model(tmp_path / "rm")
+    (rm / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
+    err = one_line_exit(capsys, 2, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path / "runs"),
+                                                         "--reward-model-path", str(rm)]))
+    assert err.startswith(f"error: cannot load a reward model from {rm}: ") and not (tmp_path / "runs").exists()
+    assert len(err.split(": ", 3)[-1]) > 8, err  # the reason, not only the exception's name
+
+
+def test_group_statistics_against_a_plain_reference():
+    scores, groups = torch.tensor([1.0, 3.0, 0.5, -2.0, 4.0, 4.0]), torch.tensor([0, 0, 1, 1, 2, 2])
+    mean, std, size = P.group_stats(scores, groups)
+    for i, g in enumerate(groups.tolist()):
+        xs = [s for s, h in zip(scores.tolist(), groups.tolist()) if h == g]
+        m = sum(xs) / len(xs)
+        assert mean[i].item() == pytest.approx(m) and size[i].item() == len(xs)
+        assert std[i].item() == pytest.approx(math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)), abs=1e-6)
+
+
+def test_a_resumed_critic_that_does_not_load_is_one_line_error(tmp_path, capsys):
+    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1"]))
+    state = torch.load(part["checkpoint"], weights_only=True)
+    with open(os.path.join(part["run_dir"], state["model"]["critic"], "model.safetensors"), "wb") as f:
+        f.write(b"\x08" + b"\x00" * 7)
+    err = one_line_exit(capsys, 2, P.main, P.parse_args(["--resume", part["checkpoint"]]))
+    assert f"cannot load a critic from {os.path.join(part['run_dir'], state['model']['critic'])}: " in err
+
+
+def test_the_run_context_puts_stdout_of_other_ranks_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(P, "setup_distributed", lambda args: (1, 1, torch.device("cpu")))  # as rank 1
+    stdout = sys.stdout
+    with pytest.raises(SystemExit):
+        with P.Run(P.parse_args([*TINY, "--runs-dir", str(tmp_path)])):
+            assert sys.stdout is not stdout
+            P.die("bad input")
+    assert sys.stdout is stdout
+
+
+def test_ctrl_c_before_training_stops_cleanly_and_leaves_no_run_directory(tmp_path):
+    p = subprocess.Popen([sys.executable, SCRIPT, *TINY, "--sft-steps", "100000", "--runs-dir", str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    first = p.stdout.readline()
+    assert first.startswith("policy: "), first + p.stderr.read()
+    time.sleep(1.0)  # (in the warm-start)
+    os.killpg(p.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and err == "" and out == "stopped before training (SIGINT); nothing written\n", (out, err)
+    assert os.listdir(tmp_path) == []
+
+
+def test_sigterm_before_training_of_a_resumed_run_leaves_its_checkpoint_alone(tmp_path, monkeypatch, capsys):
+    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1"]))
+    before = sorted(os.listdir(part["run_dir"])), os.stat(part["checkpoint"]).st_mtime_ns
+    build = P.build_critic
+
+    def signalled(*a, **k):  # a SIGTERM while the models load
+        os.kill(os.getpid(), signal.SIGTERM)
+        return build(*a, **k)
+    monkeypatch.setattr(P, "build_critic", signalled)
+    capsys.readouterr()
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    res = P.main(P.parse_args(["--resume", part["checkpoint"]]))
+    out = capsys.readouterr().out
+    assert res["run_dir"] is None and out.endswith(f"stopped before training (SIGTERM); nothing written; continue "
+                                                   f"with: python ppo_llm.py --resume {part['checkpoint']}\n"), out
+    assert (sorted(os.listdir(part["run_dir"])), os.stat(part["checkpoint"]).st_mtime_ns) == before
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
+
+
+def test_a_signal_in_the_last_evaluation_saves_the_trained_model(tmp_path, monkeypatch, capsys):
+    evaluate = P.evaluate
+
+    def signalled(policy, tok, rows, args, gen, device, rank, world, all_done, stop):
+        if stop is not None and len(calls) == 2:  # the evaluation after the last iteration
+            os.kill(os.getpid(), signal.SIGTERM)
+        calls.append(1)
+        return evaluate(policy, tok, rows, args, gen, device, rank, world, all_done, stop)
+    calls = []
+    monkeypatch.setattr(P, "evaluate", signalled)
+    res = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--eval-every", "1"]))  # (--no-save-model)
+    out = capsys.readouterr().out
+    assert res["checkpoint"] and torch.load(res["checkpoint"], weights_only=True)["iteration"] == 2
+    assert f"evaluation stopped (SIGTERM); evaluate the trained model with: python ppo_llm.py --resume " \
+           f"{res['checkpoint']}" in out and [c[0] for c in res["curve"]] == [0, 1]
