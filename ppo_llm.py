@@ -931,10 +931,14 @@ def value_loss(vpreds, old_values, returns, mask, value_clip=None, huber_delta=N
 
 
 def explained_variance(values, returns, mask) -> float:
+    """1 - Var(returns - values) / Var(returns) over the response tokens; NaN where the returns do not vary. That is
+    judged with a tolerance: the returns of all-zero rewards are the values' float rounding (a variance of ~1e-18,
+    which would make this ~ -1e15)."""
     var_r = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
     err = returns - values
     var_e = masked_mean((err - masked_mean(err, mask)) ** 2, mask)
-    return float("nan") if var_r == 0 else (1 - var_e / var_r).item()
+    tol = 1e-10 * (1 + masked_mean(values**2, mask))  # (float32 rounding is ~1e-7 of the values)
+    return float("nan") if var_r <= tol else (1 - var_e / var_r).item()
 
 
 # --- Update: E epochs of shuffled minibatches, each accumulated over micro-batches; the optimisers -------------------

@@ -1255,6 +1255,20 @@ def test_a_reward_model_that_does_not_load_says_why_and_writes_nothing(tmp_path,
     assert len(err.split(": ", 3)[-1]) > 8, err  # the reason, not only the exception's name
 
 
+def test_explained_variance_against_a_plain_reference_and_with_returns_that_do_not_vary():
+    g, mask, lengths = hand_batch(7)
+    values, returns = torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
+    r = [returns[i, t].item() for i, L in enumerate(lengths) for t in range(L)]
+    e = [returns[i, t].item() - values[i, t].item() for i, L in enumerate(lengths) for t in range(L)]
+    var = lambda xs: sum((x - sum(xs) / len(xs)) ** 2 for x in xs) / len(xs)  # noqa: E731
+    assert P.explained_variance(values, returns, mask) == pytest.approx(1 - var(e) / var(r), rel=1e-5)
+    # every reward 0: the returns of GAE (gamma = lam = 1) are the values' float rounding, ~1e-8, not a signal
+    _, noise = P.compute_gae(torch.zeros_like(mask), values * 1000, mask, 1.0, 1.0)
+    assert 0 < var([noise[i, t].item() for i, L in enumerate(lengths) for t in range(L)]) < 1e-6
+    assert math.isnan(P.explained_variance(values * 1000, noise, mask))
+    assert math.isnan(P.explained_variance(values, torch.zeros_like(values), mask))  # exactly 0: the same answer
+
+
 def test_group_statistics_against_a_plain_reference():
     scores, groups = torch.tensor([1.0, 3.0, 0.5, -2.0, 4.0, 4.0]), torch.tensor([0, 0, 1, 1, 2, 2])
     mean, std, size = P.group_stats(scores, groups)
