@@ -285,7 +285,7 @@ def encode_batch(tok, rows: list[dict], prompt_length: int, chat: bool = False):
 
 def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: str = "--dataset") -> list[dict]:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # (-sig: a byte-order mark, as some editors write, is no data)
             lines = f.readlines()
     except (OSError, UnicodeDecodeError) as e:
         die(f"{flag} {path}: cannot read it as UTF-8 text ({e})")
@@ -302,6 +302,8 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
         if not row["prompt"]:
             die(f"{flag} {path} line {i}: empty prompt")
         rows.append({"prompt": row["prompt"], "answer": None if row.get("answer") is None else str(row["answer"])})
+    if not rows:
+        die(f"{flag} {path}: empty (no JSON rows)")
     kept = [r for r in rows if len(prompt_token_ids(tok, r["prompt"], chat)) <= prompt_length]
     if len(kept) < len(rows):
         print(f"note: dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than --prompt-length {prompt_length}")

@@ -1269,6 +1269,22 @@ def test_explained_variance_against_a_plain_reference_and_with_returns_that_do_n
     assert math.isnan(P.explained_variance(values, torch.zeros_like(values), mask))  # exactly 0: the same answer
 
 
+def write_rows(path, rows, encoding="utf-8"):
+    path.write_bytes("".join(json.dumps(r) + "\n" for r in rows).encode(encoding))
+    return path
+
+
+def test_an_empty_dataset_says_so_and_a_byte_order_mark_is_no_data(tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("\n  \n")
+    err = one_line_exit(capsys, 2, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path / "r"), "--dataset",
+                                                         str(tmp_path / "empty.jsonl")]))
+    assert "empty.jsonl: empty" in err and not (tmp_path / "r").exists()
+    bom = write_rows(tmp_path / "bom.jsonl", P.make_problems(8, torch.Generator()), "utf-8-sig")
+    assert bom.read_bytes()[:3] == b"\xef\xbb\xbf"
+    rows = P.load_dataset(str(bom), P.build_char_tokenizer(), 16)
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in P.make_problems(8, torch.Generator())]
+
+
 def test_group_statistics_against_a_plain_reference():
     scores, groups = torch.tensor([1.0, 3.0, 0.5, -2.0, 4.0, 4.0]), torch.tensor([0, 0, 1, 1, 2, 2])
     mean, std, size = P.group_stats(scores, groups)
