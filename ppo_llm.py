@@ -353,7 +353,8 @@ def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
         eval_rows = eval_rows[:args.eval_prompts]
     elif args.dataset is not None and args.eval_prompts:
         print("note: evaluating on the first --eval-prompts rows of --dataset, which training also samples; "
-              "--eval-dataset FILE holds prompts out")
+              "--eval-dataset FILE holds prompts out" if eval_rows else "note: no evaluation: no row of --dataset "
+              "has an 'answer' (accuracy is exact match); --eval-dataset FILE with answers adds one")
     return sample_rows, eval_rows[:len(eval_rows) - len(eval_rows) % world], has_answers
 
 
@@ -1199,8 +1200,9 @@ def main(args: Args) -> dict:
                 "perf/gen_tokens_per_s": n_tok / max(t_gen, 1e-9),
                 "perf/train_tokens_per_s": n_tok * args.ppo_epochs / max(t_train, 1e-9),
                 **{f"losses/{k}": v for k, v in stats.items()}}
-            metrics["rollout/accuracy"] = correct.mean().item()
-            tracker.setdefault("rollout", []).append([iteration, metrics["rollout/accuracy"]])
+            if has_answers:  # (accuracy is exact match: none for a reward model's prompts without answers)
+                metrics["rollout/accuracy"] = correct.mean().item()
+                tracker.setdefault("rollout", []).append([iteration, metrics["rollout/accuracy"]])
             run.log_iteration(iteration, global_step, metrics)  # TensorBoard, charts/SPS, the progress line
             if iteration % args.eval_every == 0 or iteration == args.num_iterations:
                 run.evaluate(policy, tok, eval_rows, iteration, global_step, tracker, all_done)
@@ -1366,7 +1368,7 @@ class Run:
         if now - self.last_print >= 5.0 or iteration in (self.first, self.args.num_iterations):
             self.last_print = now
             per_iteration = (now - self.start) / (iteration - self.first + 1)  # (evaluations included)
-            accuracy = f"acc={m['rollout/accuracy']:.3f}  "
+            accuracy = f"acc={m['rollout/accuracy']:.3f}  " if "rollout/accuracy" in m else ""
             print(f"iter {iteration}/{self.args.num_iterations}  reward={m['rollout/reward_mean']:.3f}  {accuracy}"
                   f"kl={m['kl/kl_mean']:.4f}  entropy={m.get('losses/entropy', nan):.3f}  "
                   f"len={m['response/length_mean']:.2f}  clipfrac={m.get('losses/clipfrac', 0.0):.3f}  "

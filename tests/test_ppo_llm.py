@@ -1274,6 +1274,20 @@ def write_rows(path, rows, encoding="utf-8"):
     return path
 
 
+def test_a_reward_model_with_prompts_without_answers_logs_no_accuracy(tmp_path, monkeypatch, capsys):
+    rm = gpt2_reward_model(tmp_path / "rm")
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": r["prompt"]} for r in P.make_problems(8, torch.Generator())])
+    logged = {}
+    monkeypatch.setattr(P.Run, "log", lambda self, scalars, step: logged.update(scalars))
+    res = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--dataset", str(data), "--reward-model-path",
+                               str(rm)]))
+    out = capsys.readouterr().out
+    assert "rollout/reward_mean" in logged and "rollout/accuracy" not in logged and "rollout/accuracy" not in res[
+        "metrics"]
+    assert "iter 2/2" in out and " acc=" not in out and res["curve"] == [] and "eval iter" not in out
+    assert "note: no evaluation: no row of --dataset has an 'answer'" in out and "training also samples" not in out
+
+
 def test_an_empty_dataset_says_so_and_a_byte_order_mark_is_no_data(tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("\n  \n")
     err = one_line_exit(capsys, 2, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path / "r"), "--dataset",
