@@ -73,9 +73,9 @@ class Args:
     reward_norm: Literal["none", "batch", "group", "running", "null"] = "none"
     """normalise scores over the batch, the prompt's group, or running statistics (ROLL; null: none)"""
     reward_shift: bool = False
-    """reward_norm only subtracts the mean"""
+    """reward_norm subtracts the mean (given alone: without dividing by the std)"""
     reward_scale: bool = False
-    """reward_norm only divides by the std"""
+    """reward_norm divides by the std (given alone: without subtracting the mean)"""
     reward_clip: Optional[float] = None
     """clip scores to [-c, c] after normalisation, and token rewards after the KL penalty (ROLL)"""
     missing_eos_penalty: float = 0.0
@@ -681,7 +681,8 @@ def group_stats(scores, group_ids):
 def normalize_scores(scores, group_ids, norm: str, shift: bool, scale: bool, clip: Optional[float],
                      running: Optional[RunningMoments] = None, eps: float = 1e-6):
     """ROLL reward_norm: (s - mean) / (std + eps) over the batch or the group (the sample std, as ROLL's torch.std)
-    or running stats (ROLL: + float32's eps instead); shift: only - mean; scale: only / std. Then reward_clip."""
+    or running stats (ROLL: + float32's eps instead); shift alone: only - mean; scale alone: only / std. Then
+    reward_clip."""
     if norm != "none":
         if norm == "batch":
             mean, std = scores.mean(), scores.std()
@@ -693,12 +694,10 @@ def normalize_scores(scores, group_ids, norm: str, shift: bool, scale: bool, cli
             eps = torch.finfo(scores.dtype).eps
         else:
             raise ValueError(f"unknown reward_norm {norm!r}: choose one of none, batch, group, running")
-        if shift:
+        if shift or not scale:
             scores = scores - mean
-        elif scale:
+        if scale or not shift:
             scores = scores / (std + eps)
-        else:
-            scores = (scores - mean) / (std + eps)
     if clip is not None:
         scores = scores.clamp(-clip, clip)
     return scores

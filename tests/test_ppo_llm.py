@@ -1299,6 +1299,16 @@ def test_an_empty_dataset_says_so_and_a_byte_order_mark_is_no_data(tmp_path, cap
     assert [r["prompt"] for r in rows] == [r["prompt"] for r in P.make_problems(8, torch.Generator())]
 
 
+def test_reward_shift_and_scale_given_together_do_both():
+    s, grp = torch.tensor([1.0, 3.0, 0.0, 4.0]), torch.tensor([0, 0, 1, 1])
+    mean = sum(s.tolist()) / 4
+    std = math.sqrt(sum((x - mean) ** 2 for x in s.tolist()) / 3)
+    both = P.normalize_scores(s, grp, "batch", True, True, None)
+    assert torch.allclose(both, (s - mean) / (std + 1e-6), atol=1e-6)
+    assert torch.allclose(P.normalize_scores(s, grp, "batch", True, False, None), s - mean)
+    assert torch.allclose(P.normalize_scores(s, grp, "batch", False, True, None), s / (std + 1e-6), atol=1e-6)
+
+
 def test_group_statistics_against_a_plain_reference():
     scores, groups = torch.tensor([1.0, 3.0, 0.5, -2.0, 4.0, 4.0]), torch.tensor([0, 0, 1, 1, 2, 2])
     mean, std, size = P.group_stats(scores, groups)
