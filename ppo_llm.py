@@ -640,10 +640,19 @@ def reward_model_inputs(rm_tok, prompts: list[str], responses: list[str], chat: 
 @torch.no_grad()
 def reward_model_scores(rm, rm_tok, prompts: list[str], responses: list[str], chat: bool = False, device="cpu",
                         autocast=contextlib.nullcontext) -> torch.Tensor:
-    """The reward model's score of each prompt + response."""
+    """The reward model's score of each prompt + response, read at its last real token as the attention mask says.
+    (Hugging Face's classifiers look for config.pad_token_id instead; where that is not the pad their tokenizer
+    writes they read padding, and a row's score depends on the rows batched with it.) Encoder classifiers, which
+    pool their first token, are called as they are."""
     enc = reward_model_inputs(rm_tok, prompts, responses, chat)
+    ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     with autocast():
-        logits = rm(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device)).logits
+        if isinstance(getattr(rm, "score", None), nn.Linear):  # decoder classifiers: the head on every position
+            hidden = rm.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+            last = (mask * torch.arange(mask.shape[1], device=device)).argmax(-1)
+            logits = rm.score(hidden[torch.arange(len(ids), device=device), last])
+        else:
+            logits = rm(input_ids=ids, attention_mask=mask).logits
     return logits[:, 0].float().cpu()
 
 
@@ -1745,18 +1754,33 @@ def check_positions(model, length: int, source: str) -> None:
 
 
 def load_reward_model(args: Args, tok, device):
-    """--reward-model-path: a local sequence classifier and the tokenizer it reads (its own, else the policy's).
-    Returns (model, tokenizer); (None, None) without it."""
+    """--reward-model-path, checked before anything is written: a trained score head in its weights (Hugging Face
+    gives a causal LM a random one), num_labels 1, embeddings for every token of the tokenizer it reads (its own,
+    else the policy's), positions for prompt + response. Returns (model, tokenizer); (None, None) without it."""
     if args.reward_model_path is None:
         return None, None
     from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
 
-    path = args.reward_model_path
-    rm = load_pretrained("a reward model", path, AutoModelForSequenceClassification.from_pretrained,
-                         args.trust_remote_code)
+    path, verbosity = args.reward_model_path, hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # (its load report of missing weights becomes the one line below)
+    try:
+        rm, info = load_pretrained("a reward model", path, AutoModelForSequenceClassification.from_pretrained,
+                                   args.trust_remote_code, output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if info["missing_keys"]:
+        die(f"--reward-model-path {path}: its score head ({', '.join(sorted(info['missing_keys'])[:2])}) is not in "
+            "its weights: a causal LM or a base model, not a trained reward model")
+    if rm.config.num_labels != 1:
+        die(f"--reward-model-path {path}: {rm.config.num_labels} labels; a reward model gives one score (num_labels=1)")
     own = os.path.isfile(os.path.join(path, "tokenizer_config.json"))
     rm_tok = load_tokenizer(path, args.trust_remote_code) if own else tok
-    if rm.config.pad_token_id is None:
+    if len(rm_tok) > rm.get_input_embeddings().num_embeddings:
+        die(f"--reward-model-path {path}: {rm.get_input_embeddings().num_embeddings} token embeddings, fewer than "
+            f"the {len(rm_tok)} tokens of " + ("its tokenizer" if own else "the policy's tokenizer (it has none)"))
+    check_positions(rm, args.prompt_length + args.response_length, f"the reward model {path}")
+    if rm.config.pad_token_id is None:  # (read by classifiers that pool the last token themselves)
         rm.config.pad_token_id = rm_tok.pad_token_id
     return disable_dropout(rm).to(device).eval().requires_grad_(False), rm_tok
 

@@ -1246,6 +1246,17 @@ def gpt2_reward_model(path, positions=64, vocab=200, num_labels=1):
     return path
 
 
+@pytest.mark.parametrize("positions,vocab,needle", [(16, 200, "more than the 16 learned positions of the reward model"),
+                                                    (64, 40, "40 token embeddings, fewer than the 99 tokens of the "
+                                                             "policy's tokenizer")])
+def test_a_reward_model_too_short_or_with_a_smaller_vocabulary_is_one_line_error(tmp_path, capsys, positions, vocab,
+                                                                                 needle):
+    rm = gpt2_reward_model(tmp_path / "rm", positions, vocab)  # prompt + response: 16 + 8 = 24 tokens
+    err = one_line_exit(capsys, 2, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path / "runs"),
+                                                         "--reward-model-path", str(rm)]))
+    assert needle in err and not (tmp_path / "runs").exists()
+
+
 def test_a_reward_model_that_does_not_load_says_why_and_writes_nothing(tmp_path, capsys):
     rm = gpt2_reward_model(tmp_path / "rm")
     (rm / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
@@ -1253,6 +1264,40 @@ def test_a_reward_model_that_does_not_load_says_why_and_writes_nothing(tmp_path,
                                                          "--reward-model-path", str(rm)]))
     assert err.startswith(f"error: cannot load a reward model from {rm}: ") and not (tmp_path / "runs").exists()
     assert len(err.split(": ", 3)[-1]) > 8, err  # the reason, not only the exception's name
+
+
+def test_a_causal_lm_or_a_two_label_model_is_refused_as_reward_model(tmp_path, capsys):
+    P.build_tiny_model(P.build_char_tokenizer(), 0, 32, 1).save_pretrained(tmp_path / "lm")
+    gpt2_reward_model(tmp_path / "two", num_labels=2)
+    for path, needle in ((tmp_path / "lm", "score head (score.weight) is not in its weights: a causal LM"),
+                         (tmp_path / "two", "2 labels; a reward model gives one score")):
+        err = one_line_exit(capsys, 2, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path / "runs"),
+                                                             "--reward-model-path", str(path)]))
+        assert needle in err and not (tmp_path / "runs").exists()
+
+
+def test_a_reward_model_scores_the_last_real_token_whatever_its_config_calls_padding(tmp_path):
+    """The reward model's config names "1" its pad token, its tokenizer pads with <pad>: Hugging Face's own pooling
+    reads padding, so that a row's score depends on the rows beside it. Scored here batched == each row alone == the
+    score head on the last real token's hidden state (the plain reference)."""
+    from transformers import LlamaForSequenceClassification
+
+    tok = P.build_char_tokenizer()
+    cfg = P.build_tiny_model(tok, 0, 32, 1).config
+    cfg.num_labels, cfg.pad_token_id = 1, tok.convert_tokens_to_ids("1")
+    torch.manual_seed(1)
+    rm = LlamaForSequenceClassification(cfg).eval()
+    prompts, responses = ["31415=", "7=", "20="], ["11345", "7", "02<eos>"]
+    batched = P.reward_model_scores(rm, tok, prompts, responses)
+    alone = torch.cat([P.reward_model_scores(rm, tok, [p], [r]) for p, r in zip(prompts, responses)])
+    with torch.no_grad():
+        ref = [rm.score(rm.model(torch.tensor([tok.encode(p + r)])).last_hidden_state[0, -1]).item()
+               for p, r in zip(prompts, responses)]
+    assert torch.allclose(batched, alone, atol=1e-5) and torch.allclose(batched, torch.tensor(ref), atol=1e-5)
+    enc = P.reward_model_inputs(tok, prompts, responses)
+    with torch.no_grad():  # what the check guards against: Hugging Face's pooling of the same batch
+        hf = rm(**enc).logits[:, 0]
+    assert (hf - batched).abs().max() > 1e-3
 
 
 def test_explained_variance_against_a_plain_reference_and_with_returns_that_do_not_vary():
