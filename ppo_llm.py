@@ -31,6 +31,7 @@ import signal
 import sys
 import time
 import typing
+import zipfile
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
@@ -1630,20 +1631,76 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
     return path
 
 
+_READ: dict = {}  # the last checkpoint read: parse_args reads it for the saved arguments, main() gets the same dict
+
+
 def load_checkpoint(path: str) -> dict:
+    """checkpoint.pt, read once per process and checked before anything uses it: the CRCs of its zip records
+    (torch.load skips them), its model directories, its keys and their types, its saved arguments' types."""
     if not os.path.isfile(path):
         die(f"--resume: no such file {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        die(f"cannot read checkpoint {path}: {reason(e)}")
-    if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
-        die(f"{path} is not a {SCRIPT} checkpoint "
-            f"(script={ckpt.get('script') if isinstance(ckpt, dict) else None})")
-    for d in (ckpt["model"]["policy"], ckpt["model"]["ref"], ckpt["model"]["critic"]):
-        if d and not os.path.isfile(os.path.join(os.path.dirname(path), d, "config.json")):
-            die(f"checkpoint {path}: model directory {d}/ next to it is missing")
-    return ckpt
+    key = (os.path.abspath(path), os.stat(path).st_mtime_ns, os.stat(path).st_size)
+    if _READ.get("key") != key:
+        try:
+            with zipfile.ZipFile(path) as z:
+                damaged = z.testzip()  # (a flipped bit in a stored tensor would load and resume silently)
+            ckpt = None if damaged else torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            die(f"cannot read checkpoint {path}: {reason(e)}")
+        if damaged is not None:
+            die(f"checkpoint {path} is damaged (record {damaged!r} fails its CRC check)")
+        if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
+            die(f"{path} is not a {SCRIPT} checkpoint "
+                f"(script={ckpt.get('script') if isinstance(ckpt, dict) else None})")
+        problem = state_problem(ckpt, os.path.dirname(path))
+        if problem:
+            die(f"checkpoint {path}: {problem}")
+        _READ.update(key=key, ckpt=ckpt)
+    return _READ["ckpt"]
+
+
+def state_problem(ckpt: dict, run_dir: str) -> Optional[str]:
+    """What is missing or of another type in a checkpoint's trainer state (an edited file, say), or None."""
+    rng = torch.get_rng_state()
+    for key, want in [("model", dict), ("model.policy", str), ("model.ref", str), ("model.critic", str),
+                      ("model.value_head", dict), ("optimizer", list), ("scheduler", list), ("global_step", int),
+                      ("iteration", int), ("rng", dict), ("rng.torch", rng), ("rng.gen", rng), ("args", dict),
+                      ("kl_coef", float), ("reward_running", dict), ("tracker", dict)]:
+        parent, _, name = key.rpartition(".")
+        holder = ckpt[parent] if parent else ckpt  # (a dict: checked before its keys)
+        if name not in holder:
+            return f"no {key!r}"
+        if torch.is_tensor(want) and not (torch.is_tensor(holder[name]) and holder[name].shape == want.shape):
+            return f"{key} is not a tensor of {want.numel()} bytes"
+        if not torch.is_tensor(want) and not fits(holder[name], want):
+            return f"{key} is {holder[name]!r:.40}, not {type_text(want)}"
+        for d in [ckpt["model"][m] for m in ("policy", "ref", "critic")] if key == "model.critic" else []:
+            if d and not os.path.isfile(os.path.join(run_dir, d, "config.json")):
+                return f"model directory {d}/ next to it is missing"
+    hints = typing.get_type_hints(Args, include_extras=True)
+    for f in dataclasses.fields(Args):  # every saved argument of its field's type (then validate() as given)
+        if f.name in ckpt["args"] and not fits(ckpt["args"][f.name], hints[f.name]):
+            return f"args.{f.name} is {ckpt['args'][f.name]!r:.40}, not {type_text(hints[f.name])}"
+    return None
+
+
+def fits(value, hint) -> bool:
+    """Whether value is of the type hint: int (no bool), float (int too), bool, str, list, dict, Optional, Literal."""
+    hint = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+    if typing.get_origin(hint) in (Literal, typing.Union):
+        parts = typing.get_args(hint)
+        return value in parts if typing.get_origin(hint) is Literal else any(fits(value, h) for h in parts)
+    kinds = {float: (int, float)}.get(hint, hint)
+    return isinstance(value, kinds) and (hint is bool or not isinstance(value, bool))
+
+
+def type_text(hint) -> str:
+    hint = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+    if typing.get_origin(hint) in (Literal, typing.Union):
+        parts = typing.get_args(hint)
+        return ("one of " + ", ".join(parts) if typing.get_origin(hint) is Literal
+                else " or ".join(map(type_text, parts)))
+    return "None" if hint is type(None) else ("an " if hint is int else "a ") + hint.__name__
 
 
 @contextlib.contextmanager

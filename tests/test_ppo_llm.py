@@ -1429,3 +1429,67 @@ def test_a_signal_in_the_last_evaluation_saves_the_trained_model(tmp_path, monke
     assert res["checkpoint"] and torch.load(res["checkpoint"], weights_only=True)["iteration"] == 2
     assert f"evaluation stopped (SIGTERM); evaluate the trained model with: python ppo_llm.py --resume " \
            f"{res['checkpoint']}" in out and [c[0] for c in res["curve"]] == [0, 1]
+
+
+# ----- what a cluster does to a job (issue #26) ----------------------------------------------------------------
+
+
+def flip_a_bit_in_a_tensor(path):
+    """One bit of the largest stored tensor flipped in place; returns its record's name."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = bytearray(open(path, "rb").read())
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x10  # (records are stored)
+    open(path, "wb").write(bytes(data))
+    return info.filename
+
+
+@pytest.mark.parametrize("edit,needle", [
+    ("flip", "is damaged (record '{record}' fails its CRC check)"),
+    (lambda c: c["args"].update(n="abc"), "args.n is 'abc', not an int"),
+    (lambda c: c["args"].update(adv_estimator="vtrace"), "args.adv_estimator is 'vtrace', not one of gae, grpo"),
+    (lambda c: c["args"].update(reward_clip="1"), "args.reward_clip is '1', not a float or None"),
+    (lambda c: c.update(args=list(c["args"])), "args is ['num_iterations',"),
+    (lambda c: c.pop("iteration"), "no 'iteration'"),
+    (lambda c: c["rng"].pop("torch"), "no 'rng.torch'"),
+    (lambda c: c["rng"].update(torch=c["rng"]["torch"][:100]), "rng.torch is not a tensor of 5056 bytes"),
+    (lambda c: c.update(global_step="16"), "global_step is '16', not an int"),
+])
+def test_a_damaged_or_edited_checkpoint_is_one_line_error(tmp_path, capsys, edit, needle):
+    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1"]))
+    path = part["checkpoint"]
+    if edit == "flip":
+        import zipfile
+
+        needle = needle.format(record=flip_a_bit_in_a_tensor(path))
+        assert zipfile.ZipFile(path).testzip() is not None
+        torch.load(path, weights_only=True)  # what the check guards against: torch.load takes it silently
+    else:
+        state = torch.load(path, weights_only=True)
+        edit(state)
+        torch.save(state, path)
+    err = one_line_exit(capsys, 2, P.parse_args, ["--resume", path])
+    assert needle in err and err.startswith(f"error: checkpoint {path}"), err
+
+
+def test_a_checkpoint_is_read_once_per_process(tmp_path, monkeypatch):
+    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1"]))
+    loads, real = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
+    P.main(P.parse_args(["--resume", part["checkpoint"]]))
+    assert loads == [part["checkpoint"]]
+
+
+def test_types_of_saved_arguments_against_their_fields():
+    hints = __import__("typing").get_type_hints(P.Args, include_extras=True)
+    for value, field, ok in [(3, "n", True), (3.0, "n", False), (True, "n", False), ("3", "n", False),
+                             (1, "lr", True), (0.5, "lr", True), (True, "lr", False), (None, "target_kl", True),
+                             (True, "cuda", True), (1, "cuda", False), ("grpo", "adv_estimator", True),
+                             ("GRPO", "adv_estimator", False), (None, "loss_type", True), ("actor", "loss_type", True),
+                             ("x", "loss_type", False), (None, "use_critic_model", True), (None, "exp_name", False)]:
+        assert P.fits(value, hints[field]) is ok, (value, field)
+    assert P.type_text(hints["target_kl"]) == "a float or None" and P.type_text(hints["n"]) == "an int"
