@@ -26,9 +26,11 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import sys
+import threading
 import time
 import typing
 import zipfile
@@ -1255,6 +1257,27 @@ class Stop(Exception):
     """A signal before training: the run ends there, with nothing half-written."""
 
 
+class WriteError(Exception):
+    """A write the file system refused (disk full, quota, read-only): one line naming the file and why, exit 1."""
+
+    def __init__(self, what: str, why: str, checkpoint: bool = False):
+        super().__init__(what, why, checkpoint)
+        self.what, self.why, self.checkpoint = what, why, checkpoint
+
+
+def write_failure(error: Optional[BaseException]) -> Optional[str]:
+    """Why a write failed if the file system refused it: the OSError in the exception's chain (torch.save into a file
+    raises RuntimeError "unexpected pos" from it) or safetensors' "I/O error: ..."; None for anything else."""
+    while error is not None:
+        if isinstance(error, OSError):
+            return error.strerror or str(error)
+        found = re.search(r"I/O error: (.+?)(?: \(os error \d+\))?$", (str(error).splitlines() or [""])[0])
+        if found:
+            return found.group(1)
+        error = error.__cause__ or error.__context__
+    return None
+
+
 class Run:
     """main()'s run context, from its first line to its last: signal handlers (SIGTERM / SIGINT are recorded, then
     honoured where nothing is half-written: before training, after an iteration, in an evaluation), the process
@@ -1271,6 +1294,7 @@ class Run:
     def __enter__(self) -> Run:
         self.handlers = {s: signal.signal(s, lambda signum, frame: self.signals.append(signum))  # first of all
                          for s in (signal.SIGTERM, signal.SIGINT)}
+        self.hook, threading.excepthook = threading.excepthook, self._thread_error
         try:
             from transformers.utils import logging as hf_logging
 
@@ -1288,7 +1312,14 @@ class Run:
         if isinstance(error, Stop):
             print(f"stopped before training ({self.why}); nothing written" + ("" if self.ckpt is None else
                   f"; continue with: {self.launcher} {SCRIPT} --resume {self.args.resume}"), flush=True)
-        self._close_writer(failed=kind is not None)
+        try:
+            self._close_writer(failed=kind is not None)
+        except WriteError as e:
+            kind, error = WriteError, e
+        if isinstance(error, WriteError) and self.rank == 0:
+            kept = ("" if not error.checkpoint else " (the previous checkpoint is kept)" if self.checkpoint
+                    else " (no checkpoint was written)")
+            print(f"error: cannot write {error.what}: {error.why}{kept}", file=sys.stderr)
         if self.created and not self.training and kind is not None:  # a run directory with nothing of value
             shutil.rmtree(self.dir, ignore_errors=True)
         if self.world > 1:
@@ -1299,7 +1330,10 @@ class Run:
             dist.destroy_process_group()
         for sig, handler in self.handlers.items():
             signal.signal(sig, handler)
+        threading.excepthook = self.hook
         self.stack.close()
+        if isinstance(error, WriteError):
+            raise SystemExit(1) from None
         return isinstance(error, Stop)
 
     @property
@@ -1340,26 +1374,41 @@ class Run:
         """Scalars to TensorBoard (and wandb with --track) from rank 0; the writer is made on first use."""
         if self.rank != 0:
             return
-        if self.writer is None:
-            from torch.utils.tensorboard import SummaryWriter
+        try:
+            if self.writer is None:
+                from torch.utils.tensorboard import SummaryWriter
 
-            if self.args.track:
-                import wandb
+                if self.args.track:
+                    import wandb
 
-                name = os.path.basename(self.dir)
-                wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, name=name, id=name,
-                           sync_tensorboard=True, config=vars(self.args), dir=self.dir, resume="allow")
-            self.writer = SummaryWriter(self.dir)
-            if self.ckpt is None:
-                self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
-                                     "\n".join(f"|{k}|{v}|" for k, v in vars(self.args).items()))
-        for k, v in scalars.items():
-            self.writer.add_scalar(k, v, step)
+                    name = os.path.basename(self.dir)
+                    wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, name=name, id=name,
+                               sync_tensorboard=True, config=vars(self.args), dir=self.dir, resume="allow")
+                self.writer = SummaryWriter(self.dir)
+                if self.ckpt is None:
+                    self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
+                                         "\n".join(f"|{k}|{v}|" for k, v in vars(self.args).items()))
+            for k, v in scalars.items():
+                self.writer.add_scalar(k, v, step)
+        except OSError as e:  # (tensorboard's writer thread failed; _thread_error hides its traceback)
+            raise WriteError(f"the TensorBoard events in {self.dir}", e.strerror or str(e)) from None
+
+    def _thread_error(self, hook_args) -> None:
+        if type(hook_args.thread).__name__ != "_AsyncWriterThread":
+            self.hook(hook_args)
 
     def _close_writer(self, failed: bool) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            if self.args.track:
+        try:
+            if self.writer is not None:
+                self.writer.close()
+        except OSError as e:
+            if not failed:
+                raise WriteError(f"the TensorBoard events in {self.dir}", e.strerror or str(e)) from None
+        finally:
+            for t in threading.enumerate():  # a failed writer thread ends before the hook that hides it is put back
+                if type(t).__name__ == "_AsyncWriterThread" and getattr(t, "exception", None) is not None:
+                    t.join(timeout=10)
+            if self.args.track and self.writer is not None:
                 import wandb
 
                 wandb.finish(exit_code=int(failed))
@@ -1583,51 +1632,63 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
                     gen_dev=None, rank: int = 0, world: int = 1) -> str:
     """Atomic: the models go to a new checkpoint-<iteration>/ directory, then checkpoint.pt, which names that
     directory, is replaced in one rename (the commit point); older checkpoint-* directories are removed after.
-    A kill at any moment leaves a checkpoint.pt whose models are complete. Under torchrun every rank calls it (FSDP2
-    shards are gathered into full tensors) and rank 0 writes."""
-    sub = f"checkpoint-{iteration}"
-    path = os.path.join(run_dir, "checkpoint.pt")
+    A kill at any moment leaves a checkpoint.pt whose models are complete; a write the file system refuses removes
+    what this save wrote and raises WriteError on every rank. Under torchrun every rank calls it (FSDP2 shards are
+    gathered into full tensors) and rank 0 writes."""
+    sub, path = f"checkpoint-{iteration}", os.path.join(run_dir, "checkpoint.pt")
     write_ref = gather_objects(not os.path.isdir(os.path.join(run_dir, "ref")), world)[0]  # written once
     sd = {name: full_state(m.state_dict()) for name, m in (("policy", policy), ("critic", critic), ("ref", ref))
           if m is not None and (name != "ref" or write_ref)}
     optim_states = [full_state(o.state_dict()) for o in optimizers]
     value_head_state = full_state(value_head.state_dict()) if value_head is not None else {}
     dev_states = gather_objects(gen_dev.get_state() if gen_dev is not None and gen_dev is not gen else None, world)
-    if rank != 0:
-        return path
-    tmp_dir = os.path.join(run_dir, sub + ".tmp")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    policy.save_pretrained(os.path.join(tmp_dir, "policy"), state_dict=sd["policy"])
-    tok.save_pretrained(os.path.join(tmp_dir, "policy"))
-    if critic is not None:
-        critic.save_pretrained(os.path.join(tmp_dir, "critic"), state_dict=sd["critic"])
-    shutil.rmtree(os.path.join(run_dir, sub), ignore_errors=True)  # a leftover of a save killed after this point
-    os.rename(tmp_dir, os.path.join(run_dir, sub))
-    if write_ref:
-        ref.save_pretrained(os.path.join(run_dir, "ref.tmp"), state_dict=sd["ref"])
-        os.rename(os.path.join(run_dir, "ref.tmp"), os.path.join(run_dir, "ref"))
-    state = {
-        "script": SCRIPT,
-        "env_id": "sort" if args.dataset is None else os.path.basename(args.dataset),
-        "model": {"policy": f"{sub}/policy", "ref": "ref", "critic": f"{sub}/critic" if critic is not None else "",
-                  "value_head": value_head_state},
-        "optimizer": optim_states,
-        "scheduler": [s.state_dict() for s in schedulers],
-        "global_step": global_step,
-        "iteration": iteration,
-        # gen: tasks and shuffles (the same on every rank); gen_dev: token sampling on CUDA or under torchrun, per rank
-        "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state(), "gen_dev": dev_states},
-        "args": dataclasses.asdict(args),
-        "kl_coef": kl_ctrl.value,
-        "reward_running": running.state_dict(),
-        "tracker": tracker,
-        "format": CHECKPOINT_FORMAT,
-    }
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    for d in os.listdir(run_dir):  # earlier checkpoints (and .tmp leftovers of killed saves)
-        if d.startswith("checkpoint-") and d != sub:
-            shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
+    failed, tmp_dir, made = None, os.path.join(run_dir, sub + ".tmp"), []  # made: what this save put in place
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            target = os.path.join(run_dir, sub, "policy")  # (what is being written, named by a failed write)
+            policy.save_pretrained(os.path.join(tmp_dir, "policy"), state_dict=sd["policy"])
+            tok.save_pretrained(os.path.join(tmp_dir, "policy"))
+            if critic is not None:
+                target = os.path.join(run_dir, sub, "critic")
+                critic.save_pretrained(os.path.join(tmp_dir, "critic"), state_dict=sd["critic"])
+            shutil.rmtree(os.path.join(run_dir, sub), ignore_errors=True)  # a leftover of a save killed after this
+            os.rename(tmp_dir, os.path.join(run_dir, sub))
+            made.append(os.path.join(run_dir, sub))
+            if write_ref:
+                target = os.path.join(run_dir, "ref")
+                ref.save_pretrained(os.path.join(run_dir, "ref.tmp"), state_dict=sd["ref"])
+                os.rename(os.path.join(run_dir, "ref.tmp"), target)
+                made.append(target)
+            state = {
+                "script": SCRIPT, "env_id": "sort" if args.dataset is None else os.path.basename(args.dataset),
+                "model": {"policy": f"{sub}/policy", "ref": "ref",
+                          "critic": f"{sub}/critic" if critic is not None else "", "value_head": value_head_state},
+                "optimizer": optim_states, "scheduler": [s.state_dict() for s in schedulers],
+                "global_step": global_step, "iteration": iteration,
+                # gen: tasks and shuffles (the same on every rank); gen_dev: token sampling on CUDA / torchrun, per rank
+                "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state(), "gen_dev": dev_states},
+                "args": dataclasses.asdict(args), "kl_coef": kl_ctrl.value, "reward_running": running.state_dict(),
+                "tracker": tracker, "format": CHECKPOINT_FORMAT}
+            target = path
+            with open(path + ".tmp", "wb") as f:  # (into a file object: a refused write raises from its OSError)
+                torch.save(state, f)
+            os.replace(path + ".tmp", path)
+        except Exception as e:
+            failed = (target, write_failure(e))
+            if failed[1] is None:
+                raise
+            for leftover in (tmp_dir, os.path.join(run_dir, "ref.tmp"), *made):  # the checkpoint before stays whole
+                shutil.rmtree(leftover, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path + ".tmp")
+        else:
+            for d in os.listdir(run_dir):  # earlier checkpoints (and .tmp leftovers of killed saves)
+                if d.startswith("checkpoint-") and d != sub:
+                    shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
+    failed = gather_objects(failed, world)[0]  # every rank stops on rank 0's failed write
+    if failed is not None:
+        raise WriteError(*failed, checkpoint=True)
     return path
 
 

@@ -1434,6 +1434,92 @@ def test_a_signal_in_the_last_evaluation_saves_the_trained_model(tmp_path, monke
 # ----- what a cluster does to a job (issue #26) ----------------------------------------------------------------
 
 
+def disk_full(after_bytes: int):
+    """torch.save that writes after_bytes into its file, then fails as torch does on a full disk: RuntimeError
+    "unexpected pos" raised while handling the file's OSError(ENOSPC)."""
+    import errno
+
+    def save(obj, f, *a, **k):
+        f.write(b"\0" * after_bytes)
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    return save
+
+
+@pytest.mark.parametrize("fail_at,kept", [(1, "(no checkpoint was written)"), (2, "(the previous checkpoint is kept)")])
+def test_a_full_disk_while_writing_checkpoint_pt_is_one_line_and_keeps_the_previous_one(tmp_path, monkeypatch, capsys,
+                                                                                       fail_at, kept):
+    saves, real = [], torch.save
+
+    def save(obj, f, *a, **k):
+        saves.append(1)
+        return (disk_full(100) if len(saves) == fail_at else real)(obj, f, *a, **k)
+    monkeypatch.setattr(torch, "save", save)
+    err = one_line_exit(capsys, 1, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--checkpoint-every",
+                                                         "1"]))
+    monkeypatch.undo()
+    (run,) = os.listdir(tmp_path)
+    path = tmp_path / run / "checkpoint.pt"
+    assert err == f"error: cannot write {path}: No space left on device {kept}"
+    left = sorted(os.listdir(tmp_path / run))
+    if fail_at == 1:  # nothing of the failed save stays (not its models, not the reference)
+        assert not [f for f in left if f.startswith(("checkpoint", "ref"))], left
+    else:
+        assert [f for f in left if f.startswith(("checkpoint", "ref"))] == ["checkpoint-1", "checkpoint.pt", "ref"]
+        assert P.load_checkpoint(str(path))["iteration"] == 1
+
+
+def test_a_full_disk_while_writing_the_models_removes_what_the_save_wrote(tmp_path, monkeypatch):
+    import errno
+
+    tok = P.build_char_tokenizer()
+    m = P.build_tiny_model(tok, 0, 32, 1)
+    critic = P.make_critic(m)
+    opt = [torch.optim.AdamW(m.parameters(), lr=1e-3)]
+    sch = [torch.optim.lr_scheduler.LambdaLR(opt[0], lambda s: 1.0)]
+    args = P.parse_args(TINY)
+    save = lambda it: P.save_checkpoint(str(tmp_path), m, m, critic, None, tok, opt, sch, args, it * 8, it,  # noqa
+                                        torch.Generator(), P.FixedKLController(0.1), P.RunningMoments(), {})
+    save(1)
+
+    def full(path, *a, **k):  # half a file, then the disk is full (safetensors says so in its own words)
+        os.makedirs(path, exist_ok=True)
+        (tmp_path / "partial").write_bytes(b"\0" * 10)
+        os.replace(tmp_path / "partial", os.path.join(path, "model.safetensors"))
+        raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(critic, "save_pretrained", full)
+    with pytest.raises(P.WriteError) as e:
+        save(2)
+    assert (e.value.what, e.value.why) == (str(tmp_path / "checkpoint-2" / "critic"), "No space left on device")
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "checkpoint.pt", "ref"]
+    assert P.load_checkpoint(str(tmp_path / "checkpoint.pt"))["iteration"] == 1
+    monkeypatch.setattr(critic, "save_pretrained", lambda *a, **k: 1 / 0)  # not the file system's doing: raised
+    with pytest.raises(ZeroDivisionError):
+        save(3)
+    assert P.write_failure(OSError(errno.EDQUOT, "Disk quota exceeded")) == "Disk quota exceeded"
+
+
+def test_a_full_disk_under_tensorboard_is_one_line_without_a_thread_traceback(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from tensorboard.summary.writer import record_writer
+
+    writes, real = [], record_writer.RecordWriter.write
+
+    def write(self, data):  # the events file fills up after a few records (in tensorboard's writer thread)
+        writes.append(1)
+        if len(writes) > 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, data)
+    monkeypatch.setattr(record_writer.RecordWriter, "write", write)
+    err = one_line_exit(capsys, 1, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--num-iterations",
+                                                         "30", "--eval-every", "100"]))
+    (run,) = os.listdir(tmp_path)
+    assert err == f"error: cannot write the TensorBoard events in {tmp_path / run}: No space left on device"
+
+
 def flip_a_bit_in_a_tensor(path):
     """One bit of the largest stored tensor flipped in place; returns its record's name."""
     import struct
