@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import fcntl
 import io
 import itertools
 import json
@@ -1320,6 +1321,8 @@ class Run:
             kept = ("" if not error.checkpoint else " (the previous checkpoint is kept)" if self.checkpoint
                     else " (no checkpoint was written)")
             print(f"error: cannot write {error.what}: {error.why}{kept}", file=sys.stderr)
+        if self.lock is not None:
+            os.close(self.lock)  # (the OS releases it too, even after kill -9)
         if self.created and not self.training and kind is not None:  # a run directory with nothing of value
             shutil.rmtree(self.dir, ignore_errors=True)
         if self.world > 1:
@@ -1353,21 +1356,36 @@ class Run:
             raise Stop
 
     def open_dir(self) -> None:
-        """The run directory: a resumed run's own, or a new runs/<task>__<exp>__<seed>__<time>."""
-        args = self.args
-        if self.ckpt is not None:
-            path = os.path.dirname(os.path.abspath(args.resume))
-        else:
+        """The run directory, locked against other processes until the run ends: a resumed run's own, or a new one
+        that rank 0 makes under a name no other run has (<task>__<exp>__<seed>__<time>, then -2, -3, ...)."""
+        args, path, error = self.args, os.path.dirname(os.path.abspath(self.args.resume or ".")), None
+        if self.ckpt is None and self.rank == 0:
             task = "sort" if args.dataset is None else os.path.splitext(os.path.basename(args.dataset))[0]
-            name = gather_objects(f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}", self.world)[0]
-            path = os.path.join(args.runs_dir, name)
+            base = path = os.path.join(args.runs_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+            for i in itertools.count(2):
+                try:
+                    os.makedirs(path)
+                    self.created = True
+                    break
+                except FileExistsError:
+                    path = f"{base}-{i}"
+                except OSError as e:
+                    error = f"cannot create run directory {path}: {e.strerror}"
+                    break
+        if self.rank == 0 and error is None:
             try:
-                os.makedirs(path, exist_ok=True)
-                self.created = True
+                self.lock = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.ftruncate(self.lock, 0), os.write(self.lock, str(os.getpid()).encode())
+            except BlockingIOError:
+                error = (f"run directory {path} is in use by another process (pid "
+                         f"{os.read(self.lock, 32).decode(errors='replace').strip() or '?'}): wait for it to end or "
+                         "stop it first")
             except OSError as e:
-                die(f"cannot create run directory {path}: {e.strerror}")
-        if not os.access(path, os.W_OK):
-            die(f"run directory {path} is not writable")
+                error = f"cannot write in run directory {path}: {e.strerror}"
+        path, error = gather_objects((path, error), self.world)[0]
+        if error is not None:
+            die(error)
         self.dir = path
 
     def log(self, scalars: dict, step: int) -> None:

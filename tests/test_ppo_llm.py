@@ -1432,6 +1432,34 @@ def test_a_signal_in_the_last_evaluation_saves_the_trained_model(tmp_path, monke
 
 
 # ----- what a cluster does to a job (issue #26) ----------------------------------------------------------------
+def test_runs_started_in_the_same_second_get_directories_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.setattr(P.time, "time", lambda: 1_700_000_000.0)
+    dirs = [P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--save-model"]))["run_dir"] for _ in range(3)]
+    name = "sort__ppo_llm__1__1700000000"
+    assert dirs == [str(tmp_path / name), str(tmp_path / f"{name}-2"), str(tmp_path / f"{name}-3")]
+    assert all(os.path.isfile(os.path.join(d, "checkpoint.pt")) for d in dirs)
+
+
+def test_a_run_directory_another_process_holds_is_refused(tmp_path, capsys):
+    import fcntl
+
+    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1"]))
+    before = sorted(os.listdir(part["run_dir"])), os.stat(part["checkpoint"]).st_mtime_ns
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, str(os.getpid()).encode())\n"
+                               "print('held', flush=True); time.sleep(60)",
+                               os.path.join(part["run_dir"], ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        err = one_line_exit(capsys, 2, P.main, P.parse_args(["--resume", part["checkpoint"]]))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"run directory {part['run_dir']} is in use by another process (pid {holder.pid}): wait for it" in err
+    assert (sorted(os.listdir(part["run_dir"])), os.stat(part["checkpoint"]).st_mtime_ns) == before
+    with open(os.path.join(part["run_dir"], ".lock")) as f:  # released at the end: another process may take it
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def disk_full(after_bytes: int):
