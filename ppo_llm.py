@@ -1244,8 +1244,9 @@ def main(args: Args) -> dict:
 # checkpoints and exact resume, evaluation, compile helper, local models, command line.
 # =========================================================================================================
 def die(msg: str) -> None:
-    """Bad input: one line on stderr, exit code 2, no traceback."""
-    print(f"error: {msg}", file=sys.stderr)
+    """Bad input: one line on stderr (under torchrun from rank 0 alone), exit code 2, no traceback."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -1472,9 +1473,10 @@ class Run:
               "--stop-after; add --stop-after 0 to run to the end)" if self.args.stop_after else ""), flush=True)
 
     def fail(self, message: str) -> None:
-        """The run cannot go on: one line, exit 1."""
+        """The run cannot go on: one line that names the last checkpoint if there is one, exit 1."""
+        kept = f"last checkpoint kept: {self.checkpoint}" if self.checkpoint else "no checkpoint was written"
         if self.rank == 0:
-            print(f"error: {message}; stopping (last checkpoint kept)", file=sys.stderr)
+            print(f"error: {message}; stopping ({kept})", file=sys.stderr)
         raise SystemExit(1)
 
 

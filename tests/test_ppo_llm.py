@@ -1167,6 +1167,7 @@ def test_non_finite_update_stops_and_keeps_the_last_good_checkpoint(tmp_path, mo
     (run,) = os.listdir(tmp_path)
     state = torch.load(tmp_path / run / "checkpoint.pt", weights_only=True)
     assert state["iteration"] == 1
+    assert f"stopping (last checkpoint kept: {tmp_path / run / 'checkpoint.pt'})" in err
 
 
 def test_checkpoint_killed_during_save_keeps_the_previous_one(tmp_path, monkeypatch):
@@ -1607,3 +1608,21 @@ def test_types_of_saved_arguments_against_their_fields():
                              ("x", "loss_type", False), (None, "use_critic_model", True), (None, "exp_name", False)]:
         assert P.fits(value, hints[field]) is ok, (value, field)
     assert P.type_text(hints["target_kl"]) == "a float or None" and P.type_text(hints["n"]) == "an int"
+
+
+def test_the_non_finite_stop_says_when_no_checkpoint_was_written(tmp_path, monkeypatch, capsys):
+    real = P.compute_advantages
+    monkeypatch.setattr(P, "compute_advantages", lambda *a, **k: tuple(x * float("nan") for x in real(*a, **k)))
+    err = one_line_exit(capsys, 1, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path)]))
+    assert err.endswith("at iteration 1; stopping (no checkpoint was written)"), err
+
+
+def test_bad_input_under_torchrun_is_printed_by_rank_0_alone(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as e:
+        P.parse_args(["--n", "1.5"])
+    assert e.value.code == 2 and capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit):
+        P.parse_args(["--n", "1.5"])
+    assert "whole number" in capsys.readouterr().err
