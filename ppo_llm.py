@@ -1064,11 +1064,11 @@ def build_optimizers(args: Args, policy, critic, value_head):
 # --- Warm start (supervised, before PPO) and the training loop -------------------------------------------------------
 def warm_start(policy, tok, sample_rows, args: Args, device, autocast=contextlib.nullcontext, stop=None) -> None:
     """Supervised fine-tuning on answers + EOS (a short phase: the model ends partly right), in the run's precision.
-    stop() -> bool: a signal came (checked at every step; the run then ends before training)."""
+    stop() -> bool: a signal came (asked every 10 steps: a collective under torchrun; the run then ends)."""
     opt = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr)
     policy.train()
     for step in range(args.sft_steps):
-        if stop is not None and stop():
+        if stop is not None and step % 10 == 0 and stop():
             return
         rows = sample_rows(args.sft_batch_size)
         targets = []
@@ -1305,6 +1305,7 @@ class Run:
             if self.rank > 0:  # under torchrun rank 0 alone prints
                 self.stack.enter_context(contextlib.redirect_stdout(self.stack.enter_context(open(os.devnull, "w"))))
             self.ckpt = load_checkpoint(self.args.resume) if self.args.resume else None
+            _READ.clear()  # (taken: the states loaded from it are not the file's any more)
         except BaseException:
             self.__exit__(*sys.exc_info())
             raise
@@ -1315,7 +1316,7 @@ class Run:
             print(f"stopped before training ({self.why}); nothing written" + ("" if self.ckpt is None else
                   f"; continue with: {self.launcher} {SCRIPT} --resume {self.args.resume}"), flush=True)
         try:
-            self._close_writer(failed=kind is not None)
+            self._close_writer(failed=kind is not None and kind is not Stop)
         except WriteError as e:
             kind, error = WriteError, e
         if isinstance(error, WriteError) and self.rank == 0:
@@ -1410,7 +1411,10 @@ class Run:
             for k, v in scalars.items():
                 self.writer.add_scalar(k, v, step)
         except OSError as e:  # (tensorboard's writer thread failed; _thread_error hides its traceback)
-            raise WriteError(f"the TensorBoard events in {self.dir}", e.strerror or str(e)) from None
+            raise self._events_error(e) from None
+
+    def _events_error(self, e: OSError) -> WriteError:
+        return WriteError(f"the TensorBoard events in {self.dir}", e.strerror or str(e))
 
     def _thread_error(self, hook_args) -> None:
         if type(hook_args.thread).__name__ != "_AsyncWriterThread":
@@ -1422,7 +1426,7 @@ class Run:
                 self.writer.close()
         except OSError as e:
             if not failed:
-                raise WriteError(f"the TensorBoard events in {self.dir}", e.strerror or str(e)) from None
+                raise self._events_error(e) from None
         finally:
             for t in threading.enumerate():  # a failed writer thread ends before the hook that hides it is put back
                 if type(t).__name__ == "_AsyncWriterThread" and getattr(t, "exception", None) is not None:
