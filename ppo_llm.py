@@ -7,17 +7,12 @@
     python ppo_llm.py --resume runs/<run>/checkpoint.pt
     torchrun --nproc-per-node 2 ppo_llm.py              # FSDP2 (--strategy ddp: DDP); batch sizes are global
 
-Default run: a character-level tokenizer and a tiny LlamaConfig model (2.0M parameters) are built here, warm-started
-by a short supervised phase on "31415=" -> "11345" (it stops while a third to a half of its sampled answers are
-right), then trained with PPO on the rule-based reward "response == sorted digits"; reward and accuracy rise. A
-response is the episode, a token is an action.
-
-The loop follows the note (shared/seeds/ppo_note.md); each step is a section comment in main():
-Collect rollout (sample n responses per prompt, score them with policy, reference and critic) -> Reward (score,
-normalise, KL penalty) -> Compute advantages and returns (GAE or a critic-free estimator) -> Optimise policy & value
-for E epochs (ppo_epochs x ppo_mini_batch_size, micro-batch accumulation) -> Update reference policy (theta_old <-
-theta: the next rollout's old log-probs come from the updated policy; the KL reference stays the initial model).
-Formulas follow verl's core_algos.py (kl_penalty, agg_loss, compute_policy_loss, compute_value_loss, advantages).
+Default run: a character tokenizer and a tiny Llama (2.0M parameters) built here, warm-started on "31415=" -> "11345"
+until a third to a half of its answers are right, then PPO on the rule "response == sorted digits". A response is the
+episode, a token an action. Outline: Args -> task and tokenizer -> models -> generation and scoring -> reward ->
+advantages -> losses -> update -> main(), whose loop is the note's steps (shared/seeds/ppo_note.md; formulas as verl's
+core_algos.py). The PPO part ends with main(); below its banner: run context, torchrun / FSDP2, checkpoints,
+evaluation, compile helper, command line.
 """
 
 from __future__ import annotations
@@ -25,17 +20,21 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import fcntl
 import io
 import itertools
 import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import sys
+import threading
 import time
 import typing
+import zipfile
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
@@ -50,40 +49,159 @@ KL_TYPES = ("kl", "abs", "mse", "low_var_kl", "full")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def die(msg: str) -> None:
-    """Bad input: one line on stderr, exit code 2, no traceback."""
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
-
-
-def parse_count(text: str) -> int:
-    """A count written as 64, 1e3 or 1_000; anything that is not a whole number is an error."""
-    try:
-        value = float(text.replace("_", ""))
-    except ValueError:
-        raise ValueError(f"{text!r} is not a number") from None
-    if not value.is_integer():
-        raise ValueError(f"{text!r} is not a whole number")
-    return int(value)
-
-
-Count = Annotated[
-    int,
-    tyro.constructors.PrimitiveConstructorSpec(
-        nargs=1, metavar="INT", instance_from_str=lambda a: parse_count(a[0]),
-        is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)],
-    ),
-]
-
-
-def alias(*names: str):
-    """Other spellings of a flag: the option names of the verl / ROLL / RLinf docs (README: option mapping)."""
-    return tyro.conf.arg(aliases=names)
-
-
 @dataclass
 class Args:
-    # Experiment
+    # Rollout: prompts, responses per prompt, sampling (verl actor_rollout_ref.rollout, ROLL, RLinf rollout)
+    num_iterations: Count = 150
+    """PPO iterations (rollout + update)"""
+    rollout_batch_size: Annotated[Count, alias("--train-batch-size", "--data.train-batch-size")] = 32
+    """prompts per iteration (verl data.train_batch_size, ROLL rollout_batch_size)"""
+    n: Annotated[Count, alias("--group-size", "--num-return-sequences-in-group")] = 4
+    """responses per prompt (verl rollout.n, ROLL num_return_sequences_in_group; under torchrun: --group-size)"""
+    prompt_length: Annotated[Count, alias("--max-prompt-length")] = 16
+    """maximum prompt tokens (longer dataset prompts are dropped)"""
+    response_length: Annotated[Count, alias("--max-response-length")] = 8
+    """maximum response tokens"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs for training are computed with the same temperature"""
+    top_p: float = 1.0
+    """nucleus sampling threshold (1: off)"""
+    top_k: Count = 0
+    """sample among the k most likely tokens (0: off)"""
+    rollout_micro_batch_size: Optional[Count] = None
+    """generate at most this many responses at a time (RLinf; memory only; None: the whole batch at once)"""
+    logprob_forward_micro_batch_size: Annotated[Optional[Count], alias("--log-prob-micro-batch-size-per-gpu")] = None
+    """responses per no-grad scoring forward (RLinf; None: --micro-batch-size, so the first ratio is exactly 1)"""
+
+    # Reward: normalisation and clipping of the scores (ROLL), missing-EOS penalty
+    reward_norm: Literal["none", "batch", "group", "running", "null"] = "none"
+    """normalise scores over the batch, the prompt's group, or running statistics (ROLL; null: none)"""
+    reward_shift: bool = False
+    """reward_norm subtracts the mean (given alone: without dividing by the std)"""
+    reward_scale: bool = False
+    """reward_norm divides by the std (given alone: without subtracting the mean)"""
+    reward_clip: Optional[float] = None
+    """clip scores to [-c, c] after normalisation, and token rewards after the KL penalty (ROLL)"""
+    missing_eos_penalty: float = 0.0
+    """subtracted from the score of a response that hits response_length without EOS"""
+
+    # Advantages (verl algorithm.adv_estimator, ROLL adv_estimator, RLinf adv_type)
+    adv_estimator: Annotated[Literal["gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus",
+                                     "reinforce_plus_plus_baseline"], alias("--adv-type")] = "gae"
+    """advantage estimator"""
+    gamma: float = 1.0
+    """discount factor over response tokens"""
+    lam: Annotated[float, alias("--lambd", "--gae-lambda")] = 1.0
+    """GAE lambda"""
+    norm_adv_by_std_in_grpo: bool = True
+    """grpo: divide by the group's std (off: Dr. GRPO)"""
+    whiten_advantages: Annotated[bool, alias("--normalize-advantages")] = True
+    """whiten (A - mean)/std over the batch's response tokens (gae, reinforce; grpo/rloo only when given, as ROLL)"""
+    advantage_clip: Optional[float] = None
+    """clip advantages to [-c, c]"""
+
+    # KL to the reference policy: a penalty in the reward (fixed or adaptive coefficient) and / or a loss
+    use_kl_in_reward: Annotated[bool, alias("--add-token-level-kl")] = True
+    """token reward -= kl_coef * kl(logp, ref_logp); off when --use-kl-loss is given alone (verl: one or the other)"""
+    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl", "full"] = "kl"
+    """KL estimator in the reward"""
+    kl_ctrl_type: Annotated[Literal["fixed", "adaptive"], alias("--kl-ctrl.type")] = "fixed"
+    """in-reward KL coefficient: fixed, or adaptive towards target_kl"""
+    init_kl_coef: Annotated[float, alias("--kl-ctrl.kl-coef", "--kl-coef")] = 0.001
+    """(initial) in-reward KL coefficient (verl kl_ctrl.kl_coef)"""
+    target_kl: Annotated[Optional[float], alias("--kl-ctrl.target-kl")] = 0.1
+    """adaptive controller's target sequence KL; a number given alone selects adaptive, None (ROLL's ~) fixed"""
+    kl_horizon: Annotated[Count, alias("--kl-ctrl.horizon")] = 10000
+    """adaptive controller: horizon in samples"""
+    use_kl_loss: bool = False
+    """add kl_loss_coef * kl(logp, ref_logp) to the actor loss (GRPO style)"""
+    kl_loss_coef: float = 0.001
+    """coefficient of the KL loss"""
+    kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl", "full"] = "low_var_kl"
+    """KL estimator of the KL loss"""
+
+    # Policy loss (verl compute_policy_loss, agg_loss)
+    clip_ratio: Annotated[Optional[float], alias("--pg-clip")] = None
+    """sets clip_ratio_low and clip_ratio_high where those are not given (verl clip_ratio, ROLL pg_clip)"""
+    clip_ratio_low: float = 0.2
+    """ratio lower clip: 1 - clip_ratio_low"""
+    clip_ratio_high: float = 0.2
+    """ratio upper clip: 1 + clip_ratio_high"""
+    dual_clip_loss: bool = True
+    """dual-clip PPO: for A < 0 the loss is at most -A * clip_ratio_c"""
+    clip_ratio_c: float = 3.0
+    """dual-clip bound (> 1)"""
+    loss_agg_mode: Annotated[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                     "seq-mean-token-sum-norm"], alias("--loss-agg-func")] = "token-mean"
+    """how token losses become one number (verl agg_loss)"""
+    entropy_coeff: Annotated[float, alias("--entropy-bonus")] = 0.0
+    """entropy bonus coefficient"""
+
+    # Value model and value loss (verl critic, verl compute_value_loss, RLinf critic.use_critic_model / loss_type)
+    critic: Literal["separate", "shared", "none"] = "separate"
+    """value model: own copy of the trunk + value head (verl/RLinf), value head on the policy trunk, or none"""
+    use_critic_model: Annotated[Optional[bool], alias("--critic.use-critic-model")] = None
+    """RLinf critic.use_critic_model: True = --critic separate, False = --critic shared (None: --critic decides)"""
+    loss_type: Optional[Literal["actor_critic", "actor"]] = None
+    """RLinf loss_type: actor_critic = --critic shared (one loss, one backward), actor = --critic separate"""
+    value_clip: Annotated[Optional[float], alias("--cliprange-value")] = 0.5
+    """clip the new value to old value +- value_clip (verl cliprange_value; None: off)"""
+    huber_delta: Optional[float] = None
+    """Huber loss with this delta instead of 0.5 * squared error (RLinf)"""
+    vf_coef: float = 0.5
+    """value loss coefficient"""
+    critic_warmup: Count = 0
+    """first N iterations update only the critic"""
+
+    # Optimisation: epochs, minibatches of prompt groups, micro-batch accumulation, AdamW
+    ppo_epochs: Count = 1
+    """epochs over each rollout"""
+    ppo_mini_batch_size: Count = 8
+    """prompts per minibatch (each brings its n responses), as in verl"""
+    micro_batch_size: Annotated[Count, alias("--ppo-micro-batch-size-per-gpu")] = 16
+    """responses per forward/backward, accumulated; unless given, the largest size <= 16 that divides a minibatch"""
+    lr: float = 5e-5
+    """actor learning rate (AdamW)"""
+    critic_lr: float = 2.5e-4
+    """critic learning rate (AdamW; value head of the shared critic too)"""
+    lr_warmup_steps: Count = 5
+    """linear learning-rate warm-up over this many optimizer steps"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: Annotated[float, alias("--grad-clip")] = 1.0
+    """gradient norm clip of actor and critic"""
+
+    # Task and models: policy, reward model, data, supervised warm start
+    model_name_or_path: Optional[str] = None
+    """local Hugging Face causal LM + tokenizer directory (default: a tiny Llama built here)"""
+    tiny_hidden_size: Count = 256
+    """hidden size of the tiny Llama built without --model-name-or-path (4 attention heads, MLP 2x wider)"""
+    tiny_num_layers: Count = 3
+    """decoder layers of the tiny Llama built without --model-name-or-path"""
+    trust_remote_code: bool = False
+    """allow custom model code from --model-name-or-path / --reward-model-path"""
+    reward_model_path: Optional[str] = None
+    """local sequence-classification reward model, num_labels=1 (default: rule-based reward, response == answer)"""
+    dataset: Annotated[Optional[str], alias("--train-files", "--data.train-files")] = None
+    """JSONL file of {"prompt": ..., "answer": ...} (default: synthetic digit sorting)"""
+    eval_dataset: Annotated[Optional[str], alias("--val-files", "--data.val-files")] = None
+    """held-out JSONL {"prompt", "answer"} rows to evaluate on (verl data.val_files; default: first --dataset rows)"""
+    apply_chat_template: bool = False
+    """each prompt as a user turn in the tokenizer's chat template (instruct models); off: plain text (+ BOS)"""
+    sft_steps: Count = 60
+    """warm-start: supervised steps on the task's answers before PPO (0: none); few, so the model is partly right"""
+    sft_lr: float = 2.5e-4
+    """warm-start learning rate (the default 2M model learns worse, not faster, from 1e-3 and up)"""
+    sft_batch_size: Count = 64
+    """warm-start batch size"""
+
+    # Evaluation
+    eval_prompts: Count = 256
+    """held-out prompts scored greedily and sampled (0: off)"""
+    eval_every: Count = 15
+    """evaluate every N iterations (and before/after training)"""
+
+    # Run: seed, device and precision, speed paths, logging, checkpoints
     exp_name: str = "ppo_llm"
     """name of this experiment (part of the run name)"""
     seed: Count = 1
@@ -109,8 +227,7 @@ class Args:
     wandb_entity: Optional[str] = None
     """wandb entity (team)"""
     save_model: bool = True
-    """write checkpoint.pt, checkpoint-<iteration>/{policy,critic}/ and ref/ (save_pretrained) under runs/<run> at the
-    end"""
+    """write checkpoint.pt and the save_pretrained dirs checkpoint-<iteration>/{policy,critic}/, ref/ at the end"""
     checkpoint_every: Count = 0
     """also write the checkpoint every N iterations (0: only at the end with --save-model)"""
     resume: Optional[str] = None
@@ -120,398 +237,8 @@ class Args:
     runs_dir: str = "runs"
     """directory that holds the runs"""
 
-    # Models and data
-    model_name_or_path: Optional[str] = None
-    """local Hugging Face causal LM + tokenizer directory (default: a tiny Llama built here)"""
-    tiny_hidden_size: Count = 256
-    """hidden size of the tiny Llama built without --model-name-or-path (4 attention heads, MLP 2x wider)"""
-    tiny_num_layers: Count = 3
-    """decoder layers of the tiny Llama built without --model-name-or-path"""
-    trust_remote_code: bool = False
-    """allow custom model code from --model-name-or-path / --reward-model-path"""
-    reward_model_path: Optional[str] = None
-    """local sequence-classification reward model (default: rule-based reward, response == answer)"""
-    dataset: Annotated[Optional[str], alias("--train-files", "--data.train-files")] = None
-    """JSONL file of {"prompt": ..., "answer": ...} (default: synthetic digit sorting)"""
-    eval_dataset: Annotated[Optional[str], alias("--val-files", "--data.val-files")] = None
-    """held-out JSONL {"prompt", "answer"} rows to evaluate on (verl data.val_files; default: first --dataset rows)"""
-    apply_chat_template: bool = False
-    """each prompt as a user turn in the tokenizer's chat template (instruct models); off: plain text (+ BOS)"""
-    critic: Literal["separate", "shared", "none"] = "separate"
-    """value model: own copy of the trunk + value head (verl/RLinf), value head on the policy trunk, or none"""
-    use_critic_model: Annotated[Optional[bool], alias("--critic.use-critic-model")] = None
-    """RLinf critic.use_critic_model: True = --critic separate, False = --critic shared (None: --critic decides)"""
-    loss_type: Optional[Literal["actor_critic", "actor"]] = None
-    """RLinf loss_type: actor_critic = --critic shared (one loss, one backward), actor = --critic separate"""
-    sft_steps: Count = 60
-    """warm-start: supervised steps on the task's answers before PPO (0: none); few, so the model is partly right"""
-    sft_lr: float = 2.5e-4
-    """warm-start learning rate (the default 2M model learns worse, not faster, from 1e-3 and up)"""
-    sft_batch_size: Count = 64
-    """warm-start batch size"""
 
-    # Rollout
-    num_iterations: Count = 150
-    """PPO iterations (rollout + update)"""
-    rollout_batch_size: Annotated[Count, alias("--train-batch-size", "--data.train-batch-size")] = 32
-    """prompts per iteration (verl data.train_batch_size, ROLL rollout_batch_size)"""
-    n: Annotated[Count, alias("--group-size", "--num-return-sequences-in-group")] = 4
-    """responses per prompt (verl rollout.n, ROLL num_return_sequences_in_group, RLinf group_size); under torchrun
-    write --group-size (torchrun reads --n as an abbreviation of its own --nnodes)"""
-    prompt_length: Annotated[Count, alias("--max-prompt-length")] = 16
-    """maximum prompt tokens (longer dataset prompts are dropped)"""
-    response_length: Annotated[Count, alias("--max-response-length")] = 8
-    """maximum response tokens"""
-    temperature: float = 1.0
-    """sampling temperature; log-probs for training are computed with the same temperature"""
-    top_p: float = 1.0
-    """nucleus sampling threshold (1: off)"""
-    top_k: Count = 0
-    """sample among the k most likely tokens (0: off)"""
-    rollout_micro_batch_size: Optional[Count] = None
-    """generate at most this many responses at a time (RLinf; memory only; None: the whole batch at once)"""
-    logprob_forward_micro_batch_size: Annotated[Optional[Count], alias("--log-prob-micro-batch-size-per-gpu")] = None
-    """responses per no-grad scoring forward (RLinf; None: --micro-batch-size, so the first ratio is exactly 1)"""
-
-    # Reward
-    reward_norm: Literal["none", "batch", "group", "running", "null"] = "none"
-    """normalise scores over the batch, the prompt's group, or running statistics (ROLL; null: none)"""
-    reward_shift: bool = False
-    """reward_norm only subtracts the mean"""
-    reward_scale: bool = False
-    """reward_norm only divides by the std"""
-    reward_clip: Optional[float] = None
-    """clip scores to [-c, c] after normalisation, and token rewards after the KL penalty (ROLL)"""
-    missing_eos_penalty: float = 0.0
-    """subtracted from the score of a response that hits response_length without EOS"""
-
-    # KL to the reference policy
-    use_kl_in_reward: Annotated[bool, alias("--add-token-level-kl")] = True
-    """token-level reward -= kl_coef * kl(logp, ref_logp) (verl algorithm.use_kl_in_reward); off when --use-kl-loss
-    is given without this flag (verl applies one or the other)"""
-    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl", "full"] = "kl"
-    """KL estimator in the reward"""
-    kl_ctrl_type: Annotated[Literal["fixed", "adaptive"], alias("--kl-ctrl.type")] = "fixed"
-    """in-reward KL coefficient: fixed, or adaptive towards target_kl"""
-    init_kl_coef: Annotated[float, alias("--kl-ctrl.kl-coef", "--kl-coef")] = 0.001
-    """(initial) in-reward KL coefficient (verl kl_ctrl.kl_coef)"""
-    target_kl: Annotated[Optional[float], alias("--kl-ctrl.target-kl")] = 0.1
-    """adaptive controller's target sequence KL; a number given alone selects adaptive, None (ROLL's ~) fixed"""
-    kl_horizon: Annotated[Count, alias("--kl-ctrl.horizon")] = 10000
-    """adaptive controller: horizon in samples"""
-    use_kl_loss: bool = False
-    """add kl_loss_coef * kl(logp, ref_logp) to the actor loss (GRPO style)"""
-    kl_loss_coef: float = 0.001
-    """coefficient of the KL loss"""
-    kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl", "full"] = "low_var_kl"
-    """KL estimator of the KL loss"""
-
-    # Advantages
-    adv_estimator: Annotated[Literal["gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus",
-                                     "reinforce_plus_plus_baseline"], alias("--adv-type")] = "gae"
-    """advantage estimator"""
-    gamma: float = 1.0
-    """discount factor over response tokens"""
-    lam: Annotated[float, alias("--lambd", "--gae-lambda")] = 1.0
-    """GAE lambda"""
-    norm_adv_by_std_in_grpo: bool = True
-    """grpo: divide by the group's std (off: Dr. GRPO)"""
-    whiten_advantages: Annotated[bool, alias("--normalize-advantages")] = True
-    """whiten (A - mean)/std over the batch's response tokens (gae, reinforce; grpo/rloo only when given, as ROLL)"""
-    advantage_clip: Optional[float] = None
-    """clip advantages to [-c, c]"""
-
-    # Policy loss
-    clip_ratio: Annotated[Optional[float], alias("--pg-clip")] = None
-    """sets clip_ratio_low and clip_ratio_high where those are not given (verl clip_ratio, ROLL pg_clip)"""
-    clip_ratio_low: float = 0.2
-    """ratio lower clip: 1 - clip_ratio_low"""
-    clip_ratio_high: float = 0.2
-    """ratio upper clip: 1 + clip_ratio_high"""
-    dual_clip_loss: bool = True
-    """dual-clip PPO: for A < 0 the loss is at most -A * clip_ratio_c"""
-    clip_ratio_c: float = 3.0
-    """dual-clip bound (> 1)"""
-    loss_agg_mode: Annotated[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                     "seq-mean-token-sum-norm"], alias("--loss-agg-func")] = "token-mean"
-    """how token losses become one number (verl agg_loss)"""
-    entropy_coeff: Annotated[float, alias("--entropy-bonus")] = 0.0
-    """entropy bonus coefficient"""
-
-    # Value loss
-    value_clip: Annotated[Optional[float], alias("--cliprange-value")] = 0.5
-    """clip the new value to old value +- value_clip (verl cliprange_value; None: off)"""
-    huber_delta: Optional[float] = None
-    """Huber loss with this delta instead of 0.5 * squared error (RLinf)"""
-    vf_coef: float = 0.5
-    """value loss coefficient"""
-    critic_warmup: Count = 0
-    """first N iterations update only the critic"""
-
-    # Update
-    ppo_epochs: Count = 1
-    """epochs over each rollout"""
-    ppo_mini_batch_size: Count = 8
-    """prompts per minibatch (each brings its n responses), as in verl"""
-    micro_batch_size: Annotated[Count, alias("--ppo-micro-batch-size-per-gpu")] = 16
-    """responses per forward/backward, accumulated; unless given, the largest size <= 16 that divides a minibatch"""
-    lr: float = 5e-5
-    """actor learning rate (AdamW)"""
-    critic_lr: float = 2.5e-4
-    """critic learning rate (AdamW; value head of the shared critic too)"""
-    lr_warmup_steps: Count = 5
-    """linear learning-rate warm-up over this many optimizer steps"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: Annotated[float, alias("--grad-clip")] = 1.0
-    """gradient norm clip of actor and critic"""
-
-    # Evaluation
-    eval_prompts: Count = 256
-    """held-out prompts scored greedily and sampled (0: off)"""
-    eval_every: Count = 15
-    """evaluate every N iterations (and before/after training)"""
-
-
-BOOL_WORDS = {"true": "", "yes": "", "1": "", "false": "no-", "no": "no-", "0": "no-"}
-
-
-def bool_values(argv: list[str]) -> list[str]:
-    """On/off flags given a value, as the frameworks' configs write them (`--use-kl-loss True`,
-    `--add-token-level-kl=false` for an alias), become tyro's `--use-kl-loss` / `--no-use-kl-loss`; any other value
-    is left for tyro to refuse. Optional[bool] options (--use-critic-model) get tyro's True / False for the same
-    words."""
-    hints = typing.get_type_hints(Args, include_extras=True)
-    flags, optional = {}, {}  # every spelling of an on/off flag (of an Optional[bool] option) -> its own name
-    for f in dataclasses.fields(Args):
-        hint = hints[f.name]
-        base = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
-        kind = flags if base is bool else optional if base == Optional[bool] else None
-        if kind is not None:
-            flag = f.name.replace("_", "-")
-            kind[flag] = flag
-            for meta in getattr(hint, "__metadata__", ()):
-                kind.update({a[2:]: flag for a in getattr(meta, "aliases", None) or ()})
-    out, i = [], 0
-    while i < len(argv):
-        name, eq, value = argv[i].partition("=")
-        key = name[2:].replace("_", "-") if name.startswith("--") else None
-        if key in optional:  # --use-critic-model true -> --use-critic-model True
-            if eq and value.lower() in BOOL_WORDS:
-                out.append(f"{name}={'False' if BOOL_WORDS[value.lower()] else 'True'}")
-            elif not eq and i + 1 < len(argv) and argv[i + 1].lower() in BOOL_WORDS:
-                out += [name, "False" if BOOL_WORDS[argv[i + 1].lower()] else "True"]
-                i += 1
-            else:
-                out.append(argv[i])
-            i += 1
-            continue
-        flag = flags.get(key)
-        if flag is not None:
-            if not eq and i + 1 < len(argv) and argv[i + 1].lower() in BOOL_WORDS:
-                eq, value = "=", argv[i + 1]
-                i += 1
-            if eq and value.lower() in BOOL_WORDS:
-                out.append(f"--{BOOL_WORDS[value.lower()]}{flag}")
-                i += 1
-                continue
-        out.append(argv[i])
-        i += 1
-    return out
-
-
-def parse_args(argv: Optional[list[str]] = None) -> Args:
-    """tyro.cli, with its error boxes condensed to one line (exit code 2)."""
-    argv = bool_values(sys.argv[1:] if argv is None else argv)
-    default = None
-    resume = resume_path(argv)
-    if resume is not None:  # the checkpoint's arguments become the defaults; flags given now override them
-        saved = load_checkpoint(resume)["args"]
-        default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
-        default.resume = resume
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            args = tyro.cli(Args, args=argv, default=default)
-    except SystemExit as e:
-        if e.code in (0, None):
-            raise
-        # tyro prints a box on a terminal and dashed rules elsewhere: a title, then the message up to a rule line
-        lines = [ln.strip().strip("│╭╮╰╯").strip() for ln in err.getvalue().splitlines()][1:]
-        is_rule = lambda ln: bool(ln) and set(ln) <= set("─-")  # noqa: E731
-        while lines and (not lines[0] or is_rule(lines[0])):
-            lines.pop(0)
-        message = []
-        for ln in lines:
-            if not ln or is_rule(ln):
-                break
-            message.append(ln)
-        die(" ".join(message) or "invalid arguments (see --help)")
-    rank = int(os.environ.get("RANK", "0"))  # under torchrun rank 0 alone prints the notes
-    with contextlib.redirect_stdout(io.StringIO()) if rank > 0 else contextlib.nullcontext():
-        resolve_implied(args, given_fields(argv))
-    validate(args)
-    return args
-
-
-def given_fields(argv: list[str]) -> set[str]:
-    """The Args fields set on this command line, under any spelling (--name, an alias, --no-name)."""
-    hints = typing.get_type_hints(Args, include_extras=True)
-    spelling = {}
-    for f in dataclasses.fields(Args):
-        names = ["--" + f.name.replace("_", "-")]
-        for meta in getattr(hints[f.name], "__metadata__", ()):
-            names += list(getattr(meta, "aliases", None) or ())
-        for name in names:
-            spelling[name] = spelling["--no-" + name[2:]] = f.name
-    flags = [a.split("=", 1)[0].replace("_", "-") for a in argv if a.startswith("--")]  # (tyro takes --a_b too)
-    return {spelling[f] for f in flags if f in spelling}
-
-
-def resolve_implied(args: Args, given: set[str]) -> None:
-    """Flags that set others, as the frameworks do, unless those others are given too (notes say what changed)."""
-    if "use_kl_loss" in given and "use_kl_in_reward" not in given and args.use_kl_loss and args.use_kl_in_reward:
-        # verl: "when use_kl_loss is used, we are not applying KL in the reward function"; --use-kl-in-reward adds it
-        print("note: --use-kl-loss: no KL penalty in the reward (as verl); add --use-kl-in-reward for both")
-        args.use_kl_in_reward = False
-    if "target_kl" in given and "kl_ctrl_type" not in given:  # ROLL: a target means adaptive, ~ (None) fixed
-        kind = "fixed" if args.target_kl is None else "adaptive"
-        if args.kl_ctrl_type != kind:
-            print(f"note: --target-kl {args.target_kl}: {kind} KL controller (as ROLL); --kl-ctrl-type chooses")
-            args.kl_ctrl_type = kind
-    if args.target_kl is None:
-        args.target_kl = Args.target_kl  # (the adaptive controller's target, should --kl-ctrl-type ask for it)
-    if args.adv_estimator in ("grpo", "rloo") and args.whiten_advantages and "whiten_advantages" not in given \
-            and args.resume is None:  # (a resumed run keeps its checkpoint's choice)
-        # verl's forms: whitening on top would shift every group by the batch's token-weighted mean, and would make
-        # rloo (a scaled s - mean of the group) the same estimator as reinforce_plus_plus_baseline
-        print(f"note: --adv-estimator {args.adv_estimator}: advantages not whitened again (as verl); "
-              "--whiten-advantages whitens them (as ROLL)")
-        args.whiten_advantages = False
-    if args.reward_norm == "null":  # ROLL's spelling of none
-        args.reward_norm = "none"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    minibatch = args.ppo_mini_batch_size // world * args.n  # responses per process in a minibatch
-    if "micro_batch_size" not in given and minibatch >= 1 and minibatch % args.micro_batch_size:
-        # (--group-size 1, --n 3, another number of processes on resume): the largest size that divides, as
-        # micro-batches change memory only; losses are normalised by the minibatch's totals
-        size = max(d for d in range(1, args.micro_batch_size + 1) if minibatch % d == 0)
-        print(f"note: --micro-batch-size {size}: {args.micro_batch_size} does not divide a minibatch's {minibatch} "
-              "responses per process")
-        args.micro_batch_size = size
-    if args.kl_ctrl_type == "adaptive" and not args.use_kl_in_reward:
-        print("note: the adaptive KL controller adapts the KL penalty in the reward, which is off: it stays inert")
-    if "clip_ratio" in given and args.clip_ratio is not None:  # verl: clip_ratio_low/high default to clip_ratio
-        for name in ("clip_ratio_low", "clip_ratio_high"):
-            if name not in given:
-                setattr(args, name, args.clip_ratio)
-    implied = {}  # RLinf's two ways of choosing the critic
-    if "use_critic_model" in given and args.use_critic_model is not None:
-        implied["--use-critic-model"] = "separate" if args.use_critic_model else "shared"
-    if "loss_type" in given and args.loss_type is not None:
-        implied["--loss-type"] = "shared" if args.loss_type == "actor_critic" else "separate"
-    if "critic" in given:
-        implied["--critic"] = args.critic
-    if len(set(implied.values())) > 1:
-        die("contradictory critic choice: " + ", ".join(f"{k} means --critic {v}" for k, v in implied.items()))
-    if implied:
-        args.critic = next(iter(implied.values()))
-
-
-def resume_path(argv: list[str]) -> Optional[str]:
-    for i, a in enumerate(argv):
-        if a == "--resume" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--resume="):
-            return a.split("=", 1)[1]
-    return None
-
-
-def validate(args: Args) -> None:
-    for name, choices in (("adv_estimator", ADV_ESTIMATORS), ("kl_penalty", KL_TYPES), ("kl_loss_type", KL_TYPES),
-                          ("loss_agg_mode", LOSS_AGG_MODES)):
-        if getattr(args, name) not in choices:
-            die(f"--{name.replace('_', '-')} {getattr(args, name)!r}: choose one of {', '.join(choices)}")
-    for name in ("num_iterations", "rollout_batch_size", "n", "prompt_length", "response_length", "ppo_epochs",
-                 "ppo_mini_batch_size", "micro_batch_size", "sft_batch_size", "torch_threads", "eval_every",
-                 "tiny_hidden_size", "tiny_num_layers"):
-        if getattr(args, name) <= 0:
-            die(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("checkpoint_every", "stop_after", "sft_steps", "top_k", "critic_warmup", "lr_warmup_steps",
-                 "eval_prompts"):
-        if getattr(args, name) < 0:
-            die(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if not 0 <= args.seed < 2**31:
-        die(f"--seed must lie in [0, 2**31), got {args.seed}")
-    for f in dataclasses.fields(Args):  # nan / inf pass the range checks below unnoticed
-        value = getattr(args, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            die(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
-    for name in ("reward_clip", "advantage_clip", "value_clip", "huber_delta"):  # None: off
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            die(f"--{name.replace('_', '-')} must be positive (or left unset), got {getattr(args, name)}")
-    for name in ("init_kl_coef", "kl_loss_coef", "vf_coef", "weight_decay"):
-        if getattr(args, name) < 0:
-            die(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if args.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and args.n < 2:
-        die(f"--adv-estimator {args.adv_estimator} compares responses within a group: needs --n >= 2, got {args.n}")
-    if args.reward_norm == "group" and args.n < 2:
-        die(f"--reward-norm group normalises within a prompt's responses: needs --n >= 2, got {args.n}")
-    if args.reward_norm in ("batch", "running") and args.rollout_batch_size * args.n < 2:  # (a std of n - 1)
-        die(f"--reward-norm {args.reward_norm} needs at least 2 responses per iteration (--rollout-batch-size x --n)")
-    if args.kl_ctrl_type == "adaptive" and (args.target_kl <= 0 or args.kl_horizon <= 0):
-        die("--kl-ctrl-type adaptive needs --target-kl > 0 and --kl-horizon > 0")
-    if args.critic_warmup and (args.adv_estimator != "gae" or args.critic == "none"):
-        die("--critic-warmup trains the critic alone first: it needs --adv-estimator gae and a critic")
-    if args.adv_estimator == "gae" and args.critic == "none":
-        die("--adv-estimator gae needs a critic: --critic separate or shared (or choose grpo/rloo/reinforce_plus_plus)")
-    if args.rollout_batch_size % args.ppo_mini_batch_size:
-        die(f"--rollout-batch-size {args.rollout_batch_size} is not divisible by --ppo-mini-batch-size "
-            f"{args.ppo_mini_batch_size}")
-    if (args.ppo_mini_batch_size * args.n) % args.micro_batch_size:
-        die(f"ppo_mini_batch_size*n = {args.ppo_mini_batch_size * args.n} responses is not divisible by "
-            f"--micro-batch-size {args.micro_batch_size}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:  # batch sizes are global (verl): every rank takes an equal share of whole prompt groups
-        if args.rollout_batch_size % world or args.ppo_mini_batch_size % world:
-            die(f"--rollout-batch-size {args.rollout_batch_size} and --ppo-mini-batch-size {args.ppo_mini_batch_size}"
-                f" must be divisible by the number of processes {world}")
-        if (args.ppo_mini_batch_size // world * args.n) % args.micro_batch_size:
-            die(f"ppo_mini_batch_size/world*n = {args.ppo_mini_batch_size // world * args.n} responses per rank is "
-                f"not divisible by --micro-batch-size {args.micro_batch_size}")
-    for name in ("rollout_micro_batch_size", "logprob_forward_micro_batch_size"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            die(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.clip_ratio_low < 0 or args.clip_ratio_high < 0:
-        die("--clip-ratio-low and --clip-ratio-high must be >= 0")
-    if args.tiny_hidden_size % 8:  # 4 heads of an even size (rotary embeddings)
-        die(f"--tiny-hidden-size must be a multiple of 8, got {args.tiny_hidden_size}")
-    if args.temperature <= 0 or not 0 < args.top_p <= 1:
-        die("--temperature must be > 0 and --top-p in (0, 1]")
-    if args.dual_clip_loss and args.clip_ratio_c <= 1:
-        die(f"--clip-ratio-c must be > 1 for dual clip, got {args.clip_ratio_c}")
-    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
-        die("--gamma and --lam must lie in [0, 1]")
-    for name in ("lr", "critic_lr", "sft_lr", "max_grad_norm"):
-        if not getattr(args, name) > 0:
-            die(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("model_name_or_path", "reward_model_path"):
-        path = getattr(args, name)
-        if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
-            die(f"--{name.replace('_', '-')} {path}: not a local model directory (no config.json)")
-    for name in ("dataset", "eval_dataset"):
-        if getattr(args, name) is not None and not os.path.isfile(getattr(args, name)):
-            die(f"--{name.replace('_', '-')} {getattr(args, name)}: no such file")
-    if args.dataset is None and args.eval_prompts > 10_000:
-        die(f"--eval-prompts {args.eval_prompts}: the synthetic task holds out at most 10000 of its 100000 prompts")
-    if args.cuda and not torch.cuda.is_available():
-        die("--cuda given (or taken from the checkpoint: --no-cuda resumes on the CPU) but torch finds no CUDA "
-            "device")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Tokenizer and task (synthetic digit sorting, or a JSONL dataset)
-# ---------------------------------------------------------------------------------------------------------
+# --- Task and tokenizer: synthetic digit sorting or a JSONL dataset, prompts as token ids ----------------------------
 def build_char_tokenizer():
     """A real Hugging Face tokenizer (save_pretrained / AutoTokenizer work): one token per printable ASCII char."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -555,9 +282,14 @@ def prompt_token_ids(tok, prompt: str, chat: bool = False) -> list[int]:
     return ids[:-1] if len(ids) > 1 and ids[-1] == tok.eos_token_id else ids
 
 
+def encode_batch(tok, rows: list[dict], prompt_length: int, chat: bool = False):
+    return left_pad([prompt_token_ids(tok, r["prompt"], chat)[-prompt_length:] for r in rows], tok.pad_token_id,
+                    prompt_length)
+
+
 def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: str = "--dataset") -> list[dict]:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # (-sig: a byte-order mark, as some editors write, is no data)
             lines = f.readlines()
     except (OSError, UnicodeDecodeError) as e:
         die(f"{flag} {path}: cannot read it as UTF-8 text ({e})")
@@ -574,6 +306,8 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
         if not row["prompt"]:
             die(f"{flag} {path} line {i}: empty prompt")
         rows.append({"prompt": row["prompt"], "answer": None if row.get("answer") is None else str(row["answer"])})
+    if not rows:
+        die(f"{flag} {path}: empty (no JSON rows)")
     kept = [r for r in rows if len(prompt_token_ids(tok, r["prompt"], chat)) <= prompt_length]
     if len(kept) < len(rows):
         print(f"note: dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than --prompt-length {prompt_length}")
@@ -582,14 +316,53 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
     return kept
 
 
-def rule_reward(response: str, answer: Optional[str]) -> float:
-    """Verifiable reward: 1 if the response (up to EOS, stripped) equals the answer, else 0."""
-    return float(answer is not None and response.strip() == answer.strip())
+def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
+    """(sample_rows(k): k training rows drawn with gen, held-out rows with answers (a whole share for every rank),
+    whether every training row has an answer): --dataset / --eval-dataset, or the synthetic task."""
+    def n_tokens(prompt):
+        return len(prompt_token_ids(tok, prompt, args.apply_chat_template))
+    if args.dataset is not None:
+        data = load_dataset(args.dataset, tok, args.prompt_length, args.apply_chat_template)
+
+        def sample_rows(k):
+            return [data[i] for i in torch.randint(0, len(data), (k,), generator=gen).tolist()]
+        eval_rows = [r for r in data if r["answer"] is not None][:args.eval_prompts]
+        has_answers = all(r["answer"] is not None for r in data)
+        if args.reward_model_path is None and not has_answers:
+            die(f"--dataset {args.dataset}: rows without 'answer' need --reward-model-path")
+    else:
+        eval_rows = make_problems(args.eval_prompts, torch.Generator().manual_seed(10_000 + args.seed), distinct=True)
+        held_out = frozenset(r["prompt"] for r in eval_rows)
+        # A tokenizer that merges digits gives some prompts more tokens than others. Checked here: every held-out
+        # prompt and 256 others, and all 2,002 answers (sorted digit strings) with room for EOS; a training prompt
+        # that would still be cut is drawn again (never with the built-in tokenizer)
+        probe = make_problems(256, torch.Generator().manual_seed(20_000 + args.seed), distinct=True)
+        prompt = max((r["prompt"] for r in probe + eval_rows), key=n_tokens)
+        answers = ["".join(c) for c in itertools.combinations_with_replacement("0123456789", 5)]
+        answer = max(answers, key=lambda a: len(tok.encode(a, add_special_tokens=False)))
+        need = (n_tokens(prompt), len(tok.encode(answer, add_special_tokens=False)))
+        if need[0] > args.prompt_length or need[1] + 1 > args.response_length:
+            die(f"the synthetic task's prompts take up to {need[0]} tokens ({prompt!r}) and its answers up to "
+                f"{need[1]} ({answer!r}) plus EOS: --prompt-length {args.prompt_length} / --response-length "
+                f"{args.response_length} cut them")
+
+        def sample_rows(k):
+            return make_problems(k, gen, exclude=held_out, fits=lambda p: n_tokens(p) <= args.prompt_length)
+        has_answers = True
+    if args.eval_dataset is not None:
+        eval_rows = load_dataset(args.eval_dataset, tok, args.prompt_length, args.apply_chat_template,
+                                 "--eval-dataset")
+        if any(r["answer"] is None for r in eval_rows):
+            die(f"--eval-dataset {args.eval_dataset}: every row needs an 'answer' (accuracy is exact match)")
+        eval_rows = eval_rows[:args.eval_prompts]
+    elif args.dataset is not None and args.eval_prompts:
+        print("note: evaluating on the first --eval-prompts rows of --dataset, which training also samples; "
+              "--eval-dataset FILE holds prompts out" if eval_rows else "note: no evaluation: no row of --dataset "
+              "has an 'answer' (accuracy is exact match); --eval-dataset FILE with answers adds one")
+    return sample_rows, eval_rows[:len(eval_rows) - len(eval_rows) % world], has_answers
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Models: policy, frozen reference, critic (separate copy or shared trunk)
-# ---------------------------------------------------------------------------------------------------------
+# --- Models: policy, frozen reference, critic (separate copy or shared trunk) ----------------------------------------
 def build_tiny_model(tok, seed: int, hidden_size: int, num_layers: int, max_positions: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -600,21 +373,6 @@ def build_tiny_model(tok, seed: int, hidden_size: int, num_layers: int, max_posi
                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
                       tie_word_embeddings=True)
     return LlamaForCausalLM(cfg)
-
-
-def load_tokenizer(path: str, trust_remote_code: bool):
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except Exception as e:  # noqa: BLE001 - any loader failure is bad input here
-        die(f"cannot load a tokenizer from {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    if tok.eos_token_id is None:
-        die(f"tokenizer in {path} has no EOS token: responses could not end")
-    if tok.pad_token_id is None:
-        print(f"note: tokenizer in {path} has no pad token; using EOS ({tok.eos_token!r}) as pad token")
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def stop_token_ids(tok, model) -> list[int]:
@@ -629,31 +387,6 @@ def stop_token_ids(tok, model) -> list[int]:
     return ids
 
 
-def check_positions(model, length: int, source: str) -> None:
-    """A model with learned absolute position embeddings (GPT-2, OPT, ...) has no position past its table, so a
-    prompt plus response longer than it would fail deep inside a forward: exit 2 with the sizes. A rotary or ALiBi
-    model runs past max_position_embeddings (on positions it was not trained on): a note."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if not isinstance(limit, int) or length <= limit:
-        return
-    words = model.get_input_embeddings()
-    if any(isinstance(m, nn.Embedding) and m is not words and limit <= m.num_embeddings <= limit + 2
-           for m in model.modules()):
-        die(f"--prompt-length + --response-length = {length} tokens, more than the {limit} learned positions of "
-            f"{source}")
-    print(f"note: --prompt-length + --response-length = {length} tokens, more than {source}'s "
-          f"max_position_embeddings ({limit})")
-
-
-def load_causal_lm(path: str, trust_remote_code: bool):
-    from transformers import AutoModelForCausalLM
-
-    try:
-        return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=torch.float32)
-    except Exception as e:  # noqa: BLE001
-        die(f"cannot load a causal LM from {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-
-
 def disable_dropout(model: nn.Module) -> nn.Module:
     """RLHF detail: dropout off, so that the log-probs of rollout and update agree (ratio exactly 1 at first)."""
     # nn.Dropout modules, float attributes such as HF attention's `attention_dropout`, and the config (later copies)
@@ -666,6 +399,38 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
+def build_policy(args: Args, ckpt: Optional[dict], device):
+    """Tokenizer, policy, its stop tokens and (on resume) the frozen reference: from the checkpoint's directories,
+    --model-name-or-path, or the tiny Llama built here."""
+    from transformers import AutoModelForCausalLM
+
+    def causal_lm(path):
+        return load_pretrained("a causal LM", path, AutoModelForCausalLM.from_pretrained, args.trust_remote_code,
+                               dtype=torch.float32)
+    ref, saved = None, os.path.dirname(os.path.abspath(args.resume or "."))
+    if ckpt is not None:
+        tok = load_tokenizer(os.path.join(saved, ckpt["model"]["policy"]), args.trust_remote_code)
+        policy, ref = (causal_lm(os.path.join(saved, ckpt["model"][m])) for m in ("policy", "ref"))
+    elif args.model_name_or_path:
+        tok = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+        policy = causal_lm(args.model_name_or_path)
+    else:
+        tok = build_char_tokenizer()
+        policy = build_tiny_model(tok, args.seed, args.tiny_hidden_size, args.tiny_num_layers,
+                                  max(64, args.prompt_length + args.response_length))
+    check_positions(policy, args.prompt_length + args.response_length, args.model_name_or_path or "the model")
+    stops = stop_token_ids(tok, policy)
+    if len(stops) > 1:
+        print(f"note: responses end at the tokenizer's EOS {tok.eos_token!r} and at "
+              f"{tok.convert_ids_to_tokens(stops[1:])} (the model's generation config)")
+    if args.apply_chat_template and not tok.chat_template:
+        die(f"--apply-chat-template: the tokenizer of {args.model_name_or_path or 'the built-in model'} has no chat "
+            "template")
+    policy = disable_dropout(policy).to(device)
+    print(f"policy: {type(policy).__name__}, {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters")
+    return tok, policy, ref, stops
+
+
 def make_critic(policy):
     """Separate critic (verl/RLinf): its own copy of the policy trunk with a token-classification value head."""
     from transformers import AutoModelForTokenClassification
@@ -675,7 +440,7 @@ def make_critic(policy):
     try:
         critic = AutoModelForTokenClassification.from_config(cfg)
     except ValueError as e:
-        die(f"--critic separate: no token-classification class for {type(policy).__name__} ({str(e).splitlines()[0]}); "
+        die(f"--critic separate: no token-classification class for {type(policy).__name__} ({reason(e)}); "
             "use --critic shared")
     critic.base_model.load_state_dict(policy.base_model.state_dict())
     head = [m for m in critic.modules() if isinstance(m, nn.Linear)][-1]
@@ -685,14 +450,32 @@ def make_critic(policy):
     return disable_dropout(critic)
 
 
+def build_critic(args: Args, policy, ckpt: Optional[dict], device):
+    """The value model: a separate critic (its own trunk), or a value head on the policy's trunk (shared); on resume
+    the checkpoint's. Returns (critic, value_head), None where the choice has none."""
+    from transformers import AutoModelForTokenClassification
+
+    critic = value_head = None
+    if args.critic == "separate":
+        critic = make_critic(policy) if ckpt is None else load_pretrained(
+            "a critic", os.path.join(os.path.dirname(os.path.abspath(args.resume)), ckpt["model"]["critic"]),
+            AutoModelForTokenClassification.from_pretrained, args.trust_remote_code)
+        critic = disable_dropout(critic).to(device)
+    elif args.critic == "shared":
+        value_head = nn.Linear(policy.config.hidden_size, 1).to(device)
+        nn.init.zeros_(value_head.weight), nn.init.zeros_(value_head.bias)
+        if ckpt is not None:
+            with checkpoint_fits(args.resume):
+                value_head.load_state_dict(ckpt["model"]["value_head"])
+    return critic, value_head
+
+
 def position_ids_from(mask: torch.Tensor) -> torch.Tensor:
     """RLHF detail: with left padding the first real token is position 0."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Collect rollout: left-padded prompts, KV-cache sampling, log-probs recomputed with the same temperature
-# ---------------------------------------------------------------------------------------------------------
+# --- Generation and scoring: left-padded prompts, KV-cache sampling, log-probs recomputed with the same temperature ---
 def left_pad(seqs: list[list[int]], pad_id: int, length: Optional[int] = None):
     length = length or max(len(s) for s in seqs)
     ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
@@ -720,14 +503,6 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: 
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
-def decode_responses(tok, responses: torch.Tensor, stops=None) -> list[str]:
-    """Text of each response before its first stop token (default: the tokenizer's EOS). Special tokens sampled
-    inside it (pad, BOS, ...) stay in the text, so that "1<pad>2" is not scored as "12"."""
-    stops = tok.eos_token_id if stops is None else stops
-    keep = response_mask_from(responses, stops).bool() & ~is_stop(responses, stops)
-    return [tok.decode(r[k].tolist(), skip_special_tokens=False) for r, k in zip(responses, keep)]
-
-
 def is_stop(tokens: torch.Tensor, stops) -> torch.Tensor:
     """Whether each token is a stop token; stops: one id or a list of ids (stop_token_ids)."""
     return torch.isin(tokens, torch.as_tensor(stops, device=tokens.device))
@@ -737,6 +512,14 @@ def response_mask_from(responses: torch.Tensor, stops) -> torch.Tensor:
     """1 for response tokens up to and including the first stop token (EOS; one id or a list), 0 after it."""
     is_eos = is_stop(responses, stops).long()
     return ((is_eos.cumsum(-1) - is_eos) == 0).long()
+
+
+def decode_responses(tok, responses: torch.Tensor, stops=None) -> list[str]:
+    """Text of each response before its first stop token (default: the tokenizer's EOS). Special tokens sampled
+    inside it (pad, BOS, ...) stay in the text, so that "1<pad>2" is not scored as "12"."""
+    stops = tok.eos_token_id if stops is None else stops
+    keep = response_mask_from(responses, stops).bool() & ~is_stop(responses, stops)
+    return [tok.decode(r[k].tolist(), skip_special_tokens=False) for r, k in zip(responses, keep)]
 
 
 @torch.no_grad()
@@ -775,12 +558,19 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id, pad_id
     return resp
 
 
-def compile_forward(model, backend: str = "inductor"):
-    """--compile: the model's forward through torch.compile, with dynamic shapes (prompt, response and KV-cache
-    lengths vary), so generation, scoring and the update all run the compiled graphs; the weights stay shared.
-    (backend: the tests trace with "aot_eager", which skips inductor's minutes of kernel compilation on a CPU.)"""
-    model.forward = torch.compile(model.forward, dynamic=True, backend=backend)
-    return model
+def sample_responses(policy, tok, rows: list[dict], args: Args, stops, gen, device, all_done=None):
+    """The rollout's responses to rows' prompts, generated in chunks of --rollout-micro-batch-size (every rank runs
+    the same number of chunks). Returns responses (B, R) on the CPU and [prompt | response] ids and attention mask
+    (B, Lp + R) on the device. The policy is left in eval mode, for scoring."""
+    policy.eval()
+    p_ids, p_mask = encode_batch(tok, rows, args.prompt_length, args.apply_chat_template)
+    size = args.rollout_micro_batch_size or p_ids.shape[0]
+    resp = torch.cat([generate(policy, p_ids[s:s + size].to(device), p_mask[s:s + size].to(device),
+                               args.response_length, stops, tok.pad_token_id, args.temperature, args.top_p,
+                               args.top_k, gen, all_done=all_done, bf16=use_bf16(args)).cpu()
+                      for s in range(0, p_ids.shape[0], size)])
+    attn = torch.cat([p_mask, response_mask_from(resp, stops)], 1)
+    return resp, torch.cat([p_ids, resp], 1).to(device), attn.to(device)
 
 
 def model_forward(model, input_ids, attention_mask, resp_len: int, temperature: float, shared_value_head=None,
@@ -808,9 +598,68 @@ def critic_values(critic, input_ids, attention_mask, resp_len: int):
     return out.logits[:, -resp_len - 1:-1, 0].float()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Reward: score, normalisation, KL penalty
-# ---------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def score_responses(policy, ref, critic, value_head, ids, attn, args: Args, autocast=contextlib.nullcontext):
+    """Per response token: old log-probs (the policy that sampled), reference log-probs, values (critic or shared
+    head; None without) and, with --kl-penalty full, the exact KL over the vocabulary; on the CPU. Forwards of
+    --logprob-forward-micro-batch-size responses (default --micro-batch-size: the update's, so the first ratio is
+    exactly 1)."""
+    R, full, size = args.response_length, args.kl_penalty == "full", (args.logprob_forward_micro_batch_size
+                                                                     or args.micro_batch_size)
+    old_logp, ref_logp, values, kl_full = [], [], [], []
+    with autocast():
+        for s in range(0, ids.shape[0], size):
+            sl = slice(s, s + size)
+            o = model_forward(policy, ids[sl], attn[sl], R, args.temperature, value_head, full=full)
+            r = model_forward(ref, ids[sl], attn[sl], R, args.temperature, full=full)
+            old_logp.append(o["logp"]), ref_logp.append(r["logp"])  # (to the host once, after the loop)
+            if full:  # the (B, R, V) distributions are not kept
+                kl_full.append(kl_penalty(o["logp_all"], r["logp_all"], "full"))
+            if args.critic == "shared":
+                values.append(o["values"])
+            elif args.critic == "separate":
+                values.append(critic_values(critic, ids[sl], attn[sl], R))
+    return tuple(torch.cat(x).cpu() if x else None for x in (old_logp, ref_logp, values, kl_full))
+
+
+# --- Reward: the score (rule or reward model), normalisation, the KL penalty and its coefficient ---------------------
+def rule_reward(response: str, answer: Optional[str]) -> float:
+    """Verifiable reward: 1 if the response (up to EOS, stripped) equals the answer, else 0."""
+    return float(answer is not None and response.strip() == answer.strip())
+
+
+def reward_model_inputs(rm_tok, prompts: list[str], responses: list[str], chat: bool = False) -> dict:
+    """Prompt + response for the reward model, right-padded (it scores the last real token): as a user / assistant
+    exchange in its chat template with --apply-chat-template when it has one, else the plain text with its own
+    special tokens."""
+    templated = bool(chat and rm_tok.chat_template)
+    if templated:  # (the template writes its special tokens itself)
+        texts = [rm_tok.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": r}],
+                                            tokenize=False) for p, r in zip(prompts, responses)]
+    else:
+        texts = [p + r for p, r in zip(prompts, responses)]
+    return rm_tok(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=not templated)
+
+
+@torch.no_grad()
+def reward_model_scores(rm, rm_tok, prompts: list[str], responses: list[str], chat: bool = False, device="cpu",
+                        autocast=contextlib.nullcontext) -> torch.Tensor:
+    """The reward model's score of each prompt + response, read at its last real token as the attention mask says.
+    (Hugging Face's classifiers look for config.pad_token_id instead; where that is not the pad their tokenizer
+    writes they read padding, and a row's score depends on the rows batched with it.) Encoder classifiers, which
+    pool their first token, are called as they are."""
+    enc = reward_model_inputs(rm_tok, prompts, responses, chat)
+    ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    with autocast():
+        if isinstance(getattr(rm, "score", None), nn.Linear):  # decoder classifiers: the head on every position
+            hidden = rm.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+            last = (mask * torch.arange(mask.shape[1], device=device)).argmax(-1)
+            logits = rm.score(hidden[torch.arange(len(ids), device=device), last])
+        else:
+            logits = rm(input_ids=ids, attention_mask=mask).logits
+    return logits[:, 0].float().cpu()
+
+
 class RunningMoments:
     """Running mean/std over all scores seen (reward_norm running), as ROLL's: the variance over the whole stream,
     the std with Bessel's correction (n - 1)."""
@@ -833,31 +682,35 @@ class RunningMoments:
         return {"mean": self.mean, "var": self.var, "count": self.count}
 
 
+def group_stats(scores, group_ids):
+    """Per response: the mean, the std (unbiased, as torch.std) and the size of its prompt's group of responses."""
+    G = int(group_ids.max()) + 1
+    cnt = torch.zeros(G).index_add_(0, group_ids, torch.ones_like(scores))
+    mean = torch.zeros(G).index_add_(0, group_ids, scores) / cnt
+    var = torch.zeros(G).index_add_(0, group_ids, (scores - mean[group_ids]) ** 2) / (cnt - 1).clamp(min=1)
+    return mean[group_ids], var.sqrt()[group_ids], cnt[group_ids]
+
+
 def normalize_scores(scores, group_ids, norm: str, shift: bool, scale: bool, clip: Optional[float],
                      running: Optional[RunningMoments] = None, eps: float = 1e-6):
     """ROLL reward_norm: (s - mean) / (std + eps) over the batch or the group (the sample std, as ROLL's torch.std)
-    or running stats (ROLL: + float32's eps instead); shift: only - mean; scale: only / std. Then reward_clip."""
+    or running stats (ROLL: + float32's eps instead); shift alone: only - mean; scale alone: only / std. Then
+    reward_clip."""
     if norm != "none":
         if norm == "batch":
             mean, std = scores.mean(), scores.std()
         elif norm == "group":
-            G = group_ids.max().item() + 1
-            cnt = torch.zeros(G).index_add_(0, group_ids, torch.ones_like(scores))
-            gmean = torch.zeros(G).index_add_(0, group_ids, scores) / cnt
-            gvar = torch.zeros(G).index_add_(0, group_ids, (scores - gmean[group_ids]) ** 2) / (cnt - 1)
-            mean, std = gmean[group_ids], gvar.sqrt()[group_ids]
+            mean, std, _ = group_stats(scores, group_ids)
         elif norm == "running":
             running.update(scores)
             mean, std = torch.tensor(running.mean), torch.tensor(running.std)
             eps = torch.finfo(scores.dtype).eps
         else:
             raise ValueError(f"unknown reward_norm {norm!r}: choose one of none, batch, group, running")
-        if shift:
+        if shift or not scale:
             scores = scores - mean
-        elif scale:
+        if scale or not shift:
             scores = scores / (std + eps)
-        else:
-            scores = (scores - mean) / (std + eps)
     if clip is not None:
         scores = scores.clamp(-clip, clip)
     return scores
@@ -906,9 +759,7 @@ class AdaptiveKLController:
         self.value *= 1 + err * n_steps / self.horizon
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Compute advantages and returns (GAE, or critic-free group / REINFORCE++ estimators)
-# ---------------------------------------------------------------------------------------------------------
+# --- Advantages and returns: GAE, or critic-free group / REINFORCE++ estimators; whitening ---------------------------
 def masked_mean(x, mask, dim=None):
     return (x * mask).sum() / mask.sum().clamp(min=1) if dim is None else (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
@@ -939,18 +790,10 @@ def compute_gae(token_rewards, values, mask, gamma: float, lam: float):
     return adv * mask, returns * mask
 
 
-def _group_stats(scores, group_ids):
-    G = int(group_ids.max()) + 1
-    cnt = torch.zeros(G).index_add_(0, group_ids, torch.ones_like(scores))
-    mean = torch.zeros(G).index_add_(0, group_ids, scores) / cnt
-    var = torch.zeros(G).index_add_(0, group_ids, (scores - mean[group_ids]) ** 2) / (cnt - 1).clamp(min=1)
-    return mean[group_ids], var.sqrt()[group_ids], cnt[group_ids]
-
-
 def compute_grpo(token_rewards, mask, group_ids, norm_by_std: bool = True, eps: float = 1e-6):
     """GRPO: (score - group mean) / (group std + eps), std unbiased as torch.std (verl)."""
     scores = token_rewards.sum(-1)
-    mean, std, _ = _group_stats(scores, group_ids)
+    mean, std, _ = group_stats(scores, group_ids)
     adv = scores - mean
     if norm_by_std:
         adv = adv / (std + eps)
@@ -960,7 +803,7 @@ def compute_grpo(token_rewards, mask, group_ids, norm_by_std: bool = True, eps: 
 def compute_rloo(token_rewards, mask, group_ids):
     """RLOO: score minus the mean score of the other responses to the same prompt."""
     scores = token_rewards.sum(-1)
-    mean, _, n = _group_stats(scores, group_ids)
+    mean, _, n = group_stats(scores, group_ids)
     return ((scores * n - mean * n) / (n - 1).clamp(min=1))[:, None] * mask
 
 
@@ -984,7 +827,7 @@ def compute_reinforce_plus_plus(token_rewards, mask, gamma: float):
 def compute_reinforce_plus_plus_baseline(token_rewards, mask, group_ids):
     """REINFORCE++ with baseline: score minus group mean, broadcast to the tokens, whitened over the batch."""
     scores = token_rewards.sum(-1)
-    mean, _, _ = _group_stats(scores, group_ids)
+    mean, _, _ = group_stats(scores, group_ids)
     adv = (scores - mean)[:, None] * mask
     return masked_whiten(adv, mask) * mask
 
@@ -1043,9 +886,7 @@ def rewards_and_advantages(raw, maskf, values, kld, args: Args, kl_ctrl, running
     return adv[mine], returns[mine], scores, seq_kl
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Losses: verl agg_loss, clipped / dual-clip policy loss, clipped / Huber value loss
-# ---------------------------------------------------------------------------------------------------------
+# --- Losses: verl agg_loss, clipped / dual-clip policy loss, clipped / Huber value loss ------------------------------
 def agg_loss(loss_mat, mask, mode: str, n_tokens=None, n_seqs=None, norm_len=None):
     """Token losses -> one number. n_tokens / n_seqs default to this batch; pass the minibatch's totals to sum
     micro-batch losses into exactly the minibatch loss (accumulation that does not change the result)."""
@@ -1105,23 +946,17 @@ def value_loss(vpreds, old_values, returns, mask, value_clip=None, huber_delta=N
 
 
 def explained_variance(values, returns, mask) -> float:
+    """1 - Var(returns - values) / Var(returns) over the response tokens; NaN where the returns do not vary. That is
+    judged with a tolerance: the returns of all-zero rewards are the values' float rounding (a variance of ~1e-18,
+    which would make this ~ -1e15)."""
     var_r = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
     err = returns - values
     var_e = masked_mean((err - masked_mean(err, mask)) ** 2, mask)
-    return float("nan") if var_r == 0 else (1 - var_e / var_r).item()
+    tol = 1e-10 * (1 + masked_mean(values**2, mask))  # (float32 rounding is ~1e-7 of the values)
+    return float("nan") if var_r <= tol else (1 - var_e / var_r).item()
 
 
-def eta_text(seconds: float) -> str:
-    """Time left for the progress line: 2h05m, 13m20s or 45s ("?" before the speed is known)."""
-    if not math.isfinite(seconds) or seconds < 0:
-        return "?"
-    s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Optimise policy & value: one minibatch, accumulated over micro-batches
-# ---------------------------------------------------------------------------------------------------------
+# --- Update: E epochs of shuffled minibatches, each accumulated over micro-batches; the optimisers -------------------
 def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_actor: bool = True,
                        autocast=contextlib.nullcontext, world: int = 1, ref=None):
     """Forward/backward of one minibatch in micro-batches of args.micro_batch_size; the loss of each micro-batch is
@@ -1215,9 +1050,449 @@ def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, 
     return mean, dict(zip(keys, table[0]))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Distributed (torchrun): prompts sharded across ranks, statistics over the global batch, FSDP2 or DDP
-# ---------------------------------------------------------------------------------------------------------
+def build_optimizers(args: Args, policy, critic, value_head):
+    """AdamW for the actor and one for the critic (the separate model, or the shared value head); the learning rate
+    rises linearly over --lr-warmup-steps optimizer steps, then stays."""
+    optimizers = [torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)]
+    for m in (critic, value_head):
+        if m is not None:
+            optimizers.append(torch.optim.AdamW(m.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay))
+    warm = max(args.lr_warmup_steps, 1)
+    return optimizers, [torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / warm)) for o in optimizers]
+
+
+# --- Warm start (supervised, before PPO) and the training loop -------------------------------------------------------
+def warm_start(policy, tok, sample_rows, args: Args, device, autocast=contextlib.nullcontext, stop=None) -> None:
+    """Supervised fine-tuning on answers + EOS (a short phase: the model ends partly right), in the run's precision.
+    stop() -> bool: a signal came (asked every 10 steps: a collective under torchrun; the run then ends)."""
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr)
+    policy.train()
+    for step in range(args.sft_steps):
+        if stop is not None and step % 10 == 0 and stop():
+            return
+        rows = sample_rows(args.sft_batch_size)
+        targets = []
+        for r in rows:
+            targets.append(tok.encode(r["answer"], add_special_tokens=False)[:args.response_length - 1]
+                           + [tok.eos_token_id])
+        p_ids, p_mask = encode_batch(tok, rows, args.prompt_length, args.apply_chat_template)
+        R = max(len(t) for t in targets)
+        r_ids = torch.full((len(rows), R), tok.pad_token_id, dtype=torch.long)
+        r_mask = torch.zeros((len(rows), R), dtype=torch.long)
+        for i, t in enumerate(targets):
+            r_ids[i, :len(t)], r_mask[i, :len(t)] = torch.tensor(t), 1
+        ids, mask = torch.cat([p_ids, r_ids], 1).to(device), torch.cat([p_mask, r_mask], 1).to(device)
+        with autocast():
+            logp = model_forward(policy, ids, mask, R, 1.0)["logp"]
+        loss = -masked_mean(logp, r_mask.to(device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if (step + 1) % 100 == 0 or step + 1 == args.sft_steps:
+            print(f"warm-start step {step + 1}/{args.sft_steps}  loss={loss.item():.3f}")
+
+
+def main(args: Args) -> dict:
+    with Run(args) as run:  # signals, torchrun, run directory and its lock, logging, one-line errors (plumbing)
+        rank, world, device, ckpt = run.rank, run.world, run.device, run.ckpt
+        random.seed(args.seed)
+        torch.manual_seed(args.seed)
+        torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
+        torch.set_num_threads(args.torch_threads)
+        gen = torch.Generator().manual_seed(args.seed)  # tasks and shuffles (the same on every rank), CPU sampling
+        # token sampling: gen itself in one CPU process; on CUDA or under torchrun a generator of its own (per rank)
+        gen_dev = (gen if device.type == "cpu" and world == 1
+                   else torch.Generator(device).manual_seed(args.seed + 1_000_003 * rank))
+        autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16(args)
+                    else contextlib.nullcontext)
+
+        # The task and the models, all checked before anything is written (bad input leaves no run directory)
+        tok, policy, ref, stops = build_policy(args, ckpt, device)
+        sample_rows, eval_rows, has_answers = build_task(args, tok, gen, world)
+        rm, rm_tok = load_reward_model(args, tok, device)
+        run.check_stop()
+        run.open_dir()
+        if ckpt is None and args.sft_steps > 0 and has_answers:
+            t0 = time.time()
+            warm_start(policy, tok, sample_rows, args, device, autocast, run.stop_requested)
+            run.check_stop()
+            print(f"warm-start done in {time.time() - t0:.1f}s")
+        ref = disable_dropout(copy.deepcopy(policy) if ref is None else ref).to(device).eval().requires_grad_(False)
+        critic, value_head = build_critic(args, policy, ckpt, device)
+        train_policy, train_critic, train_value_head, all_done = prepare_models(args, policy, critic, value_head, ref,
+                                                                                device, world)
+
+        # The optimisers and the state that exact resume carries between iterations
+        optimizers, schedulers = build_optimizers(args, policy, critic, value_head)
+        kl_ctrl = (AdaptiveKLController(args.init_kl_coef, args.target_kl, args.kl_horizon)
+                   if args.kl_ctrl_type == "adaptive" else FixedKLController(args.init_kl_coef))
+        running = RunningMoments()
+        start_iteration, global_step, tracker = 1, 0, {"curve": []}
+        if ckpt is not None:
+            start_iteration, global_step, tracker = restore_trainer_state(ckpt, args, optimizers, schedulers, gen,
+                                                                          gen_dev, kl_ctrl, running, rank, world)
+        finished = ckpt is not None and start_iteration > args.num_iterations
+        if finished:  # nothing left to train: evaluate the checkpoint (a larger --num-iterations trains on)
+            print(f"the checkpoint is at iteration {ckpt['iteration']} of --num-iterations {args.num_iterations}: "
+                  "evaluating it")
+        if ckpt is None or finished:
+            run.evaluate(policy, tok, eval_rows, start_iteration - 1, global_step, tracker, all_done)
+        run.check_stop()
+
+        def save(iteration: int) -> str:  # every rank calls it at the same iteration; rank 0 writes
+            run.checkpoint = run.written = save_checkpoint(run.dir, policy, ref, critic, value_head, tok, optimizers,
+                                                           schedulers, args, global_step, iteration, gen, kl_ctrl,
+                                                           running, tracker, gen_dev, rank, world)
+            return run.written
+
+        run.start_training(global_step)
+        stats, metrics = {}, {}
+        for iteration in range(start_iteration, args.num_iterations + 1):
+            # 1. Collect rollout: rollout_batch_size prompts x n responses (response i answers prompt i // n),
+            #    sampled and scored by the policy (old log-probs), the frozen reference and the critic; under
+            #    torchrun every rank draws the same prompts and takes its share of whole groups
+            t0 = time.time()
+            rows = [r for r in sample_rows(args.rollout_batch_size) for _ in range(args.n)]
+            rows = rows[rank * len(rows) // world:(rank + 1) * len(rows) // world]
+            resp, ids, attn = sample_responses(policy, tok, rows, args, stops, gen_dev, device, all_done)
+            t_gen = time.time() - t0
+            old_logp, ref_logp, values, kl_full = score_responses(policy, ref, critic, value_head, ids, attn, args,
+                                                                  autocast)
+            maskf = response_mask_from(resp, stops).float()
+            values = values * maskf if values is not None else torch.zeros_like(old_logp)
+
+            # Reward: each response's score (rule or reward model; the missing-EOS penalty), the KL to the reference
+            texts = decode_responses(tok, resp, stops)
+            eos = is_stop(resp, stops).any(-1)
+            correct = torch.tensor([rule_reward(t, r["answer"]) for t, r in zip(texts, rows)])
+            raw = correct.clone() if rm is None else reward_model_scores(
+                rm, rm_tok, [r["prompt"] for r in rows], texts, args.apply_chat_template, device, autocast)
+            raw = raw - args.missing_eos_penalty * (~eos).float()
+            kld = (kl_full if kl_full is not None else kl_penalty(old_logp, ref_logp, args.kl_penalty)) * maskf
+
+            # Scores normalised and put on the last token, minus the KL penalty, then
+            # 2. Compute advantages and returns (GAE, or a critic-free estimator) and
+            # 3. Advantage normalisation (whitening, then --advantage-clip): over the global batch under torchrun
+            adv, returns, scores, seq_kl = rewards_and_advantages(raw, maskf, values, kld, args, kl_ctrl, running,
+                                                                  rank, world)
+
+            # 4. Optimise policy & value for E epochs (the actor after --critic-warmup iterations)
+            t1 = time.time()
+            batch = {"input_ids": ids, "attention_mask": attn, "response_mask": maskf, "old_logp": old_logp,
+                     "ref_logp": ref_logp, "advantages": adv, "returns": returns, "values": values}
+            batch = {k: v.to(device) for k, v in batch.items()}
+            for m in (train_policy, train_critic, train_value_head):
+                if m is not None:
+                    m.train()
+            stats, first = ppo_update(train_policy, train_critic, train_value_head, optimizers, schedulers, batch,
+                                      args, gen, iteration > args.critic_warmup, autocast, world, ref)
+            t_train = time.time() - t1
+
+            # 5. Update reference policy: theta_old <- theta, nothing to copy: the next rollout is sampled and scored
+            #    by the updated policy (the KL reference stays the initial model)
+            # Statistics averaged over ranks; in the same all-reduce, whether any rank got a stop signal
+            *means, signals = all_ranks_sum(torch.tensor([*stats.values(), len(run.signals)], dtype=torch.float64),
+                                            world).tolist()
+            stats = {k: v / world for k, v in zip(stats, means)}
+            raw, correct, eos, maskf = (all_gather_cat(x, world) for x in (raw, correct, eos.float(), maskf))
+            bad = [k for k, v in stats.items() if not math.isfinite(v)]
+            if bad:  # stop before logging or saving: the last checkpoint written stays the last good one
+                run.fail(f"non-finite {', '.join(bad)} at iteration {iteration}")
+            global_step += ids.shape[0] * world
+            n_tok, lengths = maskf.sum().item(), maskf.sum(-1)  # all ranks' response tokens
+            metrics = {
+                "rollout/reward_mean": raw.mean().item(), "rollout/reward_std": raw.std().item(),
+                "rollout/score_mean": scores.mean().item(), "charts/episodic_return": raw.mean().item(),
+                "charts/episodic_length": lengths.mean().item(), "response/length_mean": lengths.mean().item(),
+                "response/eos_frac": eos.mean().item(), "kl/kl_mean": seq_kl, "kl/kl_coef": kl_ctrl.value,
+                "losses/explained_variance": explained_variance(values, returns, batch["response_mask"].cpu())
+                if args.critic != "none" else float("nan"),  # (this rank's rows)
+                "losses/first_minibatch_approx_kl": first.get("approx_kl", 0.0),
+                "charts/learning_rate": schedulers[0].get_last_lr()[0],
+                "perf/gen_tokens_per_s": n_tok / max(t_gen, 1e-9),
+                "perf/train_tokens_per_s": n_tok * args.ppo_epochs / max(t_train, 1e-9),
+                **{f"losses/{k}": v for k, v in stats.items()}}
+            if has_answers:  # (accuracy is exact match: none for a reward model's prompts without answers)
+                metrics["rollout/accuracy"] = correct.mean().item()
+                tracker.setdefault("rollout", []).append([iteration, metrics["rollout/accuracy"]])
+            run.log_iteration(iteration, global_step, metrics)  # TensorBoard, charts/SPS, the progress line
+            if iteration % args.eval_every == 0 or iteration == args.num_iterations:
+                run.evaluate(policy, tok, eval_rows, iteration, global_step, tracker, all_done)
+            stop = args.stop_after and iteration - start_iteration + 1 >= args.stop_after
+            if (stop or signals or run.eval_stopped) and iteration < args.num_iterations:  # (all ranks alike)
+                save(iteration)
+                run.stopped(iteration, signals)
+                break
+            if args.checkpoint_every and iteration % args.checkpoint_every == 0:
+                save(iteration)
+        else:
+            saved_now = args.checkpoint_every and args.num_iterations % args.checkpoint_every == 0  # just above
+            checkpointed = ckpt is not None or args.checkpoint_every or args.stop_after  # a checkpoint along the way
+            if not finished and not saved_now and (args.save_model or checkpointed or run.eval_stopped):
+                print(f"checkpoint written to {save(args.num_iterations)}")
+            if run.eval_stopped:  # (a signal in the last evaluation: the trained model is saved above)
+                print(f"evaluation stopped ({run.why}); evaluate the trained model with: {run.launcher} {SCRIPT} "
+                      f"--resume {run.checkpoint}")
+        print(f"done in {time.time() - run.start:.1f}s; run directory {run.dir}")
+        return {"run_dir": run.dir, "curve": tracker["curve"], "stats": stats, "checkpoint": run.written,
+                "metrics": metrics}
+    return {"run_dir": None, "curve": [], "stats": {}, "checkpoint": None, "metrics": {}}  # (stopped before training)
+
+
+# =========================================================================================================
+# Plumbing: nothing below this line changes what PPO computes. Run context (torchrun, logging, signals, ...),
+# checkpoints and exact resume, evaluation, compile helper, local models, command line.
+# =========================================================================================================
+def die(msg: str) -> None:
+    """Bad input: one line on stderr (under torchrun from rank 0 alone), exit code 2, no traceback."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def reason(e: BaseException) -> str:
+    """An exception as the reason in a one-line error: its type and the first line of its message."""
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0]}" if str(e).strip() else type(e).__name__
+
+
+class Stop(Exception):
+    """A signal before training: the run ends there, with nothing half-written."""
+
+
+class WriteError(Exception):
+    """A write the file system refused (disk full, quota, read-only): one line naming the file and why, exit 1."""
+
+    def __init__(self, what: str, why: str, checkpoint: bool = False):
+        super().__init__(what, why, checkpoint)
+        self.what, self.why, self.checkpoint = what, why, checkpoint
+
+
+def write_failure(error: Optional[BaseException]) -> Optional[str]:
+    """Why a write failed if the file system refused it: the OSError in the exception's chain (torch.save into a file
+    raises RuntimeError "unexpected pos" from it) or safetensors' "I/O error: ..."; None for anything else."""
+    while error is not None:
+        if isinstance(error, OSError):
+            return error.strerror or str(error)
+        found = re.search(r"I/O error: (.+?)(?: \(os error \d+\))?$", (str(error).splitlines() or [""])[0])
+        if found:
+            return found.group(1)
+        error = error.__cause__ or error.__context__
+    return None
+
+
+class Run:
+    """main()'s run context, from its first line to its last: signal handlers (SIGTERM / SIGINT are recorded, then
+    honoured where nothing is half-written: before training, after an iteration, in an evaluation), the process
+    group, the run directory and its lock, TensorBoard / wandb and the progress line, and the one-line ends: bad
+    input (exit 2), a refused write (exit 1), a signal before training (exit 0; a new run directory is removed). Its
+    end puts back the handlers it found (__main__'s SIG_IGN: a signal at exit cannot make a clean stop exit 143)."""
+
+    def __init__(self, args: Args):
+        self.args, self.signals, self.ckpt, self.dir, self.lock, self.writer = args, [], None, None, None, None
+        self.created = self.training = self.eval_stopped = False  # made the run dir; the loop began; eval stopped
+        self.checkpoint, self.written = args.resume, None  # the last checkpoint; the last one this process wrote
+        self.rank, self.world, self.start, self.stack = 0, 1, time.time(), contextlib.ExitStack()
+
+    def __enter__(self) -> Run:
+        self.handlers = {s: signal.signal(s, lambda signum, frame: self.signals.append(signum))  # first of all
+                         for s in (signal.SIGTERM, signal.SIGINT)}
+        self.hook, threading.excepthook = threading.excepthook, self._thread_error
+        try:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # (a bar per save_pretrained / from_pretrained buries the progress)
+            self.rank, self.world, self.device = setup_distributed(self.args)
+            if self.rank > 0:  # under torchrun rank 0 alone prints
+                self.stack.enter_context(contextlib.redirect_stdout(self.stack.enter_context(open(os.devnull, "w"))))
+            self.ckpt = load_checkpoint(self.args.resume) if self.args.resume else None
+            _READ.clear()  # (taken: the states loaded from it are not the file's any more)
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if isinstance(error, Stop):
+            print(f"stopped before training ({self.why}); nothing written" + ("" if self.ckpt is None else
+                  f"; continue with: {self.launcher} {SCRIPT} --resume {self.args.resume}"), flush=True)
+        try:
+            self._close_writer(failed=kind is not None and kind is not Stop)
+        except WriteError as e:
+            kind, error = WriteError, e
+        if isinstance(error, WriteError) and self.rank == 0:
+            kept = ("" if not error.checkpoint else " (the previous checkpoint is kept)" if self.checkpoint
+                    else " (no checkpoint was written)")
+            print(f"error: cannot write {error.what}: {error.why}{kept}", file=sys.stderr)
+        if self.lock is not None:
+            os.close(self.lock)  # (the OS releases it too, even after kill -9)
+        if self.created and not self.training and kind is not None:  # a run directory with nothing of value
+            shutil.rmtree(self.dir, ignore_errors=True)
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if kind is None:
+                dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
+            dist.destroy_process_group()
+        for sig, handler in self.handlers.items():
+            signal.signal(sig, handler)
+        threading.excepthook = self.hook
+        self.stack.close()
+        if isinstance(error, WriteError):
+            raise SystemExit(1) from None
+        return isinstance(error, Stop)
+
+    @property
+    def why(self) -> str:
+        return signal.Signals(self.signals[0]).name if self.signals else "a signal to another rank"
+
+    @property
+    def launcher(self) -> str:
+        return f"torchrun --nproc-per-node {self.world}" if self.world > 1 else "python"
+
+    def stop_requested(self) -> bool:
+        """Whether a signal came to any rank (a collective under torchrun: all ranks ask at the same points)."""
+        return all_ranks_sum(torch.tensor([float(len(self.signals))]), self.world).item() > 0
+
+    def check_stop(self) -> None:
+        if self.stop_requested():
+            raise Stop
+
+    def open_dir(self) -> None:
+        """The run directory, locked against other processes until the run ends: a resumed run's own, or a new one
+        that rank 0 makes under a name no other run has (<task>__<exp>__<seed>__<time>, then -2, -3, ...)."""
+        args, path, error = self.args, os.path.dirname(os.path.abspath(self.args.resume or ".")), None
+        if self.ckpt is None and self.rank == 0:
+            task = "sort" if args.dataset is None else os.path.splitext(os.path.basename(args.dataset))[0]
+            base = path = os.path.join(args.runs_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+            for i in itertools.count(2):
+                try:
+                    os.makedirs(path)
+                    self.created = True
+                    break
+                except FileExistsError:
+                    path = f"{base}-{i}"
+                except OSError as e:
+                    error = f"cannot create run directory {path}: {e.strerror}"
+                    break
+        if self.rank == 0 and error is None:
+            try:
+                self.lock = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.ftruncate(self.lock, 0), os.write(self.lock, str(os.getpid()).encode())
+            except BlockingIOError:
+                error = (f"run directory {path} is in use by another process (pid "
+                         f"{os.read(self.lock, 32).decode(errors='replace').strip() or '?'}): wait for it to end or "
+                         "stop it first")
+            except OSError as e:
+                error = f"cannot write in run directory {path}: {e.strerror}"
+        path, error = gather_objects((path, error), self.world)[0]
+        if error is not None:
+            die(error)
+        self.dir = path
+
+    def log(self, scalars: dict, step: int) -> None:
+        """Scalars to TensorBoard (and wandb with --track) from rank 0; the writer is made on first use."""
+        if self.rank != 0:
+            return
+        try:
+            if self.writer is None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                if self.args.track:
+                    import wandb
+
+                    name = os.path.basename(self.dir)
+                    wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, name=name, id=name,
+                               sync_tensorboard=True, config=vars(self.args), dir=self.dir, resume="allow")
+                self.writer = SummaryWriter(self.dir)
+                if self.ckpt is None:
+                    self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
+                                         "\n".join(f"|{k}|{v}|" for k, v in vars(self.args).items()))
+            for k, v in scalars.items():
+                self.writer.add_scalar(k, v, step)
+        except OSError as e:  # (tensorboard's writer thread failed; _thread_error hides its traceback)
+            raise self._events_error(e) from None
+
+    def _events_error(self, e: OSError) -> WriteError:
+        return WriteError(f"the TensorBoard events in {self.dir}", e.strerror or str(e))
+
+    def _thread_error(self, hook_args) -> None:
+        if type(hook_args.thread).__name__ != "_AsyncWriterThread":
+            self.hook(hook_args)
+
+    def _close_writer(self, failed: bool) -> None:
+        try:
+            if self.writer is not None:
+                self.writer.close()
+        except OSError as e:
+            if not failed:
+                raise self._events_error(e) from None
+        finally:
+            for t in threading.enumerate():  # a failed writer thread ends before the hook that hides it is put back
+                if type(t).__name__ == "_AsyncWriterThread" and getattr(t, "exception", None) is not None:
+                    t.join(timeout=10)
+            if self.args.track and self.writer is not None:
+                import wandb
+
+                wandb.finish(exit_code=int(failed))
+
+    def start_training(self, global_step: int) -> None:
+        self.training, self.start, self.steps_at_start, self.first, self.last_print = (True, time.time(), global_step,
+                                                                                       None, 0.0)
+
+    def log_iteration(self, iteration: int, global_step: int, m: dict) -> None:
+        """An iteration's scalars, with charts/SPS (this process's steps per second), and every ~5 s (and on the first
+        and the last iteration) the progress line, which ends with the time left at the current speed."""
+        now, nan, self.first = time.time(), float("nan"), self.first or iteration
+        m["charts/SPS"] = (global_step - self.steps_at_start) / max(now - self.start, 1e-9)
+        self.log(m, global_step)
+        if now - self.last_print >= 5.0 or iteration in (self.first, self.args.num_iterations):
+            self.last_print = now
+            per_iteration = (now - self.start) / (iteration - self.first + 1)  # (evaluations included)
+            accuracy = f"acc={m['rollout/accuracy']:.3f}  " if "rollout/accuracy" in m else ""
+            print(f"iter {iteration}/{self.args.num_iterations}  reward={m['rollout/reward_mean']:.3f}  {accuracy}"
+                  f"kl={m['kl/kl_mean']:.4f}  entropy={m.get('losses/entropy', nan):.3f}  "
+                  f"len={m['response/length_mean']:.2f}  clipfrac={m.get('losses/clipfrac', 0.0):.3f}  "
+                  f"vloss={m.get('losses/value_loss', nan):.4f}  gen_tok/s={m['perf/gen_tokens_per_s']:.0f}  "
+                  f"train_tok/s={m['perf/train_tokens_per_s']:.0f}  "
+                  f"eta={eta_text(per_iteration * (self.args.num_iterations - iteration))}", flush=True)
+
+    def evaluate(self, policy, tok, rows: list, iteration: int, step: int, tracker: dict, all_done=None) -> None:
+        """Held-out accuracy, greedy and sampled: logged, printed, kept in tracker["curve"]; a signal stops it."""
+        if rows:
+            gen = torch.Generator(self.device).manual_seed(self.args.seed + 1 + self.rank)
+            ev = evaluate(policy, tok, rows, self.args, gen, self.device, self.rank, self.world, all_done,
+                          self.stop_requested)
+            self.eval_stopped = ev is None
+            if ev is not None:
+                self.log({f"eval/{k}": v for k, v in ev.items()}, step)
+                tracker["curve"].append([iteration, ev["accuracy_greedy"], ev["accuracy_sampled"]])
+                print(f"eval iter {iteration}: accuracy greedy {ev['accuracy_greedy']:.3f}  sampled "
+                      f"{ev['accuracy_sampled']:.3f}")
+
+    def stopped(self, iteration: int, signalled) -> None:
+        why = self.why if signalled or self.eval_stopped else f"--stop-after {self.args.stop_after}"
+        print(f"stopped at iteration {iteration} ({why}); continue with: {self.launcher} {SCRIPT} --resume "
+              f"{self.written}" + (f" (which stops again after {self.args.stop_after} iterations, the checkpoint's "
+              "--stop-after; add --stop-after 0 to run to the end)" if self.args.stop_after else ""), flush=True)
+
+    def fail(self, message: str) -> None:
+        """The run cannot go on: one line that names the last checkpoint if there is one, exit 1."""
+        kept = f"last checkpoint kept: {self.checkpoint}" if self.checkpoint else "no checkpoint was written"
+        if self.rank == 0:
+            print(f"error: {message}; stopping ({kept})", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def eta_text(seconds: float) -> str:
+    """Time left for the progress line: 2h05m, 13m20s or 45s ("?" before the speed is known)."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+# --- torchrun / FSDP2: prompts sharded across ranks, statistics over the global batch, FSDP2 or DDP; compile ---------
 def use_bf16(args: Args) -> bool:
     """--precision: bf16 autocast (fp32 master weights) in warm-start, generation, scoring and training, or fp32."""
     return args.precision == "bf16" or (args.precision == "auto" and args.cuda)
@@ -1316,13 +1591,6 @@ def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, 
                                    find_unused_parameters=True)
 
 
-class Silent:
-    """Stands in for the tensorboard writer on ranks other than 0: only rank 0 logs."""
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: None
-
-
 def full_state(state):
     """A state dict (model or optimizer, nested) with FSDP2's sharded DTensors gathered into full CPU tensors. Every
     rank must call it, in the same order (it is a collective under FSDP2); plain tensors come back unchanged."""
@@ -1348,9 +1616,38 @@ def shard_optimizer_state(opt) -> None:
                     st[k] = distribute_tensor(v.to(p.device_mesh.device_type), p.device_mesh, p.placements)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Checkpoints: save_pretrained for policy, reference and critic + trainer state in checkpoint.pt
-# ---------------------------------------------------------------------------------------------------------
+def prepare_models(args: Args, policy, critic, value_head, ref, device, world: int):
+    """The paths to speed and scale, none of which changes what is computed: gradient checkpointing, torch.compile,
+    and under torchrun FSDP2 / DDP (after the warm-start, which every rank ran alike, and before the optimizers take
+    the parameters). Returns the modules the update calls and generation's all_done (FSDP2: every forward is a
+    collective, so the ranks stop generating together)."""
+    if args.gradient_checkpointing:
+        for m in (policy, critic):
+            if m is not None:
+                getattr(m, "activation_checkpointing_enable", m.gradient_checkpointing_enable)()
+    if args.compile:
+        for m in (policy, critic):
+            if m is not None:
+                compile_forward(m)
+    if world == 1:
+        return policy, critic, value_head, None
+    train = [distribute(m, args.strategy, device) for m in (policy, critic, value_head)]
+    distribute(ref, args.strategy, device, trainable=False)
+    all_done = None
+    if args.strategy == "fsdp2":
+        all_done = lambda done: bool(all_ranks_sum(done.all().float()[None], world) == world)  # noqa: E731
+    return (*train, all_done)
+
+
+def compile_forward(model, backend: str = "inductor"):
+    """--compile: the model's forward through torch.compile, with dynamic shapes (prompt, response and KV-cache
+    lengths vary), so generation, scoring and the update all run the compiled graphs; the weights stay shared.
+    (backend: the tests trace with "aot_eager", which skips inductor's minutes of kernel compilation on a CPU.)"""
+    model.forward = torch.compile(model.forward, dynamic=True, backend=backend)
+    return model
+
+
+# --- Checkpoints: save_pretrained for policy, reference and critic + trainer state in checkpoint.pt; exact resume ---
 CHECKPOINT_FORMAT = 2  # 2: reward_norm and reward_clip in ROLL's forms (a resume of an older one says so)
 
 
@@ -1359,122 +1656,189 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
                     gen_dev=None, rank: int = 0, world: int = 1) -> str:
     """Atomic: the models go to a new checkpoint-<iteration>/ directory, then checkpoint.pt, which names that
     directory, is replaced in one rename (the commit point); older checkpoint-* directories are removed after.
-    A kill at any moment leaves a checkpoint.pt whose models are complete. Under torchrun every rank calls it (FSDP2
-    shards are gathered into full tensors) and rank 0 writes."""
-    sub = f"checkpoint-{iteration}"
-    path = os.path.join(run_dir, "checkpoint.pt")
+    A kill at any moment leaves a checkpoint.pt whose models are complete; a write the file system refuses removes
+    what this save wrote and raises WriteError on every rank. Under torchrun every rank calls it (FSDP2 shards are
+    gathered into full tensors) and rank 0 writes."""
+    sub, path = f"checkpoint-{iteration}", os.path.join(run_dir, "checkpoint.pt")
     write_ref = gather_objects(not os.path.isdir(os.path.join(run_dir, "ref")), world)[0]  # written once
     sd = {name: full_state(m.state_dict()) for name, m in (("policy", policy), ("critic", critic), ("ref", ref))
           if m is not None and (name != "ref" or write_ref)}
     optim_states = [full_state(o.state_dict()) for o in optimizers]
     value_head_state = full_state(value_head.state_dict()) if value_head is not None else {}
     dev_states = gather_objects(gen_dev.get_state() if gen_dev is not None and gen_dev is not gen else None, world)
-    if rank != 0:
-        return path
-    tmp_dir = os.path.join(run_dir, sub + ".tmp")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    policy.save_pretrained(os.path.join(tmp_dir, "policy"), state_dict=sd["policy"])
-    tok.save_pretrained(os.path.join(tmp_dir, "policy"))
-    if critic is not None:
-        critic.save_pretrained(os.path.join(tmp_dir, "critic"), state_dict=sd["critic"])
-    shutil.rmtree(os.path.join(run_dir, sub), ignore_errors=True)  # a leftover of a save killed after this point
-    os.rename(tmp_dir, os.path.join(run_dir, sub))
-    if write_ref:
-        ref.save_pretrained(os.path.join(run_dir, "ref.tmp"), state_dict=sd["ref"])
-        os.rename(os.path.join(run_dir, "ref.tmp"), os.path.join(run_dir, "ref"))
-    state = {
-        "script": SCRIPT,
-        "env_id": "sort" if args.dataset is None else os.path.basename(args.dataset),
-        "model": {"policy": f"{sub}/policy", "ref": "ref", "critic": f"{sub}/critic" if critic is not None else "",
-                  "value_head": value_head_state},
-        "optimizer": optim_states,
-        "scheduler": [s.state_dict() for s in schedulers],
-        "global_step": global_step,
-        "iteration": iteration,
-        # gen: tasks and shuffles (the same on every rank); gen_dev: token sampling on CUDA or under torchrun, per rank
-        "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state(), "gen_dev": dev_states},
-        "args": dataclasses.asdict(args),
-        "kl_coef": kl_ctrl.value,
-        "reward_running": running.state_dict(),
-        "tracker": tracker,
-        "format": CHECKPOINT_FORMAT,
-    }
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    for d in os.listdir(run_dir):  # earlier checkpoints (and .tmp leftovers of killed saves)
-        if d.startswith("checkpoint-") and d != sub:
-            shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
+    failed, tmp_dir, made = None, os.path.join(run_dir, sub + ".tmp"), []  # made: what this save put in place
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            target = os.path.join(run_dir, sub, "policy")  # (what is being written, named by a failed write)
+            policy.save_pretrained(os.path.join(tmp_dir, "policy"), state_dict=sd["policy"])
+            tok.save_pretrained(os.path.join(tmp_dir, "policy"))
+            if critic is not None:
+                target = os.path.join(run_dir, sub, "critic")
+                critic.save_pretrained(os.path.join(tmp_dir, "critic"), state_dict=sd["critic"])
+            shutil.rmtree(os.path.join(run_dir, sub), ignore_errors=True)  # a leftover of a save killed after this
+            os.rename(tmp_dir, os.path.join(run_dir, sub))
+            made.append(os.path.join(run_dir, sub))
+            if write_ref:
+                target = os.path.join(run_dir, "ref")
+                ref.save_pretrained(os.path.join(run_dir, "ref.tmp"), state_dict=sd["ref"])
+                os.rename(os.path.join(run_dir, "ref.tmp"), target)
+                made.append(target)
+            state = {
+                "script": SCRIPT, "env_id": "sort" if args.dataset is None else os.path.basename(args.dataset),
+                "model": {"policy": f"{sub}/policy", "ref": "ref",
+                          "critic": f"{sub}/critic" if critic is not None else "", "value_head": value_head_state},
+                "optimizer": optim_states, "scheduler": [s.state_dict() for s in schedulers],
+                "global_step": global_step, "iteration": iteration,
+                # gen: tasks and shuffles (the same on every rank); gen_dev: token sampling on CUDA / torchrun, per rank
+                "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state(), "gen_dev": dev_states},
+                "args": dataclasses.asdict(args), "kl_coef": kl_ctrl.value, "reward_running": running.state_dict(),
+                "tracker": tracker, "format": CHECKPOINT_FORMAT}
+            target = path
+            with open(path + ".tmp", "wb") as f:  # (into a file object: a refused write raises from its OSError)
+                torch.save(state, f)
+            os.replace(path + ".tmp", path)
+        except Exception as e:
+            failed = (target, write_failure(e))
+            if failed[1] is None:
+                raise
+            for leftover in (tmp_dir, os.path.join(run_dir, "ref.tmp"), *made):  # the checkpoint before stays whole
+                shutil.rmtree(leftover, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path + ".tmp")
+        else:
+            for d in os.listdir(run_dir):  # earlier checkpoints (and .tmp leftovers of killed saves)
+                if d.startswith("checkpoint-") and d != sub:
+                    shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
+    failed = gather_objects(failed, world)[0]  # every rank stops on rank 0's failed write
+    if failed is not None:
+        raise WriteError(*failed, checkpoint=True)
     return path
 
 
+_READ: dict = {}  # the last checkpoint read: parse_args reads it for the saved arguments, main() gets the same dict
+
+
 def load_checkpoint(path: str) -> dict:
+    """checkpoint.pt, read once per process and checked before anything uses it: the CRCs of its zip records
+    (torch.load skips them), its model directories, its keys and their types, its saved arguments' types."""
     if not os.path.isfile(path):
         die(f"--resume: no such file {path}")
+    key = (os.path.abspath(path), os.stat(path).st_mtime_ns, os.stat(path).st_size)
+    if _READ.get("key") != key:
+        try:
+            with zipfile.ZipFile(path) as z:
+                damaged = z.testzip()  # (a flipped bit in a stored tensor would load and resume silently)
+            ckpt = None if damaged else torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            die(f"cannot read checkpoint {path}: {reason(e)}")
+        if damaged is not None:
+            die(f"checkpoint {path} is damaged (record {damaged!r} fails its CRC check)")
+        if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
+            die(f"{path} is not a {SCRIPT} checkpoint "
+                f"(script={ckpt.get('script') if isinstance(ckpt, dict) else None})")
+        problem = state_problem(ckpt, os.path.dirname(path))
+        if problem:
+            die(f"checkpoint {path}: {problem}")
+        _READ.update(key=key, ckpt=ckpt)
+    return _READ["ckpt"]
+
+
+def state_problem(ckpt: dict, run_dir: str) -> Optional[str]:
+    """What is missing or of another type in a checkpoint's trainer state (an edited file, say), or None."""
+    rng = torch.get_rng_state()
+    for key, want in [("model", dict), ("model.policy", str), ("model.ref", str), ("model.critic", str),
+                      ("model.value_head", dict), ("optimizer", list), ("scheduler", list), ("global_step", int),
+                      ("iteration", int), ("rng", dict), ("rng.torch", rng), ("rng.gen", rng), ("args", dict),
+                      ("kl_coef", float), ("reward_running", dict), ("tracker", dict)]:
+        parent, _, name = key.rpartition(".")
+        holder = ckpt[parent] if parent else ckpt  # (a dict: checked before its keys)
+        if name not in holder:
+            return f"no {key!r}"
+        if torch.is_tensor(want) and not (torch.is_tensor(holder[name]) and holder[name].shape == want.shape):
+            return f"{key} is not a tensor of {want.numel()} bytes"
+        if not torch.is_tensor(want) and not fits(holder[name], want):
+            return f"{key} is {holder[name]!r:.40}, not {type_text(want)}"
+        for d in [ckpt["model"][m] for m in ("policy", "ref", "critic")] if key == "model.critic" else []:
+            if d and not os.path.isfile(os.path.join(run_dir, d, "config.json")):
+                return f"model directory {d}/ next to it is missing"
+    hints = typing.get_type_hints(Args, include_extras=True)
+    for f in dataclasses.fields(Args):  # every saved argument of its field's type (then validate() as given)
+        if f.name in ckpt["args"] and not fits(ckpt["args"][f.name], hints[f.name]):
+            return f"args.{f.name} is {ckpt['args'][f.name]!r:.40}, not {type_text(hints[f.name])}"
+    return None
+
+
+def fits(value, hint) -> bool:
+    """Whether value is of the type hint: int (no bool), float (int too), bool, str, list, dict, Optional, Literal."""
+    hint = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+    if typing.get_origin(hint) in (Literal, typing.Union):
+        parts = typing.get_args(hint)
+        return value in parts if typing.get_origin(hint) is Literal else any(fits(value, h) for h in parts)
+    kinds = {float: (int, float)}.get(hint, hint)
+    return isinstance(value, kinds) and (hint is bool or not isinstance(value, bool))
+
+
+def type_text(hint) -> str:
+    hint = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+    if typing.get_origin(hint) in (Literal, typing.Union):
+        parts = typing.get_args(hint)
+        return ("one of " + ", ".join(parts) if typing.get_origin(hint) is Literal
+                else " or ".join(map(type_text, parts)))
+    return "None" if hint is type(None) else ("an " if hint is int else "a ") + hint.__name__
+
+
+@contextlib.contextmanager
+def checkpoint_fits(path: str):
+    """States loaded from a checkpoint into models, optimizers and generators: what torch raises when they do not fit
+    (another model, another number of optimizers, a generator state of another size) is one line, exit 2."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        die(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
-        die(f"{path} is not a {SCRIPT} checkpoint (script={ckpt.get('script') if isinstance(ckpt, dict) else None})")
-    for d in (ckpt["model"]["policy"], ckpt["model"]["ref"], ckpt["model"]["critic"]):
-        if d and not os.path.isfile(os.path.join(os.path.dirname(path), d, "config.json")):
-            die(f"checkpoint {path}: model directory {d}/ next to it is missing")
-    return ckpt
+        yield
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        die(f"checkpoint {path} does not fit these models: {reason(e)}")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Warm start (supervised) and evaluation
-# ---------------------------------------------------------------------------------------------------------
-def encode_batch(tok, rows: list[dict], prompt_length: int, chat: bool = False):
-    return left_pad([prompt_token_ids(tok, r["prompt"], chat)[-prompt_length:] for r in rows], tok.pad_token_id,
-                    prompt_length)
+def restore_trainer_state(ckpt: dict, args: Args, optimizers, schedulers, gen, gen_dev, kl_ctrl, running, rank: int,
+                          world: int):
+    """Optimizers and schedulers (--lr, --critic-lr, --weight-decay as given now, at the saved warm-up position),
+    generators, KL coefficient, running reward statistics. Returns (next iteration, global step, tracker)."""
+    with checkpoint_fits(args.resume):
+        if len(ckpt["optimizer"]) != len(optimizers):
+            raise ValueError(f"{len(ckpt['optimizer'])} optimizers saved, {len(optimizers)} here")
+        for o, s, so, ss, base in zip(optimizers, schedulers, ckpt["optimizer"], ckpt["scheduler"],
+                                      [args.lr, args.critic_lr]):
+            o.load_state_dict(so)
+            s.load_state_dict(ss)
+            # the saved state holds the old learning rate and weight decay: --lr, --critic-lr, --weight-decay
+            # (the checkpoint's values unless given now) apply from here, at the saved warm-up position
+            s.base_lrs = [base] * len(o.param_groups)
+            for g, f in zip(o.param_groups, s.lr_lambdas):
+                g.update(lr=base * f(s.last_epoch), initial_lr=base, weight_decay=args.weight_decay)
+            s._last_lr = [g["lr"] for g in o.param_groups]
+            if world > 1 and args.strategy == "fsdp2":
+                shard_optimizer_state(o)
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        gen.set_state(ckpt["rng"]["gen"])
+        dev_states = ckpt["rng"].get("gen_dev") or [None]  # one per rank
+        if gen_dev is not gen and len(dev_states) == world and dev_states[rank] is not None:
+            gen_dev.set_state(dev_states[rank])
+        kl_ctrl.value = float(ckpt["kl_coef"])
+        running.__dict__.update({k: float(ckpt["reward_running"][k]) for k in ("mean", "var", "count")})
+    print(f"resumed {args.resume} at iteration {ckpt['iteration']}")
+    if ckpt.get("format", 1) < 2 and (args.reward_norm != "none" or args.reward_clip is not None):
+        print("note: this checkpoint has no format number, so it may predate ROLL's forms of --reward-norm "
+              "(the sample std; running: n - 1) and of --reward-clip (the token rewards too): the run goes on "
+              "with them")
+    return ckpt["iteration"] + 1, ckpt["global_step"], {"curve": [], **ckpt["tracker"]}
 
 
-def reward_model_inputs(rm_tok, prompts: list[str], responses: list[str], chat: bool = False) -> dict:
-    """Prompt + response for the reward model, right-padded (it scores the last real token): as a user / assistant
-    exchange in its chat template with --apply-chat-template when it has one, else the plain text with its own
-    special tokens."""
-    templated = bool(chat and rm_tok.chat_template)
-    if templated:  # (the template writes its special tokens itself)
-        texts = [rm_tok.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": r}],
-                                            tokenize=False) for p, r in zip(prompts, responses)]
-    else:
-        texts = [p + r for p, r in zip(prompts, responses)]
-    return rm_tok(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=not templated)
-
-
-def warm_start(policy, tok, sample_rows, args: Args, gen, device, autocast=contextlib.nullcontext) -> None:
-    """Supervised fine-tuning on answers + EOS (a short phase: the model ends partly right), in the run's precision."""
-    opt = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr)
-    policy.train()
-    for step in range(args.sft_steps):
-        rows = sample_rows(args.sft_batch_size)
-        targets = []
-        for r in rows:
-            targets.append(tok.encode(r["answer"], add_special_tokens=False)[:args.response_length - 1]
-                           + [tok.eos_token_id])
-        p_ids, p_mask = encode_batch(tok, rows, args.prompt_length, args.apply_chat_template)
-        R = max(len(t) for t in targets)
-        r_ids = torch.full((len(rows), R), tok.pad_token_id, dtype=torch.long)
-        r_mask = torch.zeros((len(rows), R), dtype=torch.long)
-        for i, t in enumerate(targets):
-            r_ids[i, :len(t)], r_mask[i, :len(t)] = torch.tensor(t), 1
-        ids, mask = torch.cat([p_ids, r_ids], 1).to(device), torch.cat([p_mask, r_mask], 1).to(device)
-        with autocast():
-            logp = model_forward(policy, ids, mask, R, 1.0)["logp"]
-        loss = -masked_mean(logp, r_mask.to(device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if (step + 1) % 100 == 0 or step + 1 == args.sft_steps:
-            print(f"warm-start step {step + 1}/{args.sft_steps}  loss={loss.item():.3f}")
-
-
+# --- Evaluation: held-out accuracy, greedy and sampled -----------------------------------------------------------
 @torch.no_grad()
 def evaluate(policy, tok, rows: list[dict], args: Args, gen, device, rank: int = 0, world: int = 1,
-             all_done=None) -> dict:
+             all_done=None, stop=None) -> Optional[dict]:
     """Accuracy on held-out prompts: greedy, and sampled with the rollout's temperature / top-p / top-k. Under
-    torchrun each rank scores an equal share of the rows (len(rows) // world each) and the counts are summed."""
+    torchrun each rank scores an equal share of the rows (len(rows) // world each) and the counts are summed.
+    stop() -> bool is asked before each chunk of prompts (a signal came: None)."""
     per_rank = len(rows) // world
     mine = rows[rank * per_rank:(rank + 1) * per_rank]
     res, chunk_size = {}, args.rollout_micro_batch_size or 256
@@ -1482,6 +1846,8 @@ def evaluate(policy, tok, rows: list[dict], args: Args, gen, device, rank: int =
     for name, greedy in (("greedy", True), ("sampled", False)):
         correct = 0.0
         for s in range(0, len(mine), chunk_size):
+            if stop is not None and stop():
+                return None
             chunk = mine[s:s + chunk_size]
             ids, mask = encode_batch(tok, chunk, args.prompt_length, args.apply_chat_template)
             resp = generate(policy, ids.to(device), mask.to(device), args.response_length, stops, tok.pad_token_id,
@@ -1492,420 +1858,328 @@ def evaluate(policy, tok, rows: list[dict], args: Args, gen, device, rank: int =
     return res
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Training loop
-# ---------------------------------------------------------------------------------------------------------
-def main(args: Args) -> dict:
-    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+# --- Local models: loaded, with the checks that turn a model that cannot work here into one line (exit 2) ----------
+def load_pretrained(what: str, path: str, from_pretrained, trust_remote_code: bool, **kwargs):
+    """from_pretrained(path): a model or tokenizer directory that does not load is one line saying why, exit 2."""
+    try:
+        return from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    except Exception as e:  # noqa: BLE001 - any loader failure is bad input here
+        die(f"cannot load {what} from {path}: {reason(e)}")
+
+
+def load_tokenizer(path: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    tok = load_pretrained("a tokenizer", path, AutoTokenizer.from_pretrained, trust_remote_code)
+    if tok.eos_token_id is None:
+        die(f"tokenizer in {path} has no EOS token: responses could not end")
+    if tok.pad_token_id is None:
+        print(f"note: tokenizer in {path} has no pad token; using EOS ({tok.eos_token!r}) as pad token")
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def check_positions(model, length: int, source: str) -> None:
+    """A model with learned absolute position embeddings (GPT-2, OPT, ...) has no position past its table, so a
+    prompt plus response longer than it would fail deep inside a forward: exit 2 with the sizes. A rotary or ALiBi
+    model runs past max_position_embeddings (on positions it was not trained on): a note."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or length <= limit:
+        return
+    words = model.get_input_embeddings()
+    if any(isinstance(m, nn.Embedding) and m is not words and limit <= m.num_embeddings <= limit + 2
+           for m in model.modules()):
+        die(f"--prompt-length + --response-length = {length} tokens, more than the {limit} learned positions of "
+            f"{source}")
+    print(f"note: --prompt-length + --response-length = {length} tokens, more than {source}'s "
+          f"max_position_embeddings ({limit})")
+
+
+def load_reward_model(args: Args, tok, device):
+    """--reward-model-path, checked before anything is written: a trained score head in its weights (Hugging Face
+    gives a causal LM a random one), num_labels 1, embeddings for every token of the tokenizer it reads (its own,
+    else the policy's), positions for prompt + response. Returns (model, tokenizer); (None, None) without it."""
+    if args.reward_model_path is None:
+        return None, None
+    from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # (a bar per save_pretrained / from_pretrained would bury the progress lines)
-    rank, world, device = setup_distributed(args)
-    quiet = rank > 0 and contextlib.redirect_stdout(open(os.devnull, "w"))  # under torchrun rank 0 alone prints
-    if quiet:
-        quiet.__enter__()
-    ckpt = load_checkpoint(args.resume) if args.resume else None
-    if ckpt is not None:
-        run_dir = os.path.dirname(os.path.abspath(args.resume))
-        run_name = os.path.basename(run_dir)
-    else:
-        task = "sort" if args.dataset is None else os.path.splitext(os.path.basename(args.dataset))[0]
-        run_name = gather_objects(f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}", world)[0]
-        run_dir = os.path.join(args.runs_dir, run_name)
-
-    # Seeding
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
-    torch.set_num_threads(args.torch_threads)
-    gen = torch.Generator().manual_seed(args.seed)  # tasks and shuffles (the same on every rank), CPU sampling
-    autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16(args)
-                else contextlib.nullcontext)
-    # token sampling: gen itself in one CPU process; on CUDA or under torchrun a generator of its own (per rank)
-    gen_dev = (gen if device.type == "cpu" and world == 1
-               else torch.Generator(device).manual_seed(args.seed + 1_000_003 * rank))
-
-    # Models: policy, frozen reference, critic
-    if ckpt is not None:
-        tok = load_tokenizer(os.path.join(run_dir, ckpt["model"]["policy"]), args.trust_remote_code)
-        policy = load_causal_lm(os.path.join(run_dir, ckpt["model"]["policy"]), args.trust_remote_code)
-        ref = load_causal_lm(os.path.join(run_dir, ckpt["model"]["ref"]), args.trust_remote_code)
-    elif args.model_name_or_path:
-        tok = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
-        policy = load_causal_lm(args.model_name_or_path, args.trust_remote_code)
-    else:
-        tok = build_char_tokenizer()
-        policy = build_tiny_model(tok, args.seed, args.tiny_hidden_size, args.tiny_num_layers,
-                                  max(64, args.prompt_length + args.response_length))
-    check_positions(policy, args.prompt_length + args.response_length, args.model_name_or_path or "the model")
-    stops = stop_token_ids(tok, policy)
-    if len(stops) > 1:
-        print(f"note: responses end at the tokenizer's EOS {tok.eos_token!r} and at "
-              f"{tok.convert_ids_to_tokens(stops[1:])} (the model's generation config)")
-    if args.apply_chat_template and not tok.chat_template:
-        die(f"--apply-chat-template: the tokenizer of {args.model_name_or_path or 'the built-in model'} has no chat "
-            "template")
-    policy = disable_dropout(policy).to(device)
-    print(f"policy: {type(policy).__name__}, {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters")
-
-    if args.dataset is not None:
-        data = load_dataset(args.dataset, tok, args.prompt_length, args.apply_chat_template)
-
-        def sample_rows(k):
-            return [data[i] for i in torch.randint(0, len(data), (k,), generator=gen).tolist()]
-        eval_rows = [r for r in data if r["answer"] is not None][:args.eval_prompts]
-        if args.eval_prompts and args.eval_dataset is None:
-            print("note: evaluating on the first --eval-prompts rows of --dataset, which training also samples; "
-                  "--eval-dataset FILE holds prompts out")
-        has_answers = all(r["answer"] is not None for r in data)
-    else:  # held-out prompts: distinct, and never drawn for training (warm-start or PPO)
-        eval_rows = make_problems(args.eval_prompts, torch.Generator().manual_seed(10_000 + args.seed),
-                                  distinct=True)
-        held_out = frozenset(r["prompt"] for r in eval_rows)
-
-        # A tokenizer that merges digits gives some prompts more tokens than others. Checked here: every held-out
-        # prompt and 256 others, and all 2,002 answers (sorted digit strings) with room for EOS; a training prompt
-        # that would still be cut is drawn again (never with the built-in tokenizer)
-        def n_tokens(prompt):
-            return len(prompt_token_ids(tok, prompt, args.apply_chat_template))
-        probe = make_problems(256, torch.Generator().manual_seed(20_000 + args.seed), distinct=True)
-        prompt = max((r["prompt"] for r in probe + eval_rows), key=n_tokens)
-        answers = ["".join(c) for c in itertools.combinations_with_replacement("0123456789", 5)]
-        answer = max(answers, key=lambda a: len(tok.encode(a, add_special_tokens=False)))
-        need = (n_tokens(prompt), len(tok.encode(answer, add_special_tokens=False)))
-        if need[0] > args.prompt_length or need[1] + 1 > args.response_length:
-            die(f"the synthetic task's prompts take up to {need[0]} tokens ({prompt!r}) and its answers up to "
-                f"{need[1]} ({answer!r}) plus EOS: --prompt-length {args.prompt_length} / --response-length "
-                f"{args.response_length} cut them")
-
-        def sample_rows(k):
-            return make_problems(k, gen, exclude=held_out, fits=lambda p: n_tokens(p) <= args.prompt_length)
-        has_answers = True
-    if args.eval_dataset is not None:
-        eval_rows = load_dataset(args.eval_dataset, tok, args.prompt_length, args.apply_chat_template,
-                                 "--eval-dataset")
-        if any(r["answer"] is None for r in eval_rows):
-            die(f"--eval-dataset {args.eval_dataset}: every row needs an 'answer' (accuracy is exact match)")
-        eval_rows = eval_rows[:args.eval_prompts]
-    eval_rows = eval_rows[:len(eval_rows) - len(eval_rows) % world]  # an equal share for every rank
-    if args.reward_model_path is None and not has_answers:
-        die(f"--dataset {args.dataset}: rows without 'answer' need --reward-model-path")
-
-    # the run directory, once the inputs are known to be good (a bad one leaves none behind)
+    path, verbosity = args.reward_model_path, hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # (its load report of missing weights becomes the one line below)
     try:
-        os.makedirs(run_dir, exist_ok=True)
-    except OSError as e:
-        die(f"cannot create run directory {run_dir}: {e.strerror}")
-    if not os.access(run_dir, os.W_OK):
-        die(f"run directory {run_dir} is not writable")
+        rm, info = load_pretrained("a reward model", path, AutoModelForSequenceClassification.from_pretrained,
+                                   args.trust_remote_code, output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if info["missing_keys"]:
+        die(f"--reward-model-path {path}: its score head ({', '.join(sorted(info['missing_keys'])[:2])}) is not in "
+            "its weights: a causal LM or a base model, not a trained reward model")
+    if rm.config.num_labels != 1:
+        die(f"--reward-model-path {path}: {rm.config.num_labels} labels; a reward model gives one score (num_labels=1)")
+    own = os.path.isfile(os.path.join(path, "tokenizer_config.json"))
+    rm_tok = load_tokenizer(path, args.trust_remote_code) if own else tok
+    if len(rm_tok) > rm.get_input_embeddings().num_embeddings:
+        die(f"--reward-model-path {path}: {rm.get_input_embeddings().num_embeddings} token embeddings, fewer than "
+            f"the {len(rm_tok)} tokens of " + ("its tokenizer" if own else "the policy's tokenizer (it has none)"))
+    check_positions(rm, args.prompt_length + args.response_length, f"the reward model {path}")
+    if rm.config.pad_token_id is None:  # (read by classifiers that pool the last token themselves)
+        rm.config.pad_token_id = rm_tok.pad_token_id
+    return disable_dropout(rm).to(device).eval().requires_grad_(False), rm_tok
 
-    if ckpt is None and args.sft_steps > 0 and has_answers:
-        t0 = time.time()
-        warm_start(policy, tok, sample_rows, args, gen, device, autocast)
-        print(f"warm-start done in {time.time() - t0:.1f}s")
-    if ckpt is None:
-        ref = copy.deepcopy(policy)
-    ref = disable_dropout(ref).to(device).eval().requires_grad_(False)
 
-    use_critic = args.critic if args.adv_estimator == "gae" else "none"
-    if use_critic == "none" and args.critic != "none":
+# --- Command line: tyro, counts as 1e3, the frameworks' option names and on/off values, one-line errors ----------
+def parse_count(text: str) -> int:
+    """A count written as 64, 1e3 or 1_000; anything that is not a whole number is an error."""
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
+    if not value.is_integer():
+        raise ValueError(f"{text!r} is not a whole number")
+    return int(value)
+
+
+Count = Annotated[
+    int,
+    tyro.constructors.PrimitiveConstructorSpec(
+        nargs=1, metavar="INT", instance_from_str=lambda a: parse_count(a[0]),
+        is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)],
+    ),
+]
+
+
+def alias(*names: str):
+    """Other spellings of a flag: the option names of the verl / ROLL / RLinf docs (README: option mapping)."""
+    return tyro.conf.arg(aliases=names)
+
+
+def flag_spellings() -> dict[str, tuple[str, object]]:
+    """Every spelling of every Args flag without its "--" (the field's name in kebab-case, its aliases) -> (the
+    field's name, its type without Annotated)."""
+    hints, out = typing.get_type_hints(Args, include_extras=True), {}
+    for f in dataclasses.fields(Args):
+        hint = hints[f.name]
+        base = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+        aliases = [a[2:] for meta in getattr(hint, "__metadata__", ()) for a in getattr(meta, "aliases", None) or ()]
+        out.update({name: (f.name, base) for name in [f.name.replace("_", "-"), *aliases]})
+    return out
+
+
+BOOL_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+def bool_values(argv: list[str]) -> list[str]:
+    """On/off flags given a value, as the frameworks' configs write them (`--use-kl-loss True`,
+    `--add-token-level-kl=false` for an alias), become tyro's `--use-kl-loss` / `--no-use-kl-loss`; any other value
+    is left for tyro to refuse. Optional[bool] options (--use-critic-model) get tyro's True / False for the same
+    words."""
+    spellings, out, i = flag_spellings(), [], 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        field, base = spellings.get(name[2:].replace("_", "-") if name.startswith("--") else "", (None, None))
+        if base in (bool, Optional[bool]) and not eq and i + 1 < len(argv) and argv[i + 1].lower() in BOOL_WORDS:
+            eq, value = "=", argv[i + 1]
+            i += 1
+        if base in (bool, Optional[bool]) and eq and value.lower() in BOOL_WORDS:
+            on = BOOL_WORDS[value.lower()]
+            out.append(f"--{'' if on else 'no-'}{field.replace('_', '-')}" if base is bool else f"{name}={on}")
+        else:
+            out.append(argv[i])
+        i += 1
+    return out
+
+
+def given_fields(argv: list[str]) -> set[str]:
+    """The Args fields set on this command line, under any spelling (--name, an alias, --no-name)."""
+    spelling = {}
+    for name, (field, _) in flag_spellings().items():
+        spelling["--" + name] = spelling["--no-" + name] = field
+    flags = [a.split("=", 1)[0].replace("_", "-") for a in argv if a.startswith("--")]  # (tyro takes --a_b too)
+    return {spelling[f] for f in flags if f in spelling}
+
+
+def parse_args(argv: Optional[list[str]] = None) -> Args:
+    """tyro.cli, with its error boxes condensed to one line (exit code 2)."""
+    argv = bool_values(sys.argv[1:] if argv is None else argv)
+    default = None
+    resume = resume_path(argv)
+    if resume is not None:  # the checkpoint's arguments become the defaults; flags given now override them
+        saved = load_checkpoint(resume)["args"]
+        default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
+        default.resume = resume
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = tyro.cli(Args, args=argv, default=default)
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise
+        # tyro prints a box on a terminal and dashed rules elsewhere: a title, then the message up to a rule line
+        lines = [ln.strip().strip("│╭╮╰╯").strip() for ln in err.getvalue().splitlines()][1:]
+        is_rule = lambda ln: bool(ln) and set(ln) <= set("─-")  # noqa: E731
+        while lines and (not lines[0] or is_rule(lines[0])):
+            lines.pop(0)
+        message = []
+        for ln in lines:
+            if not ln or is_rule(ln):
+                break
+            message.append(ln)
+        die(" ".join(message) or "invalid arguments (see --help)")
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun rank 0 alone prints the notes
+    with contextlib.redirect_stdout(io.StringIO()) if rank > 0 else contextlib.nullcontext():
+        resolve_implied(args, given_fields(argv))
+    validate(args)
+    return args
+
+
+def resolve_implied(args: Args, given: set[str]) -> None:
+    """Flags that set others, as the frameworks do, unless those others are given too (notes say what changed)."""
+    if "use_kl_loss" in given and "use_kl_in_reward" not in given and args.use_kl_loss and args.use_kl_in_reward:
+        # verl: "when use_kl_loss is used, we are not applying KL in the reward function"; --use-kl-in-reward adds it
+        print("note: --use-kl-loss: no KL penalty in the reward (as verl); add --use-kl-in-reward for both")
+        args.use_kl_in_reward = False
+    if "target_kl" in given and "kl_ctrl_type" not in given:  # ROLL: a target means adaptive, ~ (None) fixed
+        kind = "fixed" if args.target_kl is None else "adaptive"
+        if args.kl_ctrl_type != kind:
+            print(f"note: --target-kl {args.target_kl}: {kind} KL controller (as ROLL); --kl-ctrl-type chooses")
+            args.kl_ctrl_type = kind
+    if args.target_kl is None:
+        args.target_kl = Args.target_kl  # (the adaptive controller's target, should --kl-ctrl-type ask for it)
+    if args.adv_estimator in ("grpo", "rloo") and args.whiten_advantages and "whiten_advantages" not in given \
+            and args.resume is None:  # (a resumed run keeps its checkpoint's choice)
+        # verl's forms: whitening on top would shift every group by the batch's token-weighted mean, and would make
+        # rloo (a scaled s - mean of the group) the same estimator as reinforce_plus_plus_baseline
+        print(f"note: --adv-estimator {args.adv_estimator}: advantages not whitened again (as verl); "
+              "--whiten-advantages whitens them (as ROLL)")
+        args.whiten_advantages = False
+    if args.reward_norm == "null":  # ROLL's spelling of none
+        args.reward_norm = "none"
+    minibatch = responses_per_minibatch(args)
+    if "micro_batch_size" not in given and minibatch >= 1 and minibatch % args.micro_batch_size:
+        # (--group-size 1, --n 3, another number of processes on resume): the largest size that divides, as
+        # micro-batches change memory only; losses are normalised by the minibatch's totals
+        size = max(d for d in range(1, args.micro_batch_size + 1) if minibatch % d == 0)
+        print(f"note: --micro-batch-size {size}: {args.micro_batch_size} does not divide a minibatch's {minibatch} "
+              "responses per process")
+        args.micro_batch_size = size
+    if args.kl_ctrl_type == "adaptive" and not args.use_kl_in_reward:
+        print("note: the adaptive KL controller adapts the KL penalty in the reward, which is off: it stays inert")
+    if "clip_ratio" in given and args.clip_ratio is not None:  # verl: clip_ratio_low/high default to clip_ratio
+        for name in ("clip_ratio_low", "clip_ratio_high"):
+            if name not in given:
+                setattr(args, name, args.clip_ratio)
+    implied = {}  # RLinf's two ways of choosing the critic
+    if "use_critic_model" in given and args.use_critic_model is not None:
+        implied["--use-critic-model"] = "separate" if args.use_critic_model else "shared"
+    if "loss_type" in given and args.loss_type is not None:
+        implied["--loss-type"] = "shared" if args.loss_type == "actor_critic" else "separate"
+    if "critic" in given:
+        implied["--critic"] = args.critic
+    if len(set(implied.values())) > 1:
+        die("contradictory critic choice: " + ", ".join(f"{k} means --critic {v}" for k, v in implied.items()))
+    if implied:
+        args.critic = next(iter(implied.values()))
+    if args.adv_estimator != "gae" and args.critic != "none":
         print(f"note: --adv-estimator {args.adv_estimator} uses no critic; --critic {args.critic} ignored")
-    args = dataclasses.replace(args, critic=use_critic)
-    critic = value_head = None
-    if args.critic == "separate":
-        if ckpt is not None:
-            critic = AutoModelForTokenClassification.from_pretrained(
-                os.path.join(run_dir, ckpt["model"]["critic"]), trust_remote_code=args.trust_remote_code)
-        else:
-            critic = make_critic(policy)
-        critic = disable_dropout(critic).to(device)
-    elif args.critic == "shared":
-        value_head = nn.Linear(policy.config.hidden_size, 1).to(device)
-        nn.init.zeros_(value_head.weight), nn.init.zeros_(value_head.bias)
-        if ckpt is not None:
-            value_head.load_state_dict(ckpt["model"]["value_head"])
-    rm = rm_tok = None
-    if args.reward_model_path:
-        try:
-            rm = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path,
-                                                                    trust_remote_code=args.trust_remote_code)
-        except Exception as e:  # noqa: BLE001
-            die(f"cannot load a reward model from {args.reward_model_path}: {type(e).__name__}")
-        rm = disable_dropout(rm).to(device).eval().requires_grad_(False)
-        rm_tok = (load_tokenizer(args.reward_model_path, args.trust_remote_code)
-                  if os.path.isfile(os.path.join(args.reward_model_path, "tokenizer_config.json")) else tok)
-        if rm.config.pad_token_id is None:
-            rm.config.pad_token_id = rm_tok.pad_token_id
+        args.critic = "none"
 
-    if args.gradient_checkpointing:
-        for m in (policy, critic):
-            if m is not None:
-                getattr(m, "activation_checkpointing_enable", m.gradient_checkpointing_enable)()
-    if args.compile:
-        for m in (policy, critic):
-            if m is not None:
-                compile_forward(m)
-    train_policy, train_critic, train_value_head = policy, critic, value_head  # what the update calls
-    all_done = None  # generation: when to stop (FSDP2: when every rank is done)
-    if world > 1:  # after the warm-start (each rank ran the same one), before the optimizers take the parameters
-        train_policy = distribute(policy, args.strategy, device)
-        train_critic = distribute(critic, args.strategy, device)
-        train_value_head = distribute(value_head, args.strategy, device)
-        distribute(ref, args.strategy, device, trainable=False)
-        if args.strategy == "fsdp2":
-            all_done = lambda done: bool(all_ranks_sum(done.all().float()[None], world) == world)  # noqa: E731
 
-    # Optimizers: actor; critic (the separate model, or the shared value head); linear lr warm-up then constant
-    optimizers = [torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)]
-    for m in (critic, value_head):
-        if m is not None:
-            optimizers.append(torch.optim.AdamW(m.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay))
-    warm = max(args.lr_warmup_steps, 1)
-    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / warm)) for o in optimizers]
-    kl_ctrl = (AdaptiveKLController(args.init_kl_coef, args.target_kl, args.kl_horizon)
-               if args.kl_ctrl_type == "adaptive" else FixedKLController(args.init_kl_coef))
-    running = RunningMoments()
-    start_iteration, global_step, tracker = 1, 0, {"curve": []}
-    if ckpt is not None:
-        try:
-            if len(ckpt["optimizer"]) != len(optimizers):
-                raise ValueError(f"{len(ckpt['optimizer'])} optimizers saved, {len(optimizers)} here")
-            for o, s, so, ss, base in zip(optimizers, schedulers, ckpt["optimizer"], ckpt["scheduler"],
-                                          [args.lr, args.critic_lr]):
-                o.load_state_dict(so)
-                s.load_state_dict(ss)
-                # the saved state holds the old learning rate and weight decay: --lr, --critic-lr, --weight-decay
-                # (the checkpoint's values unless given now) apply from here, at the saved warm-up position
-                s.base_lrs = [base] * len(o.param_groups)
-                for g, f in zip(o.param_groups, s.lr_lambdas):
-                    g.update(lr=base * f(s.last_epoch), initial_lr=base, weight_decay=args.weight_decay)
-                s._last_lr = [g["lr"] for g in o.param_groups]
-                if world > 1 and args.strategy == "fsdp2":
-                    shard_optimizer_state(o)
-        except (RuntimeError, ValueError, KeyError) as e:
-            die(f"checkpoint {args.resume} does not fit these models: {str(e).splitlines()[0]}")
-        start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        gen.set_state(ckpt["rng"]["gen"])
-        dev_states = ckpt["rng"].get("gen_dev") or [None]  # one per rank
-        if gen_dev is not gen and len(dev_states) == world and dev_states[rank] is not None:
-            gen_dev.set_state(dev_states[rank])
-        kl_ctrl.value = ckpt["kl_coef"]
-        running.__dict__.update(ckpt["reward_running"])
-        tracker = ckpt["tracker"]
-        if rank == 0:
-            print(f"resumed {args.resume} at iteration {ckpt['iteration']}")
-            if ckpt.get("format", 1) < 2 and (args.reward_norm != "none" or args.reward_clip is not None):
-                print("note: this checkpoint has no format number, so it may predate ROLL's forms of --reward-norm "
-                      "(the sample std; running: n - 1) and of --reward-clip (the token rewards too): the run goes on "
-                      "with them")
+def resume_path(argv: list[str]) -> Optional[str]:
+    for i, a in enumerate(argv):
+        if a == "--resume" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--resume="):
+            return a.split("=", 1)[1]
+    return None
 
-    from torch.utils.tensorboard import SummaryWriter
 
-    if args.track and rank == 0:
-        import wandb
+def validate(args: Args) -> None:
+    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    for name, choices in (("adv_estimator", ADV_ESTIMATORS), ("kl_penalty", KL_TYPES), ("kl_loss_type", KL_TYPES),
+                          ("loss_agg_mode", LOSS_AGG_MODES)):
+        if getattr(args, name) not in choices:
+            die(f"{flag(name)} {getattr(args, name)!r}: choose one of {', '.join(choices)}")
+    for f in dataclasses.fields(Args):  # nan / inf pass the range checks below unnoticed
+        if isinstance(getattr(args, f.name), float) and not math.isfinite(getattr(args, f.name)):
+            die(f"{flag(f.name)} must be a finite number, got {getattr(args, f.name)}")
+    for name in ("num_iterations", "rollout_batch_size", "n", "prompt_length", "response_length", "ppo_epochs",
+                 "ppo_mini_batch_size", "micro_batch_size", "sft_batch_size", "torch_threads", "eval_every",
+                 "tiny_hidden_size", "tiny_num_layers", "lr", "critic_lr", "sft_lr", "max_grad_norm"):
+        if not getattr(args, name) > 0:
+            die(f"{flag(name)} must be positive, got {getattr(args, name)}")
+    for name in ("checkpoint_every", "stop_after", "sft_steps", "top_k", "critic_warmup", "lr_warmup_steps",
+                 "eval_prompts", "init_kl_coef", "kl_loss_coef", "vf_coef", "weight_decay"):
+        if getattr(args, name) < 0:
+            die(f"{flag(name)} must be >= 0, got {getattr(args, name)}")
+    for name in ("reward_clip", "advantage_clip", "value_clip", "huber_delta", "rollout_micro_batch_size",
+                 "logprob_forward_micro_batch_size"):  # None: off, or the default
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            die(f"{flag(name)} must be positive (or left unset), got {getattr(args, name)}")
+    if not 0 <= args.seed < 2**31:
+        die(f"--seed must lie in [0, 2**31), got {args.seed}")
+    if args.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and args.n < 2:
+        die(f"--adv-estimator {args.adv_estimator} compares responses within a group: needs --n >= 2, got {args.n}")
+    if args.reward_norm == "group" and args.n < 2:
+        die(f"--reward-norm group normalises within a prompt's responses: needs --n >= 2, got {args.n}")
+    if args.reward_norm in ("batch", "running") and args.rollout_batch_size * args.n < 2:  # (a std of n - 1)
+        die(f"--reward-norm {args.reward_norm} needs at least 2 responses per iteration (--rollout-batch-size x --n)")
+    if args.kl_ctrl_type == "adaptive" and (args.target_kl <= 0 or args.kl_horizon <= 0):
+        die("--kl-ctrl-type adaptive needs --target-kl > 0 and --kl-horizon > 0")
+    if args.critic_warmup and (args.adv_estimator != "gae" or args.critic == "none"):
+        die("--critic-warmup trains the critic alone first: it needs --adv-estimator gae and a critic")
+    if args.adv_estimator == "gae" and args.critic == "none":
+        die("--adv-estimator gae needs a critic: --critic separate or shared (or choose grpo/rloo/reinforce_plus_plus)")
+    if args.rollout_batch_size % args.ppo_mini_batch_size:
+        die(f"--rollout-batch-size {args.rollout_batch_size} is not divisible by --ppo-mini-batch-size "
+            f"{args.ppo_mini_batch_size}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and (args.rollout_batch_size % world or args.ppo_mini_batch_size % world):
+        # batch sizes are global (verl): every rank takes an equal share of whole prompt groups
+        die(f"--rollout-batch-size {args.rollout_batch_size} and --ppo-mini-batch-size {args.ppo_mini_batch_size} "
+            f"must be divisible by the number of processes {world}")
+    if responses_per_minibatch(args) % args.micro_batch_size:
+        die(f"a minibatch's {responses_per_minibatch(args)} responses per process (ppo_mini_batch_size * n / "
+            f"processes) are not divisible by --micro-batch-size {args.micro_batch_size}")
+    if args.clip_ratio_low < 0 or args.clip_ratio_high < 0:
+        die("--clip-ratio-low and --clip-ratio-high must be >= 0")
+    if args.tiny_hidden_size % 8:  # 4 heads of an even size (rotary embeddings)
+        die(f"--tiny-hidden-size must be a multiple of 8, got {args.tiny_hidden_size}")
+    if args.temperature <= 0 or not 0 < args.top_p <= 1:
+        die("--temperature must be > 0 and --top-p in (0, 1]")
+    if args.dual_clip_loss and args.clip_ratio_c <= 1:
+        die(f"--clip-ratio-c must be > 1 for dual clip, got {args.clip_ratio_c}")
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
+        die("--gamma and --lam must lie in [0, 1]")
+    for name in ("model_name_or_path", "reward_model_path"):
+        if getattr(args, name) is not None and not os.path.isfile(os.path.join(getattr(args, name), "config.json")):
+            die(f"{flag(name)} {getattr(args, name)}: not a local model directory (no config.json)")
+    for name in ("dataset", "eval_dataset"):
+        if getattr(args, name) is not None and not os.path.isfile(getattr(args, name)):
+            die(f"{flag(name)} {getattr(args, name)}: no such file")
+    if args.dataset is None and args.eval_prompts > 10_000:
+        die(f"--eval-prompts {args.eval_prompts}: the synthetic task holds out at most 10000 of its 100000 prompts")
+    if args.cuda and not torch.cuda.is_available():
+        die("--cuda given (or taken from the checkpoint: --no-cuda resumes on the CPU) but torch finds no CUDA "
+            "device")
 
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                   config=vars(args), name=run_name, dir=run_dir, resume="allow", id=run_name)
-    writer = SummaryWriter(run_dir) if rank == 0 else Silent()
-    if ckpt is None:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
-                        "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
-    def log_eval(iteration):
-        if not eval_rows:
-            return
-        ev = evaluate(policy, tok, eval_rows, args, torch.Generator(device).manual_seed(args.seed + 1 + rank), device,
-                      rank, world, all_done)
-        for k, v in ev.items():
-            writer.add_scalar(f"eval/{k}", v, global_step)
-        tracker["curve"].append([iteration, ev["accuracy_greedy"], ev["accuracy_sampled"]])
-        print(f"eval iter {iteration}: accuracy greedy {ev['accuracy_greedy']:.3f}  sampled "
-              f"{ev['accuracy_sampled']:.3f}")
-
-    finished = ckpt is not None and start_iteration > args.num_iterations
-    failed = False  # an update went non-finite
-    if ckpt is None:
-        log_eval(0)
-    elif finished:  # nothing left to train: evaluate the checkpoint (a larger --num-iterations trains on)
-        print(f"the checkpoint is at iteration {ckpt['iteration']} of --num-iterations {args.num_iterations}: "
-              "evaluating it")
-        log_eval(ckpt["iteration"])
-    R, n = args.response_length, args.n
-    ckpt_path = None
-    start_time, last_print, stats, last_metrics = time.time(), 0.0, {}, {}
-    steps_at_start = global_step  # (a resumed run: SPS counts this process's steps)
-
-    def save(iteration: int) -> str:  # every rank calls it at the same iteration; rank 0 writes
-        return save_checkpoint(run_dir, policy, ref, critic, value_head, tok, optimizers, schedulers, args,
-                               global_step, iteration, gen, kl_ctrl, running, tracker, gen_dev, rank, world)
-
-    # SIGTERM / SIGINT: finish the current iteration, write a checkpoint, say how to resume, exit cleanly.
-    stop_signal: list[int] = []
-    previous_handlers = {sig: signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
-                         for sig in (signal.SIGTERM, signal.SIGINT)}
-    for iteration in range(start_iteration, args.num_iterations + 1):
-        # Collect rollout: rollout_batch_size prompts x n responses, grouped (response i answers prompt i // n);
-        # under torchrun every rank draws the same prompts and takes its share of whole groups
-        t0 = time.time()
-        rows = [r for r in sample_rows(args.rollout_batch_size) for _ in range(n)]
-        share = len(rows) // world
-        rows = rows[rank * share:(rank + 1) * share]
-        p_ids, p_mask = encode_batch(tok, rows, args.prompt_length, args.apply_chat_template)
-        policy.eval()
-        gen_mb = args.rollout_micro_batch_size or p_ids.shape[0]  # (every rank runs the same number of chunks)
-        resp = torch.cat([generate(policy, p_ids[s:s + gen_mb].to(device), p_mask[s:s + gen_mb].to(device), R,
-                                   stops, tok.pad_token_id, args.temperature, args.top_p, args.top_k,
-                                   gen_dev, all_done=all_done, bf16=use_bf16(args)).cpu()
-                          for s in range(0, p_ids.shape[0], gen_mb)])
-        t_gen = time.time() - t0
-        resp_mask = response_mask_from(resp, stops)
-        ids = torch.cat([p_ids, resp], 1).to(device)
-        attn = torch.cat([p_mask, resp_mask], 1).to(device)
-        full_in_reward = args.kl_penalty == "full"
-        old_logp, ref_logp, values, kl_full = [], [], [], []
-        fwd_mb = args.logprob_forward_micro_batch_size or args.micro_batch_size  # as the update: ratio 1 at first
-        with torch.no_grad(), autocast():
-            for s in range(0, ids.shape[0], fwd_mb):
-                sl = slice(s, s + fwd_mb)
-                o = model_forward(policy, ids[sl], attn[sl], R, args.temperature, value_head, full=full_in_reward)
-                r_ = model_forward(ref, ids[sl], attn[sl], R, args.temperature, full=full_in_reward)
-                old_logp.append(o["logp"]), ref_logp.append(r_["logp"])  # (to the host once, after the loop)
-                if full_in_reward:  # exact KL over the vocabulary per token; the (B, R, V) distributions are not kept
-                    kl_full.append(kl_penalty(o["logp_all"], r_["logp_all"], "full"))
-                if args.critic == "shared":
-                    values.append(o["values"])
-                elif args.critic == "separate":
-                    values.append(critic_values(critic, ids[sl], attn[sl], R))
-        old_logp, ref_logp, values, kl_full = (torch.cat(x).cpu() if x else None
-                                               for x in (old_logp, ref_logp, values, kl_full))
-        maskf = resp_mask.float()
-        values = values * maskf if values is not None else torch.zeros_like(old_logp)
-
-        # Reward: score (rule or reward model) on the last response token, normalise, KL penalty
-        texts = decode_responses(tok, resp, stops)
-        eos = is_stop(resp, stops).any(-1)
-        correct = torch.tensor([rule_reward(t, r["answer"]) for t, r in zip(texts, rows)])
-        if rm is not None:
-            enc = reward_model_inputs(rm_tok, [r["prompt"] for r in rows], texts, args.apply_chat_template)
-            with torch.no_grad(), autocast():
-                raw = rm(input_ids=enc["input_ids"].to(device),
-                         attention_mask=enc["attention_mask"].to(device)).logits[:, 0].float().cpu()
-        else:
-            raw = correct.clone()
-        raw = raw - args.missing_eos_penalty * (~eos).float()
-        kld = (kl_full if full_in_reward else kl_penalty(old_logp, ref_logp, args.kl_penalty)) * maskf
-
-        # Compute advantages and returns (GAE), or a critic-free estimator; over the global batch under torchrun
-        adv, returns, scores, seq_kl = rewards_and_advantages(raw, maskf, values, kld, args, kl_ctrl, running,
-                                                              rank, world)
-
-        # Optimise policy & value for E epochs
-        t1 = time.time()
-        batch = {"input_ids": ids.cpu(), "attention_mask": attn.cpu(), "response_mask": maskf, "old_logp": old_logp,
-                 "ref_logp": ref_logp, "advantages": adv, "returns": returns, "values": values}
-        batch = {k: v.to(device) for k, v in batch.items()}
-        for m in (train_policy, train_critic, train_value_head):
-            if m is not None:
-                m.train()
-        update_actor = iteration > args.critic_warmup
-        stats, first = ppo_update(train_policy, train_critic, train_value_head, optimizers, schedulers, batch, args,
-                                  gen, update_actor, autocast, world, ref)
-        t_train = time.time() - t1
-        # Update reference policy: theta_old <- theta (the next rollout is scored by the updated policy)
-        # Under torchrun: statistics averaged over ranks; in the same all-reduce, whether any rank got a stop signal
-        *means, signals = all_ranks_sum(torch.tensor([*stats.values(), len(stop_signal)], dtype=torch.float64),
-                                        world).tolist()
-        stats = {k: v / world for k, v in zip(stats, means)}
-        raw, correct, eos, maskf = (all_gather_cat(x, world) for x in (raw, correct, eos.float(), maskf))
-        bad = [k for k, v in stats.items() if not math.isfinite(v)]
-        if bad:  # stop before logging or saving: the last checkpoint written stays the last good one
-            if rank == 0:  # (every rank sees the same all-reduced statistics)
-                print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
-                      file=sys.stderr)
-            failed = True  # no final checkpoint (the loop's else); exit 1 after the clean-up
-            break
-
-        global_step += ids.shape[0] * world
-        n_tok = maskf.sum().item()  # all ranks' response tokens
-        metrics = {
-            "rollout/reward_mean": raw.mean().item(), "rollout/reward_std": raw.std().item(),
-            "rollout/score_mean": scores.mean().item(), "rollout/accuracy": correct.mean().item(),
-            "charts/episodic_return": raw.mean().item(), "charts/episodic_length": maskf.sum(-1).mean().item(),
-            "response/length_mean": maskf.sum(-1).mean().item(), "response/eos_frac": eos.mean().item(),
-            "kl/kl_mean": seq_kl, "kl/kl_coef": kl_ctrl.value,
-            "losses/explained_variance": explained_variance(values, returns, batch["response_mask"].cpu())
-            if args.critic != "none" else float("nan"),  # (this rank's rows)
-            "losses/first_minibatch_approx_kl": first.get("approx_kl", 0.0),
-            "charts/learning_rate": schedulers[0].get_last_lr()[0],
-            "perf/gen_tokens_per_s": n_tok / max(t_gen, 1e-9),
-            "perf/train_tokens_per_s": n_tok * args.ppo_epochs / max(t_train, 1e-9),
-            "charts/SPS": (global_step - steps_at_start) / max(time.time() - start_time, 1e-9),
-        }
-        metrics.update({f"losses/{k}": v for k, v in stats.items()})
-        for k, v in metrics.items():
-            writer.add_scalar(k, v, global_step)
-        tracker.setdefault("rollout", []).append([iteration, metrics["rollout/accuracy"]])
-        last_metrics = metrics  # (returned)
-        now = time.time()
-        if now - last_print >= 5.0 or iteration == args.num_iterations or iteration == start_iteration:
-            last_print = now
-            per_iteration = (now - start_time) / (iteration - start_iteration + 1)  # (evaluations included)
-            print(f"iter {iteration}/{args.num_iterations}  reward={metrics['rollout/reward_mean']:.3f}  "
-                  f"acc={metrics['rollout/accuracy']:.3f}  kl={seq_kl:.4f}  "
-                  f"entropy={stats.get('entropy', float('nan')):.3f}  "
-                  f"len={metrics['response/length_mean']:.2f}  clipfrac={stats.get('clipfrac', 0.0):.3f}  "
-                  f"vloss={stats.get('value_loss', float('nan')):.4f}  "
-                  f"gen_tok/s={metrics['perf/gen_tokens_per_s']:.0f}  train_tok/s="
-                  f"{metrics['perf/train_tokens_per_s']:.0f}  "
-                  f"eta={eta_text(per_iteration * (args.num_iterations - iteration))}", flush=True)
-        if iteration % args.eval_every == 0 or iteration == args.num_iterations:
-            log_eval(iteration)
-        stop_now = args.stop_after and iteration - start_iteration + 1 >= args.stop_after
-        if (stop_now or signals) and iteration < args.num_iterations:  # signals: summed over ranks, all stop together
-            ckpt_path = save(iteration)
-            why = (signal.Signals(stop_signal[0]).name if stop_signal else "a signal to another rank" if signals
-                   else f"--stop-after {args.stop_after}")
-            launcher = f"torchrun --nproc-per-node {world}" if world > 1 else "python"
-            print(f"stopped at iteration {iteration} ({why}); continue with: {launcher} {SCRIPT} --resume "
-                  f"{ckpt_path}" + (f" (which stops again after {args.stop_after} iterations, the checkpoint's "
-                   "--stop-after; add --stop-after 0 to run to the end)" if args.stop_after else ""), flush=True)
-            break
-        if args.checkpoint_every and iteration % args.checkpoint_every == 0:
-            ckpt_path = save(iteration)
-    else:
-        saved_now = args.checkpoint_every and args.num_iterations % args.checkpoint_every == 0  # just above
-        checkpointed = ckpt is not None or args.checkpoint_every or args.stop_after  # a checkpoint along the way
-        if not finished and not saved_now and (args.save_model or checkpointed):
-            ckpt_path = save(args.num_iterations)
-            print(f"checkpoint written to {ckpt_path}")
-    for sig, handler in previous_handlers.items():
-        signal.signal(sig, handler)
-    writer.close()
-    if args.track and rank == 0:
-        wandb.finish(exit_code=int(failed))
-    if not failed:
-        print(f"done in {time.time() - start_time:.1f}s; run directory {run_dir}")
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
-        dist.destroy_process_group()
-    if quiet:
-        quiet.__exit__(None, None, None)
-    if failed:
-        if world > 1:  # as at the end of __main__: skip the teardown where gloo's threads can abort
-            sys.stdout.flush(), sys.stderr.flush()
-            os._exit(1)
-        sys.exit(1)
-    return {"run_dir": run_dir, "curve": tracker["curve"], "stats": stats, "checkpoint": ckpt_path,
-            "metrics": last_metrics}
+def responses_per_minibatch(args: Args) -> int:
+    """Responses in a minibatch per process: ppo_mini_batch_size prompts (global) x n, shared by the processes."""
+    return args.ppo_mini_batch_size // int(os.environ.get("WORLD_SIZE", "1")) * args.n
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    args = parse_args()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # main's run context records them from its first line and puts
+        signal.signal(sig, signal.SIG_IGN)  # this back at its end: a signal while the interpreter exits is ignored
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Everything is written and the process group destroyed. Skip the interpreter's teardown, where gloo's
         # threads now and then abort a finished run ("terminate called without an active exception", exit -6).
         sys.stdout.flush(), sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
+    sys.exit(code)

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -1166,6 +1167,7 @@ def test_non_finite_update_stops_and_keeps_the_last_good_checkpoint(tmp_path, mo
     (run,) = os.listdir(tmp_path)
     state = torch.load(tmp_path / run / "checkpoint.pt", weights_only=True)
     assert state["iteration"] == 1
+    assert f"stopping (last checkpoint kept: {tmp_path / run / 'checkpoint.pt'})" in err
 
 
 def test_checkpoint_killed_during_save_keeps_the_previous_one(tmp_path, monkeypatch):
@@ -1221,3 +1223,406 @@ def test_foreign_corrupt_and_incomplete_checkpoints_are_rejected(tmp_path, capsy
 
 def test_eta_text():
     assert [P.eta_text(x) for x in (45.9, 200, 7500, 0, math.inf, -1)] == ["45s", "3m20s", "2h05m", "0s", "?", "?"]
+
+
+# ----- faults found with foreign models (issue #25) ----------------------------------------------------------------
+def one_line_exit(capsys, code, call, *a):
+    """call(*a) ends with SystemExit(code) and one line on stderr; returns that line."""
+    capsys.readouterr()  # (what came before the call)
+    with pytest.raises(SystemExit) as e:
+        call(*a)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == code and err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+def gpt2_reward_model(path, positions=64, vocab=200, num_labels=1):
+    """A 1-layer GPT-2 sequence classifier (learned positions), saved without a tokenizer of its own."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=positions, vocab_size=vocab, num_labels=num_labels,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    GPT2ForSequenceClassification(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("positions,vocab,needle", [(16, 200, "more than the 16 learned positions of the reward model"),
+                                                    (64, 40, "40 token embeddings, fewer than the 99 tokens of the "
+                                                             "policy's tokenizer")])
+def test_a_reward_model_too_short_or_with_a_smaller_vocabulary_is_one_line_error(tmp_path, capsys, positions, vocab,
+                                                                                 needle):
+    rm = gpt2_reward_model(tmp_path / "rm", positions, vocab)  # prompt + response: 16 + 8 = 24 tokens
+    err = one_line_exit(capsys, 2, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path / "runs"),
+                                                         "--reward-model-path", str(rm)]))
+    assert needle in err and not (tmp_path / "runs").exists()
+
+
+def test_a_reward_model_that_does_not_load_says_why_and_writes_nothing(tmp_path, capsys):
+    rm = gpt2_reward_model(tmp_path / "rm")
+    (rm / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
+    err = one_line_exit(capsys, 2, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path / "runs"),
+                                                         "--reward-model-path", str(rm)]))
+    assert err.startswith(f"error: cannot load a reward model from {rm}: ") and not (tmp_path / "runs").exists()
+    assert len(err.split(": ", 3)[-1]) > 8, err  # the reason, not only the exception's name
+
+
+def test_a_causal_lm_or_a_two_label_model_is_refused_as_reward_model(tmp_path, capsys):
+    P.build_tiny_model(P.build_char_tokenizer(), 0, 32, 1).save_pretrained(tmp_path / "lm")
+    gpt2_reward_model(tmp_path / "two", num_labels=2)
+    for path, needle in ((tmp_path / "lm", "score head (score.weight) is not in its weights: a causal LM"),
+                         (tmp_path / "two", "2 labels; a reward model gives one score")):
+        err = one_line_exit(capsys, 2, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path / "runs"),
+                                                             "--reward-model-path", str(path)]))
+        assert needle in err and not (tmp_path / "runs").exists()
+
+
+def test_a_reward_model_scores_the_last_real_token_whatever_its_config_calls_padding(tmp_path):
+    """The reward model's config names "1" its pad token, its tokenizer pads with <pad>: Hugging Face's own pooling
+    reads padding, so that a row's score depends on the rows beside it. Scored here batched == each row alone == the
+    score head on the last real token's hidden state (the plain reference)."""
+    from transformers import LlamaForSequenceClassification
+
+    tok = P.build_char_tokenizer()
+    cfg = P.build_tiny_model(tok, 0, 32, 1).config
+    cfg.num_labels, cfg.pad_token_id = 1, tok.convert_tokens_to_ids("1")
+    torch.manual_seed(1)
+    rm = LlamaForSequenceClassification(cfg).eval()
+    prompts, responses = ["31415=", "7=", "20="], ["11345", "7", "02<eos>"]
+    batched = P.reward_model_scores(rm, tok, prompts, responses)
+    alone = torch.cat([P.reward_model_scores(rm, tok, [p], [r]) for p, r in zip(prompts, responses)])
+    with torch.no_grad():
+        ref = [rm.score(rm.model(torch.tensor([tok.encode(p + r)])).last_hidden_state[0, -1]).item()
+               for p, r in zip(prompts, responses)]
+    assert torch.allclose(batched, alone, atol=1e-5) and torch.allclose(batched, torch.tensor(ref), atol=1e-5)
+    enc = P.reward_model_inputs(tok, prompts, responses)
+    with torch.no_grad():  # what the check guards against: Hugging Face's pooling of the same batch
+        hf = rm(**enc).logits[:, 0]
+    assert (hf - batched).abs().max() > 1e-3
+
+
+def test_explained_variance_against_a_plain_reference_and_with_returns_that_do_not_vary():
+    g, mask, lengths = hand_batch(7)
+    values, returns = torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
+    r = [returns[i, t].item() for i, L in enumerate(lengths) for t in range(L)]
+    e = [returns[i, t].item() - values[i, t].item() for i, L in enumerate(lengths) for t in range(L)]
+    var = lambda xs: sum((x - sum(xs) / len(xs)) ** 2 for x in xs) / len(xs)  # noqa: E731
+    assert P.explained_variance(values, returns, mask) == pytest.approx(1 - var(e) / var(r), rel=1e-5)
+    # every reward 0: the returns of GAE (gamma = lam = 1) are the values' float rounding, ~1e-8, not a signal
+    _, noise = P.compute_gae(torch.zeros_like(mask), values * 1000, mask, 1.0, 1.0)
+    assert 0 < var([noise[i, t].item() for i, L in enumerate(lengths) for t in range(L)]) < 1e-6
+    assert math.isnan(P.explained_variance(values * 1000, noise, mask))
+    assert math.isnan(P.explained_variance(values, torch.zeros_like(values), mask))  # exactly 0: the same answer
+
+
+def write_rows(path, rows, encoding="utf-8"):
+    path.write_bytes("".join(json.dumps(r) + "\n" for r in rows).encode(encoding))
+    return path
+
+
+def test_a_reward_model_with_prompts_without_answers_logs_no_accuracy(tmp_path, monkeypatch, capsys):
+    rm = gpt2_reward_model(tmp_path / "rm")
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": r["prompt"]} for r in P.make_problems(8, torch.Generator())])
+    logged = {}
+    monkeypatch.setattr(P.Run, "log", lambda self, scalars, step: logged.update(scalars))
+    res = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--dataset", str(data), "--reward-model-path",
+                               str(rm)]))
+    out = capsys.readouterr().out
+    assert "rollout/reward_mean" in logged and "rollout/accuracy" not in logged and "rollout/accuracy" not in res[
+        "metrics"]
+    assert "iter 2/2" in out and " acc=" not in out and res["curve"] == [] and "eval iter" not in out
+    assert "note: no evaluation: no row of --dataset has an 'answer'" in out and "training also samples" not in out
+
+
+def test_an_empty_dataset_says_so_and_a_byte_order_mark_is_no_data(tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("\n  \n")
+    err = one_line_exit(capsys, 2, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path / "r"), "--dataset",
+                                                         str(tmp_path / "empty.jsonl")]))
+    assert "empty.jsonl: empty" in err and not (tmp_path / "r").exists()
+    bom = write_rows(tmp_path / "bom.jsonl", P.make_problems(8, torch.Generator()), "utf-8-sig")
+    assert bom.read_bytes()[:3] == b"\xef\xbb\xbf"
+    rows = P.load_dataset(str(bom), P.build_char_tokenizer(), 16)
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in P.make_problems(8, torch.Generator())]
+
+
+def test_reward_shift_and_scale_given_together_do_both():
+    s, grp = torch.tensor([1.0, 3.0, 0.0, 4.0]), torch.tensor([0, 0, 1, 1])
+    mean = sum(s.tolist()) / 4
+    std = math.sqrt(sum((x - mean) ** 2 for x in s.tolist()) / 3)
+    both = P.normalize_scores(s, grp, "batch", True, True, None)
+    assert torch.allclose(both, (s - mean) / (std + 1e-6), atol=1e-6)
+    assert torch.allclose(P.normalize_scores(s, grp, "batch", True, False, None), s - mean)
+    assert torch.allclose(P.normalize_scores(s, grp, "batch", False, True, None), s / (std + 1e-6), atol=1e-6)
+
+
+def test_group_statistics_against_a_plain_reference():
+    scores, groups = torch.tensor([1.0, 3.0, 0.5, -2.0, 4.0, 4.0]), torch.tensor([0, 0, 1, 1, 2, 2])
+    mean, std, size = P.group_stats(scores, groups)
+    for i, g in enumerate(groups.tolist()):
+        xs = [s for s, h in zip(scores.tolist(), groups.tolist()) if h == g]
+        m = sum(xs) / len(xs)
+        assert mean[i].item() == pytest.approx(m) and size[i].item() == len(xs)
+        assert std[i].item() == pytest.approx(math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)), abs=1e-6)
+
+
+def test_a_resumed_critic_that_does_not_load_is_one_line_error(tmp_path, capsys):
+    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1"]))
+    state = torch.load(part["checkpoint"], weights_only=True)
+    with open(os.path.join(part["run_dir"], state["model"]["critic"], "model.safetensors"), "wb") as f:
+        f.write(b"\x08" + b"\x00" * 7)
+    err = one_line_exit(capsys, 2, P.main, P.parse_args(["--resume", part["checkpoint"]]))
+    assert f"cannot load a critic from {os.path.join(part['run_dir'], state['model']['critic'])}: " in err
+
+
+def test_the_run_context_puts_stdout_of_other_ranks_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(P, "setup_distributed", lambda args: (1, 1, torch.device("cpu")))  # as rank 1
+    stdout = sys.stdout
+    with pytest.raises(SystemExit):
+        with P.Run(P.parse_args([*TINY, "--runs-dir", str(tmp_path)])):
+            assert sys.stdout is not stdout
+            P.die("bad input")
+    assert sys.stdout is stdout
+
+
+def test_ctrl_c_before_training_stops_cleanly_and_leaves_no_run_directory(tmp_path):
+    p = subprocess.Popen([sys.executable, SCRIPT, *TINY, "--sft-steps", "100000", "--runs-dir", str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    first = p.stdout.readline()
+    assert first.startswith("policy: "), first + p.stderr.read()
+    time.sleep(1.0)  # (in the warm-start)
+    os.killpg(p.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and err == "" and out == "stopped before training (SIGINT); nothing written\n", (out, err)
+    assert os.listdir(tmp_path) == []
+
+
+def test_sigterm_before_training_of_a_resumed_run_leaves_its_checkpoint_alone(tmp_path, monkeypatch, capsys):
+    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1"]))
+    before = sorted(os.listdir(part["run_dir"])), os.stat(part["checkpoint"]).st_mtime_ns
+    build = P.build_critic
+
+    def signalled(*a, **k):  # a SIGTERM while the models load
+        os.kill(os.getpid(), signal.SIGTERM)
+        return build(*a, **k)
+    monkeypatch.setattr(P, "build_critic", signalled)
+    capsys.readouterr()
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    res = P.main(P.parse_args(["--resume", part["checkpoint"]]))
+    out = capsys.readouterr().out
+    assert res["run_dir"] is None and out.endswith(f"stopped before training (SIGTERM); nothing written; continue "
+                                                   f"with: python ppo_llm.py --resume {part['checkpoint']}\n"), out
+    assert (sorted(os.listdir(part["run_dir"])), os.stat(part["checkpoint"]).st_mtime_ns) == before
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
+
+
+def test_a_signal_in_the_last_evaluation_saves_the_trained_model(tmp_path, monkeypatch, capsys):
+    evaluate = P.evaluate
+
+    def signalled(policy, tok, rows, args, gen, device, rank, world, all_done, stop):
+        if stop is not None and len(calls) == 2:  # the evaluation after the last iteration
+            os.kill(os.getpid(), signal.SIGTERM)
+        calls.append(1)
+        return evaluate(policy, tok, rows, args, gen, device, rank, world, all_done, stop)
+    calls = []
+    monkeypatch.setattr(P, "evaluate", signalled)
+    res = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--eval-every", "1"]))  # (--no-save-model)
+    out = capsys.readouterr().out
+    assert res["checkpoint"] and torch.load(res["checkpoint"], weights_only=True)["iteration"] == 2
+    assert f"evaluation stopped (SIGTERM); evaluate the trained model with: python ppo_llm.py --resume " \
+           f"{res['checkpoint']}" in out and [c[0] for c in res["curve"]] == [0, 1]
+
+
+# ----- what a cluster does to a job (issue #26) ----------------------------------------------------------------
+def test_runs_started_in_the_same_second_get_directories_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.setattr(P.time, "time", lambda: 1_700_000_000.0)
+    dirs = [P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--save-model"]))["run_dir"] for _ in range(3)]
+    name = "sort__ppo_llm__1__1700000000"
+    assert dirs == [str(tmp_path / name), str(tmp_path / f"{name}-2"), str(tmp_path / f"{name}-3")]
+    assert all(os.path.isfile(os.path.join(d, "checkpoint.pt")) for d in dirs)
+
+
+def test_a_run_directory_another_process_holds_is_refused(tmp_path, capsys):
+    import fcntl
+
+    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1"]))
+    before = sorted(os.listdir(part["run_dir"])), os.stat(part["checkpoint"]).st_mtime_ns
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, str(os.getpid()).encode())\n"
+                               "print('held', flush=True); time.sleep(60)",
+                               os.path.join(part["run_dir"], ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        err = one_line_exit(capsys, 2, P.main, P.parse_args(["--resume", part["checkpoint"]]))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"run directory {part['run_dir']} is in use by another process (pid {holder.pid}): wait for it" in err
+    assert (sorted(os.listdir(part["run_dir"])), os.stat(part["checkpoint"]).st_mtime_ns) == before
+    with open(os.path.join(part["run_dir"], ".lock")) as f:  # released at the end: another process may take it
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def disk_full(after_bytes: int):
+    """torch.save that writes after_bytes into its file, then fails as torch does on a full disk: RuntimeError
+    "unexpected pos" raised while handling the file's OSError(ENOSPC)."""
+    import errno
+
+    def save(obj, f, *a, **k):
+        f.write(b"\0" * after_bytes)
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    return save
+
+
+@pytest.mark.parametrize("fail_at,kept", [(1, "(no checkpoint was written)"), (2, "(the previous checkpoint is kept)")])
+def test_a_full_disk_while_writing_checkpoint_pt_is_one_line_and_keeps_the_previous_one(tmp_path, monkeypatch, capsys,
+                                                                                       fail_at, kept):
+    saves, real = [], torch.save
+
+    def save(obj, f, *a, **k):
+        saves.append(1)
+        return (disk_full(100) if len(saves) == fail_at else real)(obj, f, *a, **k)
+    monkeypatch.setattr(torch, "save", save)
+    err = one_line_exit(capsys, 1, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--checkpoint-every",
+                                                         "1"]))
+    monkeypatch.undo()
+    (run,) = os.listdir(tmp_path)
+    path = tmp_path / run / "checkpoint.pt"
+    assert err == f"error: cannot write {path}: No space left on device {kept}"
+    left = sorted(os.listdir(tmp_path / run))
+    if fail_at == 1:  # nothing of the failed save stays (not its models, not the reference)
+        assert not [f for f in left if f.startswith(("checkpoint", "ref"))], left
+    else:
+        assert [f for f in left if f.startswith(("checkpoint", "ref"))] == ["checkpoint-1", "checkpoint.pt", "ref"]
+        assert P.load_checkpoint(str(path))["iteration"] == 1
+
+
+def test_a_full_disk_while_writing_the_models_removes_what_the_save_wrote(tmp_path, monkeypatch):
+    import errno
+
+    tok = P.build_char_tokenizer()
+    m = P.build_tiny_model(tok, 0, 32, 1)
+    critic = P.make_critic(m)
+    opt = [torch.optim.AdamW(m.parameters(), lr=1e-3)]
+    sch = [torch.optim.lr_scheduler.LambdaLR(opt[0], lambda s: 1.0)]
+    args = P.parse_args(TINY)
+    save = lambda it: P.save_checkpoint(str(tmp_path), m, m, critic, None, tok, opt, sch, args, it * 8, it,  # noqa
+                                        torch.Generator(), P.FixedKLController(0.1), P.RunningMoments(), {})
+    save(1)
+
+    def full(path, *a, **k):  # half a file, then the disk is full (safetensors says so in its own words)
+        os.makedirs(path, exist_ok=True)
+        (tmp_path / "partial").write_bytes(b"\0" * 10)
+        os.replace(tmp_path / "partial", os.path.join(path, "model.safetensors"))
+        raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(critic, "save_pretrained", full)
+    with pytest.raises(P.WriteError) as e:
+        save(2)
+    assert (e.value.what, e.value.why) == (str(tmp_path / "checkpoint-2" / "critic"), "No space left on device")
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "checkpoint.pt", "ref"]
+    assert P.load_checkpoint(str(tmp_path / "checkpoint.pt"))["iteration"] == 1
+    monkeypatch.setattr(critic, "save_pretrained", lambda *a, **k: 1 / 0)  # not the file system's doing: raised
+    with pytest.raises(ZeroDivisionError):
+        save(3)
+    assert P.write_failure(OSError(errno.EDQUOT, "Disk quota exceeded")) == "Disk quota exceeded"
+
+
+def test_a_full_disk_under_tensorboard_is_one_line_without_a_thread_traceback(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from tensorboard.summary.writer import record_writer
+
+    writes, real = [], record_writer.RecordWriter.write
+
+    def write(self, data):  # the events file fills up after a few records (in tensorboard's writer thread)
+        writes.append(1)
+        if len(writes) > 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, data)
+    monkeypatch.setattr(record_writer.RecordWriter, "write", write)
+    err = one_line_exit(capsys, 1, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--num-iterations",
+                                                         "30", "--eval-every", "100"]))
+    (run,) = os.listdir(tmp_path)
+    assert err == f"error: cannot write the TensorBoard events in {tmp_path / run}: No space left on device"
+
+
+def flip_a_bit_in_a_tensor(path):
+    """One bit of the largest stored tensor flipped in place; returns its record's name."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = bytearray(open(path, "rb").read())
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x10  # (records are stored)
+    open(path, "wb").write(bytes(data))
+    return info.filename
+
+
+@pytest.mark.parametrize("edit,needle", [
+    ("flip", "is damaged (record '{record}' fails its CRC check)"),
+    (lambda c: c["args"].update(n="abc"), "args.n is 'abc', not an int"),
+    (lambda c: c["args"].update(adv_estimator="vtrace"), "args.adv_estimator is 'vtrace', not one of gae, grpo"),
+    (lambda c: c["args"].update(reward_clip="1"), "args.reward_clip is '1', not a float or None"),
+    (lambda c: c.update(args=list(c["args"])), "args is ['num_iterations',"),
+    (lambda c: c.pop("iteration"), "no 'iteration'"),
+    (lambda c: c["rng"].pop("torch"), "no 'rng.torch'"),
+    (lambda c: c["rng"].update(torch=c["rng"]["torch"][:100]), "rng.torch is not a tensor of 5056 bytes"),
+    (lambda c: c.update(global_step="16"), "global_step is '16', not an int"),
+])
+def test_a_damaged_or_edited_checkpoint_is_one_line_error(tmp_path, capsys, edit, needle):
+    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1"]))
+    path = part["checkpoint"]
+    if edit == "flip":
+        import zipfile
+
+        needle = needle.format(record=flip_a_bit_in_a_tensor(path))
+        assert zipfile.ZipFile(path).testzip() is not None
+        torch.load(path, weights_only=True)  # what the check guards against: torch.load takes it silently
+    else:
+        state = torch.load(path, weights_only=True)
+        edit(state)
+        torch.save(state, path)
+    err = one_line_exit(capsys, 2, P.parse_args, ["--resume", path])
+    assert needle in err and err.startswith(f"error: checkpoint {path}"), err
+
+
+def test_a_checkpoint_is_read_once_per_process(tmp_path, monkeypatch):
+    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1"]))
+    loads, real = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
+    P.main(P.parse_args(["--resume", part["checkpoint"]]))
+    assert loads == [part["checkpoint"]]
+
+
+def test_types_of_saved_arguments_against_their_fields():
+    hints = __import__("typing").get_type_hints(P.Args, include_extras=True)
+    for value, field, ok in [(3, "n", True), (3.0, "n", False), (True, "n", False), ("3", "n", False),
+                             (1, "lr", True), (0.5, "lr", True), (True, "lr", False), (None, "target_kl", True),
+                             (True, "cuda", True), (1, "cuda", False), ("grpo", "adv_estimator", True),
+                             ("GRPO", "adv_estimator", False), (None, "loss_type", True), ("actor", "loss_type", True),
+                             ("x", "loss_type", False), (None, "use_critic_model", True), (None, "exp_name", False)]:
+        assert P.fits(value, hints[field]) is ok, (value, field)
+    assert P.type_text(hints["target_kl"]) == "a float or None" and P.type_text(hints["n"]) == "an int"
+
+
+def test_the_non_finite_stop_says_when_no_checkpoint_was_written(tmp_path, monkeypatch, capsys):
+    real = P.compute_advantages
+    monkeypatch.setattr(P, "compute_advantages", lambda *a, **k: tuple(x * float("nan") for x in real(*a, **k)))
+    err = one_line_exit(capsys, 1, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path)]))
+    assert err.endswith("at iteration 1; stopping (no checkpoint was written)"), err
+
+
+def test_bad_input_under_torchrun_is_printed_by_rank_0_alone(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as e:
+        P.parse_args(["--n", "1.5"])
+    assert e.value.code == 2 and capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit):
+        P.parse_args(["--n", "1.5"])
+    assert "whole number" in capsys.readouterr().err
