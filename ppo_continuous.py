@@ -221,7 +221,8 @@ def obs_tensor(obs, device: torch.device, rms: Optional[RunningMeanStd] = None, 
     """A batch of raw observations as the Agent takes them: normalised with rms's statistics as they are (None: not
     normalised), float32 on `device`."""
     x = np.asarray(obs)
-    return torch.as_tensor(x if rms is None else normalize_obs(x, rms, clip), dtype=torch.float32, device=device)
+    x = (x if rms is None else normalize_obs(x, rms, clip)).astype(np.float32)  # (numpy's cast: half torch's cost)
+    return torch.from_numpy(x).to(device)
 
 
 class RewardScaler:
@@ -1186,7 +1187,7 @@ def load_env_state(envs, snapshot: list) -> None:
     for env, saved in zip(envs.envs, snapshot):
         for plain in saved["layers"]:
             for k, v in plain.items():
-                setattr(env, k, v.numpy() if isinstance(v, torch.Tensor) else v)
+                setattr(env, k, v.numpy().copy() if isinstance(v, torch.Tensor) else v)
             env = getattr(env, "env", env)
         env.np_random.bit_generator.state = saved["np_random"]
         if saved.get("mujoco") is not None:
