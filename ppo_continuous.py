@@ -1,32 +1,17 @@
-"""PPO for continuous-action gymnasium environments (MuJoCo HalfCheetah-v5 by default).
+"""PPO for continuous-action gymnasium environments (MuJoCo HalfCheetah-v5 by default), in one file.
 
-    python ppo_continuous.py                                   # HalfCheetah-v5, 1M steps, CleanRL settings
+    python ppo_continuous.py                                   # HalfCheetah-v5, 1M steps, CleanRL's settings
     python ppo_continuous.py --env-id Hopper-v5 --num-envs 4 --vector-mode async
     python ppo_continuous.py --resume runs/<run>/checkpoint.pt --eval-episodes 10 --capture-video
     torchrun --nproc-per-node 2 ppo_continuous.py              # data parallel: each process steps --num-envs envs
 
-The loop follows the note (shared/seeds/ppo_note.md) step by step; each step is a section comment below:
-Collect rollout -> Compute advantages and returns (GAE) -> Advantage normalisation ->
-Optimise policy & value for E epochs (clipped policy loss + value loss + entropy bonus) -> Update reference policy.
-The note's adaptive-KL-penalty variant replaces the clipped loss with --kl-penalty-coef / --kl-penalty-target.
-Continuous-control details: diagonal Gaussian policy with a state-independent log std, actions clipped for the env
-only, observation normalisation and reward scaling done here in the main loop (their statistics are part of the
-checkpoint and are frozen for evaluation), and truncated episodes bootstrapped from their normalised final observation.
-
-Stopping and resuming: SIGTERM / SIGINT (like --stop-after) finish the current iteration, write the checkpoint and
-print the --resume command. With sync envs (the default) --resume is exact: a stopped and resumed run equals an
-uninterrupted one (same parameters, losses and returns; tested on CPU). The checkpoint holds, besides networks,
-optimizer, torch RNG, step count and the normalisation statistics, the episodes in flight: every wrapper's plain
-attributes (TimeLimit's step counter, ...), each env's np_random generator and, for MuJoCo envs, the simulator's
-state, which lives in env.unwrapped.data: the integration state (mj_getState with mjSTATE_INTEGRATION: time, qpos,
-qvel, act, ctrl, the constraint solver's warm start, ...) and MjData's derived arrays that the envs read between steps
-(qpos and qvel alone, MujocoEnv.set_state, do not continue bit for bit: checked on Hopper, HalfCheetah and Ant), the
-next observation, the episode counters and the reward scaler's running discounted return. With --vector-mode async the
-envs live in other processes and are not saved: a resumed run starts new episodes (everything else is restored).
-
-Under torchrun every rank normalises with running statistics of its own data during a rollout; at the end of each
-rollout the statistics of all ranks are merged (merge_moments), so that every rank, and the checkpoint, hold those of
-all ranks' data.
+Read from the top: Args -> environments and normalisation (observations, rewards) -> Agent (diagonal Gaussian) ->
+the PPO math (compute_gae, advantage normalisation, ppo_loss, the adaptive-KL-penalty variant) -> main(), whose loop
+is the note's steps (shared/seeds/ppo_note.md): 1. Collect rollout, 2. Compute advantages and returns (GAE),
+3. Advantage normalisation, 4. Optimise policy & value for E epochs, 5. Update reference policy.
+PPO ends at the banner below main(). What follows it (run context: torchrun, logging, signals; checkpoints and
+exact resume, the MuJoCo simulator's state included; evaluation, videos and load_policy; compile helpers; the
+command line) changes nothing that PPO computes.
 """
 
 from __future__ import annotations
@@ -34,14 +19,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import fcntl
 import io
 import math
+import multiprocessing
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
+import typing
+import zipfile
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
@@ -52,46 +42,73 @@ import torch.nn.functional as F
 import tyro
 
 
-def die(msg: str) -> None:
-    """Bad input: one line on stderr, exit code 2, no traceback."""
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
-
-
-def parse_count(text: str) -> int:
-    """A count written as 1000000, 1e6, 5e5 or 1_000_000; anything that is not a whole number is an error."""
-    try:
-        value = float(text.replace("_", ""))
-    except ValueError:
-        raise ValueError(f"{text!r} is not a number") from None
-    if not value.is_integer():
-        raise ValueError(f"{text!r} is not a whole number")
-    return int(value)
-
-
-Count = Annotated[
-    int,
-    tyro.constructors.PrimitiveConstructorSpec(
-        nargs=1,
-        metavar="INT",
-        instance_from_str=lambda a: parse_count(a[0]),
-        is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool),
-        str_from_instance=lambda x: [str(x)],
-    ),
-]
-
-
 @dataclass
-class Args:
-    # Experiment
+class Args:  # Count: an int that also reads 1e6 (defined with the command line, below the banner)
+    # The note's hyperparameters
+    num_steps: Count = 2048
+    """T: steps per environment in each rollout"""
+    update_epochs: Count = 10
+    """E: epochs over each rollout"""
+    num_minibatches: Count = 32
+    """minibatches per epoch: M = num_envs * T / num_minibatches"""
+    clip_coef: float = 0.2
+    """epsilon: clip range of the probability ratio (and of the value clip)"""
+    learning_rate: float = 3e-4
+    """alpha: Adam learning rate"""
+    gamma: float = 0.99
+    """gamma: discount factor (also the discount of the reward scaler's running return)"""
+    gae_lambda: float = 0.95
+    """lambda: GAE parameter"""
+    vf_coef: float = 0.5
+    """c_v: value loss coefficient"""
+    ent_coef: float = 0.0
+    """c_H: entropy bonus coefficient"""
+
+    # Implementation details (CleanRL's, continuous control's) and the note's adaptive-KL-penalty variant
+    anneal_lr: bool = True
+    """anneal the learning rate linearly to 0"""
+    norm_adv: bool = True
+    """standardise the advantages (where: --norm-adv-scope)"""
+    norm_adv_scope: Literal["minibatch", "rollout"] = "minibatch"
+    """minibatch: in each minibatch, (A-mean)/(std+eps) (CleanRL); rollout: once, (A-mean)/sqrt(var+eps) (the note)"""
+    clip_vloss: bool = True
+    """clip the value loss as in the original PPO code"""
+    max_grad_norm: float = 0.5
+    """global gradient norm clip"""
+    target_kl: Optional[float] = None
+    """stop the epochs of an update early once approx_kl exceeds this"""
+    norm_obs: bool = True
+    """normalise observations by their running mean/std (updated in rollouts, frozen in evaluation)"""
+    obs_clip: float = 10.0
+    """clip normalised observations to [-obs_clip, obs_clip]"""
+    norm_reward: bool = True
+    """scale rewards by the running std of the discounted return"""
+    reward_clip: float = 10.0
+    """clip scaled rewards to [-reward_clip, reward_clip]"""
+    kl_penalty_coef: Optional[float] = None
+    """KL-penalty variant (PPO paper, sec. 4): policy loss -r*A + coef*KL(pi_old||pi), no ratio clip; None: clip"""
+    kl_penalty_target: Optional[float] = None
+    """adaptive KL penalty: the coef (default 1) halves after an update with KL < target/1.5, doubles if > 1.5*target"""
+
+    # Environment
+    env_id: str = "HalfCheetah-v5"
+    """id of a gymnasium environment with a continuous (Box) action space"""
+    total_timesteps: Count = 1_000_000
+    """total environment steps of the run"""
+    num_envs: Count = 1
+    """number of parallel environments"""
+    vector_mode: Literal["sync", "async"] = "sync"
+    """gymnasium SyncVectorEnv (one process) or AsyncVectorEnv (one process per env)"""
+
+    # Run: seeds, devices, logging, checkpoints, evaluation
     exp_name: str = "ppo_continuous"
     """name of this experiment (part of the run name)"""
     seed: Count = 1
     """seed of the experiment (python, numpy, torch and the environments)"""
     torch_deterministic: bool = True
-    """use deterministic torch algorithms"""
+    """deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only; cuDNN; cuBLAS workspace)"""
     cuda: bool = False
-    """run the networks on CUDA (tiny MLPs are usually faster on CPU)"""
+    """run the networks on CUDA (off by default: these small MLPs train faster on the CPU)"""
     compile: bool = False
     """torch.compile the action sampling and the update step"""
     cudagraphs: bool = False
@@ -122,59 +139,1401 @@ class Args:
     runs_dir: str = "runs"
     """directory that holds the runs"""
 
-    # Algorithm
-    env_id: str = "HalfCheetah-v5"
-    """id of a gymnasium environment with a continuous (Box) action space"""
-    total_timesteps: Count = 1_000_000
-    """total environment steps of the run"""
-    learning_rate: float = 3e-4
-    """Adam learning rate"""
-    num_envs: Count = 1
-    """number of parallel environments"""
-    vector_mode: Literal["sync", "async"] = "sync"
-    """gymnasium SyncVectorEnv (one process) or AsyncVectorEnv (one process per env)"""
-    num_steps: Count = 2048
-    """steps per environment per rollout (T)"""
-    anneal_lr: bool = True
-    """anneal the learning rate linearly to 0"""
-    gamma: float = 0.99
-    """discount factor (also the discount of the reward scaler's running return)"""
-    gae_lambda: float = 0.95
-    """lambda of generalized advantage estimation"""
-    num_minibatches: Count = 32
-    """number of minibatches per epoch"""
-    update_epochs: Count = 10
-    """epochs E over each rollout"""
-    norm_adv: bool = True
-    """standardise the advantages (where: --norm-adv-scope)"""
-    norm_adv_scope: Literal["minibatch", "rollout"] = "minibatch"
-    """minibatch: in each minibatch, (A-mean)/(std+eps) (CleanRL); rollout: once, (A-mean)/sqrt(var+eps) (the note)"""
-    clip_coef: float = 0.2
-    """clip range epsilon of the policy ratio"""
-    clip_vloss: bool = True
-    """clip the value loss as in the original PPO code"""
-    ent_coef: float = 0.0
-    """entropy bonus coefficient c_H"""
-    vf_coef: float = 0.5
-    """value loss coefficient c_v"""
-    max_grad_norm: float = 0.5
-    """global gradient norm clip"""
-    target_kl: Optional[float] = None
-    """stop the epochs of an update early once approx_kl exceeds this"""
-    kl_penalty_coef: Optional[float] = None
-    """KL-penalty variant (PPO paper, sec. 4): policy loss -r*A + coef*KL(pi_old||pi), no ratio clip; None: clip"""
-    kl_penalty_target: Optional[float] = None
-    """adaptive KL penalty: the coef (default 1) halves after an update with KL < target/1.5, doubles if > 1.5*target"""
-    norm_obs: bool = True
-    """normalise observations by their running mean/std (updated in rollouts, frozen in evaluation)"""
-    obs_clip: float = 10.0
-    """clip normalised observations to [-obs_clip, obs_clip]"""
-    norm_reward: bool = True
-    """scale rewards by the running std of the discounted return"""
-    reward_clip: float = 10.0
-    """clip scaled rewards to [-reward_clip, reward_clip]"""
+
+# ---------------------------------------------------------------------------------------------------------
+# Environments, and what the agent sees of them: normalised observations, scaled rewards
+# ---------------------------------------------------------------------------------------------------------
+def make_env(env_id: str, idx: int = 0, capture_video: bool = False, video_dir: str = ""):
+    def thunk():
+        import gymnasium as gym
+
+        if capture_video and idx == 0:
+            env = gym.make(env_id, render_mode="rgb_array")
+            env = gym.wrappers.RecordVideo(env, video_dir, episode_trigger=lambda ep: True, disable_logger=True)
+        else:
+            env = gym.make(env_id)
+        return env
+
+    return thunk
 
 
+def make_vector_env(args: Args):
+    """Vector env in SAME_STEP autoreset mode: a finished episode is reset inside the same step() call and its last
+    observation comes back in info["final_obs"], so every stored transition is a real one (no reset transitions)."""
+    import gymnasium as gym
+
+    fns = [make_env(args.env_id, i) for i in range(args.num_envs)]
+    cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
+    if args.vector_mode == "async":
+        fns = [leave_signals_to_main(fn) for fn in fns]
+    return cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+
+class RunningMeanStd:
+    """Mean and (population) variance of a stream of vectors, merged batch by batch with Chan et al.'s parallel
+    update, as in OpenAI baselines and gymnasium. count starts at epsilon (mean 0, var 1) as there."""
+
+    def __init__(self, shape: tuple = (), epsilon: float = 1e-4):
+        self.mean = np.zeros(shape, dtype=np.float64)
+        self.var = np.ones(shape, dtype=np.float64)
+        self.count = float(epsilon)
+        self.added: Optional[RunningMeanStd] = None  # under torchrun: what this rank added since the last merge
+        self.merged: Optional[tuple] = None  # under torchrun: (mean, var, count) at the last merge, alike on all ranks
+
+    def update(self, x: np.ndarray) -> None:
+        """x: a batch (B, *shape) of new samples."""
+        x = np.asarray(x, dtype=np.float64)
+        b_count = x.shape[0]
+        b_mean = x.sum(axis=0) / b_count  # = x.mean(0), x.var(0) without numpy's slow wrappers (hot loop)
+        b_var = np.square(x - b_mean).sum(axis=0) / b_count
+        delta = b_mean - self.mean
+        total = self.count + b_count
+        self.mean = self.mean + delta * (b_count / total)
+        m2 = self.var * self.count + b_var * b_count + delta**2 * (self.count * b_count / total)
+        self.var = m2 / total
+        self.count = total
+        if self.added is not None:
+            self.added.update(x)
+
+    def track_additions(self) -> None:
+        """Under torchrun: remember the current state (the same on every rank) and collect the samples added from
+        now on in self.added, for merge_ranks."""
+        self.merged = (self.mean.copy(), self.var.copy(), self.count)
+        self.added = RunningMeanStd(self.mean.shape, epsilon=0.0)
+
+    def state_dict(self) -> dict:
+        return {"mean": torch.tensor(self.mean), "var": torch.tensor(self.var),
+                "count": torch.tensor(self.count, dtype=torch.float64)}
+
+    def load_state_dict(self, state: dict) -> None:
+        mean = state["mean"].numpy().astype(np.float64)
+        if mean.shape != self.mean.shape:
+            raise ValueError(f"normalisation statistics of shape {tuple(mean.shape)}, expected {self.mean.shape}")
+        self.mean, self.var, self.count = mean, state["var"].numpy().astype(np.float64), float(state["count"])
+
+
+def normalize_obs(obs: np.ndarray, rms: RunningMeanStd, clip: float, eps: float = 1e-8) -> np.ndarray:
+    """(obs - mean) / sqrt(var + eps), clipped to [-clip, clip]; uses the statistics as they are (no update)."""
+    return np.clip((obs - rms.mean) / np.sqrt(rms.var + eps), -clip, clip)
+
+
+def obs_tensor(obs, device: torch.device, rms: Optional[RunningMeanStd] = None, clip: float = 10.0) -> torch.Tensor:
+    """A batch of raw observations as the Agent takes them: normalised with rms's statistics as they are (None: not
+    normalised), float32 on `device`."""
+    x = np.asarray(obs)
+    x = (x if rms is None else normalize_obs(x, rms, clip)).astype(np.float32)  # (numpy's cast: half torch's cost)
+    return torch.from_numpy(x).to(device)
+
+
+class RewardScaler:
+    """Divide rewards by the running std of the discounted return G <- gamma * G + r (no mean subtraction), as
+    gymnasium's NormalizeReward; G restarts at 0 after every episode end, termination or truncation."""
+
+    def __init__(self, num_envs: int, gamma: float, clip: float = 10.0, eps: float = 1e-8):
+        self.rms = RunningMeanStd(())
+        self.ret = np.zeros(num_envs, dtype=np.float64)
+        self.gamma, self.clip, self.eps = gamma, clip, eps
+
+    def __call__(self, reward: np.ndarray, done: np.ndarray) -> np.ndarray:
+        self.ret = self.ret * self.gamma + reward
+        self.rms.update(self.ret)
+        scaled = np.clip(reward / np.sqrt(self.rms.var + self.eps), -self.clip, self.clip)
+        self.ret[done] = 0.0
+        return scaled
+
+
+class Normalizer:
+    """What the rollout feeds the agent and the advantages (details 6-9): observations normalised by their running
+    mean/std (--norm-obs) and rewards scaled by the running std of the discounted return (--norm-reward), both clipped.
+    The statistics grow in rollouts only; evaluation and load_policy use them frozen."""
+
+    def __init__(self, args: Args, obs_dim: int, device: torch.device):
+        self.obs_rms = RunningMeanStd((obs_dim,))
+        self.reward_scaler = RewardScaler(args.num_envs, args.gamma, args.reward_clip)
+        self.args, self.device = args, device
+
+    def obs(self, raw: np.ndarray, update: bool = False) -> torch.Tensor:
+        """The Agent's input for a batch of raw observations; update: add them to the statistics first (rollouts)."""
+        if update and self.args.norm_obs:
+            self.obs_rms.update(raw)
+        return obs_tensor(raw, self.device, self.obs_rms if self.args.norm_obs else None, self.args.obs_clip)
+
+    def reward(self, raw: np.ndarray, done: np.ndarray) -> np.ndarray:
+        return self.reward_scaler(raw, done) if self.args.norm_reward else np.asarray(raw, np.float64)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Agent: separate actor and critic MLPs (64x64 tanh), orthogonal init, diagonal Gaussian policy
+# ---------------------------------------------------------------------------------------------------------
+def layer_init(layer: nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
+    torch.nn.init.orthogonal_(layer.weight, std)  # detail: orthogonal init with scaled gains
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class Agent(nn.Module):
+    def __init__(self, obs_dim: int, act_dim: int):
+        super().__init__()
+        self.critic = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, 1), std=1.0),
+        )
+        self.actor_mean = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, act_dim), std=0.01),  # detail: small last-layer gain -> mean near 0 at start
+        )
+        self.actor_logstd = nn.Parameter(torch.zeros(1, act_dim))  # detail: state-independent learnable log std
+
+    def get_value(self, x: torch.Tensor) -> torch.Tensor:
+        return self.critic(x).squeeze(-1)
+
+    def fused_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Actor and critic as one MLP with block-diagonal weights: the same function in half the matmuls. The rollout
+        (one small batch per env step, bound by per-op overhead) uses it; take a fresh copy after each update."""
+        a, c = self.actor_mean, self.critic
+        with torch.no_grad():
+            return [(torch.cat([a[0].weight, c[0].weight]), torch.cat([a[0].bias, c[0].bias])),
+                    (torch.block_diag(a[2].weight, c[2].weight), torch.cat([a[2].bias, c[2].bias])),
+                    (torch.block_diag(a[4].weight, c[4].weight), torch.cat([a[4].bias, c[4].bias]))]
+
+    def get_action_and_value(self, x: torch.Tensor, action: Optional[torch.Tensor] = None, fused=None):
+        """Sample (or score) an unclipped action. Returns action, log pi(a|s), entropy, V(s).
+        fused: fused_weights() of this agent, for a faster forward pass without gradients."""
+        return self(x, action, fused)[:4]
+
+    def forward(self, x: torch.Tensor, action: Optional[torch.Tensor] = None, fused=None):
+        """get_action_and_value, plus the Gaussian (mean, log std) of each state (the KL-penalty variant's exact KL
+        compares the old and the new ones). The update calls the agent itself, so that DDP can average the gradients."""
+        if fused is None:
+            mean, value = self.actor_mean(x), self.get_value(x)
+        else:
+            (w1, b1), (w2, b2), (w3, b3) = fused
+            out = F.linear(torch.tanh(F.linear(torch.tanh(F.linear(x, w1, b1)), w2, b2)), w3, b3)
+            mean, value = out[..., :-1], out[..., -1]
+        logstd = self.actor_logstd.expand_as(mean)
+        noise = None
+        if action is None:  # sampling: z = (a - mean) / std is the noise itself
+            noise = torch.randn_like(mean)
+            action = mean + torch.exp(logstd) * noise
+        logprob, entropy = gaussian_logprob_entropy(mean, logstd, action, z=noise)
+        return action, logprob, entropy, value, (mean, logstd)
+
+    def act(self, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
+        """The action to play (evaluation, load_policy), unclipped: sampled, or the Gaussian's mean."""
+        return self.actor_mean(x) if deterministic else self.get_action_and_value(x)[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The PPO math: pure functions (the tests check each against a plain loop)
+# ---------------------------------------------------------------------------------------------------------
+def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, lam: float):
+    """Generalized advantage estimation by the backward recursion of the note.
+
+    rewards, values, dones: (T, N) numpy arrays; dones[t] = 1 if obs[t] is the first of a new episode (the transition
+    at t-1 ended one). next_value, next_done: (N,) for the observation after the last step. Truncated episodes must
+    already carry gamma * V(final_obs) in their last reward (see main), so a done here always means "no bootstrap".
+    Returns advantages and returns R_t = A_t + V(s_t), both (T, N). On the host in numpy: the T-step loop over
+    tiny arrays costs a fifth of what it costs in torch.
+    """
+    T = rewards.shape[0]
+    advantages = np.zeros_like(rewards)
+    lastgaelam = np.zeros_like(next_value)
+    for t in reversed(range(T)):
+        if t == T - 1:
+            nextnonterminal, nextvalues = 1.0 - next_done, next_value
+        else:
+            nextnonterminal, nextvalues = 1.0 - dones[t + 1], values[t + 1]
+        delta = rewards[t] + gamma * nextvalues * nextnonterminal - values[t]  # TD error
+        lastgaelam = delta + gamma * lam * nextnonterminal * lastgaelam
+        advantages[t] = lastgaelam
+    return advantages, advantages + values
+
+
+def normalize_advantages(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(A - mean) / (std + eps), with the unbiased std as in CleanRL and the OpenAI baselines."""
+    return (adv - adv.mean()) / (adv.std() + eps)
+
+
+def normalize_advantages_rollout(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """The note's advantage normalisation over the whole rollout: (A - mean) / sqrt(population variance + eps)."""
+    return (adv - adv.mean()) / torch.sqrt(adv.var(unbiased=False) + eps)
+
+
+def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, entropy,
+             clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool, kl_coef=None,
+             kl=None):
+    """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync).
+    kl_coef (a number or 0-d tensor) selects the KL-penalty policy loss instead: -r*A + kl_coef * kl, with kl the
+    exact KL(pi_old(.|s) || pi(.|s)) of each sample's state (gaussian_kl), as in the PPO paper."""
+    if kl_coef is not None and kl is None:
+        raise ValueError("ppo_loss: kl_coef needs kl, the KL(pi_old(.|s) || pi(.|s)) of each sample")
+    logratio = newlogprob - oldlogprob
+    ratio = logratio.exp()
+    with torch.no_grad():
+        old_approx_kl = (-logratio).mean()
+        approx_kl = ((ratio - 1) - logratio).mean()  # k3 estimator, unbiased and low variance
+        clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
+    if norm_adv:
+        advantages = normalize_advantages(advantages)
+    pg_loss1 = -advantages * ratio
+    if kl_coef is None:
+        pg_loss2 = -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
+        pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+    else:
+        pg_loss = (pg_loss1 + kl_coef * kl).mean()
+    if clip_vloss:  # detail: value clipping around the old prediction
+        v_unclipped = (newvalue - returns) ** 2
+        v_clipped = oldvalue + torch.clamp(newvalue - oldvalue, -clip_coef, clip_coef)
+        v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - returns) ** 2).mean()
+    else:
+        v_loss = 0.5 * ((newvalue - returns) ** 2).mean()
+    entropy_loss = entropy.mean()
+    loss = pg_loss - ent_coef * entropy_loss + v_loss * vf_coef
+    stats = dict(policy_loss=pg_loss.detach(), value_loss=v_loss.detach(), entropy=entropy_loss.detach(),
+                 old_approx_kl=old_approx_kl, approx_kl=approx_kl, clipfrac=clipfrac)
+    return loss, stats
+
+
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+def gaussian_logprob_entropy(mean: torch.Tensor, logstd: torch.Tensor, action: torch.Tensor, z=None):
+    """log N(action; mean, exp(logstd)^2) and the entropy, summed over action dimensions (the diagonal Gaussian's
+    dimensions are independent). z: (action - mean) / std where the caller has it (sampling: the noise). Written out
+    instead of torch.distributions: cheaper in the hot loop, compilable."""
+    if z is None:
+        z = (action - mean) * torch.exp(-logstd)
+    logprob = (-0.5 * z * z - logstd - LOG_SQRT_2PI).sum(-1)
+    entropy = (0.5 + LOG_SQRT_2PI + logstd).sum(-1)
+    return logprob, entropy
+
+
+def gaussian_kl(old_mean, old_logstd, mean, logstd) -> torch.Tensor:
+    """KL(N(old_mean, old_std^2) || N(mean, std^2)) of each state, exact, summed over the diagonal's dimensions:
+    log(std/old_std) + (old_std^2 + (old_mean - mean)^2) / (2 std^2) - 1/2 per dimension; (..., A) -> (...)."""
+    return (logstd - old_logstd + (torch.exp(2 * old_logstd) + (old_mean - mean) ** 2) * (0.5 * torch.exp(-2 * logstd))
+            - 0.5).sum(-1)
+
+
+def adapt_kl_coef(coef: float, kl: float, target: float) -> float:
+    """The PPO paper's rule for the KL-penalty variant: halve the coefficient when the update moved the policy by
+    less than target/1.5, double it above 1.5*target; kept within [1e-6, 1e6] so that it can always come back."""
+    if kl < target / 1.5:
+        coef /= 2
+    elif kl > target * 1.5:
+        coef *= 2
+    return min(max(coef, 1e-6), 1e6)
+
+
+class KLPenalty:
+    """The note's adaptive-KL-penalty variant in one place (PPO paper, sec. 4): each minibatch's policy loss is
+    -r*A + beta * KL(pi_old(.|s) || pi(.|s)) instead of the clipped one (loss_terms); after each update the rollout's
+    KL (rollout_kl) halves or doubles beta with --kl-penalty-target (adapt). pi_old(.|s) is the Gaussian of the
+    rollout's policy: its mean in each state and its (state-independent) log std."""
+
+    def __init__(self, args: Args, device: torch.device):
+        self.target = args.kl_penalty_target
+        self.beta = 1.0 if args.kl_penalty_coef is None else args.kl_penalty_coef  # on the host, for the rule
+        self.coef = torch.tensor(self.beta, device=device)  # in a tensor, which the (compiled) update reads
+
+    def loss_terms(self, old_mean, old_logstd, mean, logstd) -> tuple:
+        """ppo_loss's kl_coef and kl for one minibatch."""
+        return self.coef, gaussian_kl(old_mean, old_logstd, mean, logstd)
+
+    @torch.no_grad()
+    def rollout_kl(self, agent: Agent, b_obs, b_old_means, old_logstd, minibatch_size: int) -> torch.Tensor:
+        """KL(pi_old || pi_theta) averaged over the rollout's states after the update: the d of the adaptive rule."""
+        total = torch.zeros((), device=b_obs.device)
+        for start in range(0, len(b_obs), minibatch_size):
+            mb = slice(start, start + minibatch_size)
+            total += gaussian_kl(b_old_means[mb], old_logstd, agent.actor_mean(b_obs[mb]), agent.actor_logstd).sum()
+        return total / len(b_obs)
+
+    def adapt(self, kl: float) -> None:
+        if self.target is not None:
+            self.beta = adapt_kl_coef(self.beta, kl, self.target)
+            self.coef.fill_(self.beta)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training loop
+# ---------------------------------------------------------------------------------------------------------
+def main(args: Args) -> dict:
+    with Run(args) as run:  # process group, seeds, run directory, logging, signals, checkpoints (all below the banner)
+        device, world = run.device, run.world
+        batch_size = args.num_envs * args.num_steps  # per process; under torchrun the global batch is world times it
+        minibatch_size = batch_size // args.num_minibatches
+        num_iterations = args.total_timesteps // (batch_size * world)
+
+        envs = make_vector_env(args)
+        obs_dim, act_dim = envs.single_observation_space.shape[0], envs.single_action_space.shape[0]
+        act_low, act_high = envs.single_action_space.low, envs.single_action_space.high
+        agent = Agent(obs_dim, act_dim).to(device)
+        # lr in a tensor, so that annealing it recompiles nothing. CPU: the fused Adam is one kernel instead of one per
+        # parameter (4x faster for these small nets); CUDA: capturable keeps the step counters on the GPU (no host sync)
+        optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
+                                     capturable=args.cuda, fused=True if not args.cuda else None)
+        norm = Normalizer(args, obs_dim, device)  # observation normalisation, reward scaling
+        penalised = args.kl_penalty_coef is not None or args.kl_penalty_target is not None
+        kl_penalty = KLPenalty(args, device) if penalised else None
+        # a fresh start (envs reset), or the state a checkpoint stopped in: networks, statistics, RNG, episodes
+        first_iteration, global_step, next_obs, next_done = run.start(envs, agent, optimizer, norm, kl_penalty,
+                                                                      num_iterations)
+        train_agent = run.data_parallel(agent)  # the update calls it: under torchrun DDP averages the gradients
+        norm_per_minibatch = args.norm_adv and args.norm_adv_scope == "minibatch"
+
+        def policy(obs, fused):  # the rollout's action sampling (actor and critic fused: Agent.fused_weights)
+            action, logprob, _, value, (mean, _) = agent(obs, fused=fused)
+            return action, logprob, value, mean
+
+        def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_old_means, old_logstd):
+            """One gradient step on one minibatch."""
+            optimizer.zero_grad(set_to_none=False)
+            _, newlogprob, entropy, newvalue, (mean, logstd) = train_agent(mb_obs, mb_actions)
+            penalty = kl_penalty.loss_terms(mb_old_means, old_logstd, mean, logstd) if kl_penalty else ()
+            loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
+                                   args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef, norm_per_minibatch,
+                                   *penalty)
+            loss.backward()
+            stats["grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            optimizer.step()
+            return stats
+
+        policy, update = compile_hot_functions(policy, update, agent, args)  # --compile, --cudagraphs
+
+        # Rollout storage (T, N, ...): rewards and dones on the host (numpy, for compute_gae), the rest on the device;
+        # old_means: the mean of pi_old(.|s) in every state (the KL-penalty variant's KL; the log std is one for all)
+        obs = torch.zeros((args.num_steps, args.num_envs, obs_dim), device=device)
+        actions, old_means = (torch.zeros((args.num_steps, args.num_envs, act_dim), device=device) for _ in range(2))
+        logprobs, values = (torch.zeros((args.num_steps, args.num_envs), device=device) for _ in range(2))
+        rewards, dones = (np.zeros((args.num_steps, args.num_envs), dtype=np.float32) for _ in range(2))
+
+        for iteration in range(first_iteration, num_iterations + 1):
+            lr_now = args.learning_rate
+            if args.anneal_lr:  # detail: linear annealing to 0 over the whole run
+                lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+            optimizer.param_groups[0]["lr"].fill_(lr_now)
+
+            # 1. Collect rollout with pi_old, the policy as it is now (fused for speed; its log std for the KL variant)
+            fused, old_logstd = agent.fused_weights(), agent.actor_logstd.detach().clone()
+            for step in range(args.num_steps):
+                global_step += args.num_envs * world  # environment steps of all processes
+                obs[step], dones[step] = next_obs, next_done
+                with torch.inference_mode():
+                    action, logprob, value, mean = policy(next_obs, fused)
+                actions[step], logprobs[step], values[step], old_means[step] = action, logprob, value, mean
+
+                # detail: clip to the action bounds for the env only; the buffer keeps the sample the log-prob is of
+                next_obs_np, raw_reward, terminations, truncations, infos = envs.step(
+                    np.clip(action.cpu().numpy(), act_low, act_high))
+                done = np.logical_or(terminations, truncations)
+                run.count_episodes(raw_reward, done, global_step)  # episodic return and length (charts/)
+                next_obs = norm.obs(next_obs_np, update=True)  # detail: observation normalisation and clipping
+                reward = norm.reward(raw_reward, done)  # detail: reward scaling and clipping
+                # Truncation is not termination: bootstrap r + gamma * V(final obs) for episodes cut by a time limit,
+                # the final observation normalised with the same statistics as the policy's inputs.
+                trunc_only = np.logical_and(truncations, np.logical_not(terminations))
+                if trunc_only.any():
+                    idx = np.nonzero(trunc_only)[0]
+                    with torch.inference_mode():
+                        final_value = agent.get_value(norm.obs(np.stack(infos["final_obs"][idx])))
+                    reward[idx] += args.gamma * final_value.cpu().numpy()
+                rewards[step], next_done = reward, done.astype(np.float32)
+            if world > 1:  # every rank's normalisation statistics become those of all ranks' data
+                merge_ranks([norm.obs_rms, norm.reward_scaler.rms], world)
+
+            # 2. Compute advantages and returns (GAE), on the host (see compute_gae)
+            with torch.inference_mode():
+                next_value = agent.get_value(next_obs).cpu().numpy()
+            advantages, returns = compute_gae(rewards, values.cpu().numpy(), dones, next_value, next_done,
+                                              args.gamma, args.gae_lambda)
+            b_obs, b_actions = obs.reshape(batch_size, obs_dim), actions.reshape(batch_size, act_dim)
+            b_logprobs, b_values, b_old_means = logprobs.reshape(-1), values.reshape(-1), old_means.reshape(-1, act_dim)
+            b_advantages, b_returns = (torch.from_numpy(x).to(device).reshape(-1) for x in (advantages, returns))
+
+            # 3. Advantage normalisation: by default per minibatch inside ppo_loss (CleanRL's); the note's form,
+            # once over the whole rollout, with --norm-adv-scope rollout
+            if args.norm_adv and not norm_per_minibatch:
+                b_advantages = normalize_advantages_rollout(b_advantages)
+
+            # 4. Optimise policy & value for E epochs
+            update_stats = []
+            for epoch in range(args.update_epochs):
+                b_inds = torch.randperm(batch_size, device=device)  # shuffle, then split into minibatches
+                for start in range(0, batch_size, minibatch_size):
+                    mb = b_inds[start:start + minibatch_size]
+                    stats = update(b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb], b_returns[mb],
+                                   b_values[mb], b_old_means[mb], old_logstd)
+                    update_stats.append({k: v.clone() for k, v in stats.items()})  # a CUDA graph reuses its outputs
+                if args.target_kl is not None and run.mean_over_ranks(stats["approx_kl"]) > args.target_kl:
+                    break  # detail: early stop of the epochs
+
+            # 5. Update reference policy: theta_old <- theta, implicitly (the next rollout samples from theta). The
+            # KL-penalty variant measures KL(pi_old || pi_theta) over the rollout and adapts its coefficient to it.
+            rollout_kl = (kl_penalty.rollout_kl(agent, b_obs, b_old_means, old_logstd, minibatch_size) if kl_penalty
+                          else None)
+            stats = run.log_iteration(iteration, global_step, lr_now, update_stats, rollout_kl, b_values, b_returns)
+            if stats is None:  # a non-finite update: the run stops with the last good checkpoint
+                break
+            if kl_penalty:
+                kl_penalty.adapt(stats["kl"])  # the coefficient of the next update
+            if run.end_of_iteration(iteration, global_step, next_obs, next_done):  # checkpoints; --stop-after, signals
+                break
+        run.finish(global_step, next_obs, next_done)  # the final checkpoint, then --eval-episodes
+    return run.result
+
+
+# =========================================================================================================
+# Plumbing: nothing below this line changes what PPO computes. Run context (torchrun, seeds, run directory,
+# logging, signals), checkpoints and exact resume, evaluation, videos and load_policy, compile helpers, command line.
+# =========================================================================================================
+SCRIPT = "ppo_continuous.py"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class WriteError(Exception):
+    """A file of the run could not be written (disk full, quota, read-only file system): one line, exit 1."""
+
+
+class Run:
+    """What one run owns around the algorithm, from the first line of main() to the last: SIGTERM / SIGINT (honoured
+    at the end of an iteration, after the final checkpoint and during the evaluation), the torchrun process group,
+    seeds, the run directory and its lock, TensorBoard / wandb and the progress line, checkpoints and exact resume,
+    and the one-line errors of a write that failed."""
+
+    def __init__(self, args: Args):
+        self.args = args
+        self.signals: list[int] = []
+        self.stop_requested = False  # a signal reached this or another process (all-reduced each iteration)
+        self.finished, self.failed = True, False  # failed: a non-finite update (exit 1)
+        self.rank, self.world, self.device = 0, 1, torch.device("cpu")  # until setup() knows them
+        self.ckpt, self.writer, self.wandb, self.envs, self.lock_fd = None, None, False, None, None
+        self.checkpoint_path, self.final_saved = None, False  # final_saved: the trained state is in a checkpoint
+        self.recent_returns: list[float] = []
+        self.last_stats: dict = {}
+        self.result: dict = {}
+
+    # --- setup and teardown ---------------------------------------------------------------------------------
+    def __enter__(self) -> Run:
+        self.previous = {sig: signal.signal(sig, lambda signum, frame: self.signals.append(signum))
+                         for sig in STOP_SIGNALS}
+        self.previous_hook, threading.excepthook = threading.excepthook, quiet_event_writer_thread
+        self.previous_deterministic = (torch.are_deterministic_algorithms_enabled(),
+                                       torch.is_deterministic_algorithms_warn_only_enabled())
+        try:
+            self.setup()
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def setup(self) -> None:
+        args = self.args
+        if args.cuda and args.torch_deterministic:  # cuBLAS is deterministic with a fixed workspace (before its start)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        self.rank, self.world, self.device = setup_distributed(args)
+        if args.resume:
+            self.ckpt = load_checkpoint(args.resume, args.env_id)
+            check_resume(self.ckpt, args, self.world)
+        check_env(args.env_id)
+        if args.capture_video and self.rank == 0:  # fail before training, not after it (rank 0 alone records)
+            print(f"video: MUJOCO_GL={setup_rendering(args.env_id)}" + ("" if args.eval_episodes else
+                  " (videos are recorded of the --eval-episodes only; none asked)"))
+        self.run_dir = self.make_run_dir()
+        self.run_name = os.path.basename(self.run_dir)
+        if self.ckpt is not None:
+            self.checkpoint_path = os.path.abspath(args.resume)
+        # Seeding
+        random.seed(args.seed + self.rank)
+        np.random.seed(args.seed + self.rank)
+        torch.manual_seed(args.seed + self.rank)
+        torch.backends.cudnn.deterministic = args.torch_deterministic
+        torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
+        torch.set_num_threads(args.torch_threads)
+
+    def make_run_dir(self) -> str:
+        """A new run gets a directory of its own (`<env>__<exp>__<seed>__<time>`, then -2, -3, ... if taken); a resumed
+        run uses its checkpoint's. Rank 0 locks it: a directory that another live process holds is refused."""
+        args, error, run_dir = self.args, None, None
+        if self.rank == 0 and self.ckpt is not None:
+            run_dir = os.path.dirname(os.path.abspath(args.resume))
+        elif self.rank == 0:
+            base = os.path.join(args.runs_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
+            run_dir, n = base, 1
+            try:
+                while not make_new_dir(run_dir):
+                    n += 1
+                    run_dir = f"{base}-{n}"
+            except OSError as e:
+                error = f"cannot create run directory {run_dir}: {e.strerror or e}"
+        if self.rank == 0 and error is None:
+            try:
+                self.lock_fd = lock_run_dir(run_dir)
+            except OSError as e:
+                error = f"cannot write in run directory {run_dir}: {e.strerror or e}"
+            except RunDirBusy as e:
+                error = str(e)
+        run_dir, error = gather_objects((run_dir, error), self.world)[0]
+        if error:
+            die(error)
+        return run_dir
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        args, clean = self.args, exc_type is None
+        try:
+            if self.envs is not None:
+                self.envs.close()
+            if self.writer is not None:
+                self.writer_call("close")
+        except WriteError as e:
+            exc_type, exc = WriteError, e
+        if exc_type is WriteError:
+            kept = (f"the last checkpoint is kept: {self.checkpoint_path}" if self.checkpoint_path
+                    else "no checkpoint was written")
+            print(f"error: {exc} ({kept})", file=sys.stderr)
+            self.failed = True
+        if self.wandb:
+            import wandb
+
+            wandb.finish(exit_code=int(self.failed or not clean))
+        if self.world > 1 and torch.distributed.is_initialized():
+            import torch.distributed as dist
+
+            if clean:
+                dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
+            dist.destroy_process_group()
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # releases the lock
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        threading.excepthook = self.previous_hook
+        torch.use_deterministic_algorithms(self.previous_deterministic[0], warn_only=self.previous_deterministic[1])
+        if self.failed:
+            if self.world > 1:  # as at the end of __main__: skip the teardown where gloo's threads can abort
+                sys.stdout.flush(), sys.stderr.flush()
+                os._exit(1)
+            raise SystemExit(1)
+        return False
+
+    # --- the state a run starts from --------------------------------------------------------------------------
+    def start(self, envs, agent: Agent, optimizer, norm: Normalizer, kl_penalty: Optional[KLPenalty],
+              num_iterations: int):
+        """Networks, optimizer, normalisation statistics, RNG and the KL coefficient from the checkpoint (if any), then
+        the environments: reset with per-env seeds, or (exact resume) the episodes in flight where they stopped, with
+        the reward scaler's running returns. Also opens the logs. Returns (first iteration, global step, next_obs,
+        next_done)."""
+        args, ckpt, rank, device = self.args, self.ckpt, self.rank, self.device
+        self.envs, self.agent, self.optimizer, self.norm, self.kl_penalty = envs, agent, optimizer, norm, kl_penalty
+        self.num_iterations, first, global_step = num_iterations, 1, 0
+        mine = ckpt if rank == 0 or ckpt is None else ckpt["other_ranks"][rank - 1]  # this rank's RNG and envs
+        if ckpt is not None:
+            try:
+                agent.load_state_dict(ckpt["model"])
+                load_optimizer_state(optimizer, ckpt["optimizer"], device)
+                norm.obs_rms.load_state_dict(ckpt["obs_rms"])
+                norm.reward_scaler.rms.load_state_dict(ckpt["return_rms"])
+            except (RuntimeError, ValueError, KeyError, TypeError) as e:
+                die(f"checkpoint {args.resume} does not fit this network: {str(e).splitlines()[0]}")
+            first, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
+            set_rng_state(mine["rng"], device)
+            if kl_penalty is not None and args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
+                kl_penalty.beta = ckpt["kl_coef"]  # the adapted value goes on
+                kl_penalty.coef.fill_(kl_penalty.beta)
+        if self.world > 1:  # each rank's statistics see its own data during a rollout; merge_ranks combines them
+            norm.obs_rms.track_additions()
+            norm.reward_scaler.rms.track_additions()
+        self.open_logs()
+        if ckpt is not None and rank == 0:
+            print(f"resumed {args.resume} at iteration {first - 1}, global step {global_step}")
+            saved_total = ckpt["args"].get("total_timesteps", args.total_timesteps)
+            if args.anneal_lr and saved_total != args.total_timesteps:  # not silent: the lr jumps
+                print(f"note: --total-timesteps {args.total_timesteps} differs from the checkpoint's {saved_total}: "
+                      "the learning rate now anneals to 0 at the new total")
+            if args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
+                print(f"note: the adaptive KL-penalty coefficient goes on from the checkpoint's {ckpt['kl_coef']:.3g} "
+                      "(--kl-penalty-coef sets the start of a new run only)")
+
+        next_obs_np, _ = envs.reset(seed=[args.seed + global_step + rank * args.num_envs + i
+                                          for i in range(args.num_envs)])
+        next_done = np.zeros(args.num_envs, dtype=np.float32)
+        self.ep_return, self.ep_length = np.zeros(args.num_envs), np.zeros(args.num_envs, dtype=np.int64)
+        saved = mine.get("rollout") if ckpt is not None else None
+        if saved is not None and saved["envs"] is not None and args.vector_mode == "sync":
+            # exact resume: the episodes in flight continue where they stopped
+            try:
+                load_env_state(envs, saved["envs"])
+            except (ValueError, KeyError, AttributeError, TypeError) as e:
+                die(f"checkpoint {args.resume}: cannot restore the environments: {e}")
+            next_obs = saved["next_obs"].to(device)  # normalised already
+            next_done = saved["next_done"].numpy().astype(np.float32)
+            self.ep_return, self.ep_length = saved["ep_return"].numpy().copy(), saved["ep_length"].numpy().copy()
+            norm.reward_scaler.ret = saved["reward_ret"].numpy().astype(np.float64)
+        else:
+            if ckpt is not None and rank == 0:
+                print("note: environments start new episodes (exact resume needs --vector-mode sync, then and now, "
+                      "and an env whose whole state the script saves)")
+            next_obs = norm.obs(next_obs_np, update=first <= num_iterations)
+        self.first_iteration, self.steps_at_start = first, global_step
+        self.final_saved = ckpt is not None and first > num_iterations  # a finished run's checkpoint: final already
+        self.start_time, self.last_print = time.time(), 0.0
+        return first, global_step, next_obs, next_done
+
+    def data_parallel(self, agent: Agent) -> nn.Module:
+        if self.world == 1:
+            return agent
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(agent, device_ids=[self.device.index] if self.args.cuda else None)
+
+    # --- logging ----------------------------------------------------------------------------------------------
+    def open_logs(self) -> None:
+        """TensorBoard (and wandb with --track) in the run directory; rank 0 alone logs."""
+        args = self.args
+        if self.rank != 0:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=vars(args), name=self.run_name, dir=self.run_dir, resume="allow", id=self.run_name)
+            self.wandb = True
+        self.writer = SummaryWriter(self.run_dir)
+        if self.ckpt is None:
+            self.writer_call("add_text", "hyperparameters", "|param|value|\n|-|-|\n" +
+                             "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+
+    def writer_call(self, method: str, *a) -> None:
+        """A call of the TensorBoard writer; its background thread's failed write (disk full) surfaces here."""
+        try:
+            getattr(self.writer, method)(*a)
+        except Exception as e:
+            reason = os_error(e)
+            if reason is None:
+                raise
+            self.writer = None  # nothing more goes to it
+            raise WriteError(f"cannot write the TensorBoard events in {self.run_dir}: {reason}") from None
+
+    def log(self, tag: str, value: float, step: int) -> None:
+        if self.writer is not None:
+            self.writer_call("add_scalar", tag, value, step)
+
+    def count_episodes(self, reward: np.ndarray, done: np.ndarray, global_step: int) -> None:
+        self.ep_return += reward
+        self.ep_length += 1
+        for i in np.nonzero(done)[0]:
+            self.recent_returns.append(float(self.ep_return[i]))
+            self.log("charts/episodic_return", self.ep_return[i], global_step)
+            self.log("charts/episodic_length", self.ep_length[i], global_step)
+        self.ep_return[done] = 0.0
+        self.ep_length[done] = 0
+
+    def mean_over_ranks(self, x: torch.Tensor) -> float:
+        return float(all_ranks_sum(x, self.world)) / self.world
+
+    def log_iteration(self, iteration: int, global_step: int, lr: float, update_stats: list[dict],
+                      rollout_kl: Optional[torch.Tensor], b_values, b_returns) -> Optional[dict]:
+        """One host sync per iteration: the update's statistics averaged over minibatches and processes, how many
+        processes hold finite parameters, and whether a process got a stop signal. Logs them and prints the progress
+        line. None after a non-finite update (exit 1)."""
+        args, world, kl_penalty = self.args, self.world, self.kl_penalty
+        names = list(update_stats[0])
+        sums = [torch.stack([s[k] for s in update_stats]).sum() for k in names]
+        extra = [] if rollout_kl is None else [rollout_kl]
+        finite = torch.stack([torch.isfinite(p).all() for p in self.agent.parameters()]).all().float()
+        signal_count = torch.tensor(float(len(self.signals)), device=self.device)
+        *values, finite_ranks, signals = all_ranks_sum(torch.stack([*sums, *extra, finite, signal_count]),
+                                                       world).tolist()
+        stats = {k: v / (len(update_stats) * world) for k, v in zip(names, values)}
+        if extra:
+            stats["kl"] = values[-1] / world
+        if finite_ranks < world:
+            stats["parameters"] = float("nan")
+        self.stop_requested = signals > 0
+        bad = [k for k, v in stats.items() if not math.isfinite(v)]
+        if bad:
+            if self.rank == 0:  # (every rank sees the same all-reduced statistics)
+                kept = (f"last checkpoint kept: {self.checkpoint_path}" if self.checkpoint_path
+                        else "no checkpoint was written")
+                print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping ({kept})",
+                      file=sys.stderr)
+            self.finished, self.failed = False, True  # no final checkpoint and no evaluation; exit 1 at the end
+            return None
+        stats["explained_variance"] = explained_variance(b_values.cpu().numpy(), b_returns.cpu().numpy())
+        rate = (global_step - self.steps_at_start) / (time.time() - self.start_time)  # steps/s of this process
+        self.log("charts/learning_rate", lr, global_step)
+        for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
+                  "explained_variance"):
+            self.log(f"losses/{k}", stats[k], global_step)
+        self.log("charts/SPS", int(rate), global_step)
+        if kl_penalty is not None:
+            self.log("losses/kl", stats["kl"], global_step)
+            self.log("charts/kl_coef", kl_penalty.beta, global_step)  # the coefficient this update used
+        now = time.time()
+        if self.rank == 0 and (now - self.last_print >= 5.0 or iteration == self.num_iterations):
+            self.last_print = now
+            recent = np.mean(self.recent_returns[-20:]) if self.recent_returns else float("nan")
+            steps_left = (self.num_iterations - iteration) * args.num_envs * args.num_steps * world
+            print(f"iter {iteration}/{self.num_iterations}  global_step={global_step}  SPS={int(rate)}  "
+                  f"return(last 20)={recent:.1f}  approx_kl={stats['approx_kl']:.4f}"
+                  + (f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else "")
+                  + f"  eta={eta_text(steps_left / rate if rate > 0 else math.inf)}", flush=True)
+        if args.cudagraphs and iteration == self.first_iteration and self.rank == 0 and cudagraph_skips():
+            print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs says "
+                  "why)", flush=True)
+        self.last_stats = stats
+        return stats
+
+    # --- checkpoints and stops --------------------------------------------------------------------------------
+    def checkpoint(self, iteration: int, global_step: int, next_obs, next_done) -> None:
+        """Called by every rank at the same iteration; rank 0 writes the states of all ranks."""
+        rollout = dict(envs=env_state(self.envs), next_obs=next_obs.cpu(), next_done=torch.from_numpy(next_done),
+                       ep_return=torch.from_numpy(self.ep_return), ep_length=torch.from_numpy(self.ep_length),
+                       reward_ret=torch.from_numpy(self.norm.reward_scaler.ret))
+        ranks = gather_objects({"rng": rng_state(), "rollout": rollout}, self.world)
+        path = os.path.join(self.run_dir, "checkpoint.pt")
+        if self.rank == 0:
+            save_checkpoint(path, self.agent, self.optimizer, self.args, global_step, iteration, self.norm.obs_rms,
+                            self.norm.reward_scaler, rollout, ranks[1:],
+                            self.kl_penalty.beta if self.kl_penalty else None)
+        self.checkpoint_path = path
+
+    def end_of_iteration(self, iteration: int, global_step: int, next_obs, next_done) -> bool:
+        """A checkpoint every --checkpoint-every iterations; True (stop, with a checkpoint) after --stop-after
+        iterations of this process or a signal to any process."""
+        args = self.args
+        stop_now = args.stop_after and iteration - self.first_iteration + 1 >= args.stop_after
+        if (stop_now or self.stop_requested) and iteration < self.num_iterations:
+            self.checkpoint(iteration, global_step, next_obs, next_done)
+            why = (signal.Signals(self.signals[0]).name if self.signals else "a signal to another rank"
+                   if self.stop_requested else f"--stop-after {args.stop_after}")
+            if self.rank == 0:
+                print(f"stopped at iteration {iteration} ({why}); continue with: {self.launcher()} --resume "
+                      f"{self.checkpoint_path}" + (f" (which stops again after {args.stop_after} iterations, the "
+                      "checkpoint's --stop-after; add --stop-after 0 to run to the end)" if args.stop_after else ""),
+                      flush=True)
+            self.finished = False
+            return True
+        if args.checkpoint_every and iteration % args.checkpoint_every == 0:
+            self.checkpoint(iteration, global_step, next_obs, next_done)
+        return False
+
+    def launcher(self) -> str:
+        return f"{f'torchrun --nproc-per-node {self.world}' if self.world > 1 else 'python'} {SCRIPT}"
+
+    def finish(self, global_step: int, next_obs, next_done) -> None:
+        """After the loop: the final checkpoint (with --save-model, or when the run writes checkpoints along the way,
+        so that a --resume of the finished run evaluates instead of training), then --eval-episodes. A signal at the
+        end of the run or during the evaluation stops it with the trained state saved."""
+        args, world, rank = self.args, self.world, self.rank
+        end = max(self.num_iterations, self.first_iteration - 1)
+        self.result = {"global_step": global_step, "run_dir": self.run_dir, "stats": self.last_stats,
+                       "returns": self.recent_returns, "agent": self.agent, "obs_rms": self.norm.obs_rms,
+                       "return_rms": self.norm.reward_scaler.rms,
+                       "sps": int((global_step - self.steps_at_start) / (time.time() - self.start_time))}
+        if not self.finished:
+            return
+        checkpointed = self.ckpt is not None or args.checkpoint_every or args.stop_after
+        if args.save_model or (checkpointed and not self.final_saved):
+            self.checkpoint(end, global_step, next_obs, next_done)
+            self.final_saved = True
+            if rank == 0:
+                print(f"checkpoint written to {self.checkpoint_path}")
+        # under torchrun every rank plays its share of the evaluation episodes; rank 0 logs them all
+        share = args.eval_episodes // world + int(rank < args.eval_episodes % world)
+        mine = evaluate(self.agent, args, self.device, share, self.norm.obs_rms, os.path.join(self.run_dir, "videos"),
+                        rank, stop=lambda: bool(self.signals)) if share else []
+        parts = gather_objects((mine, [signal.Signals(s).name for s in self.signals]), world)
+        names = [name for _, sigs in parts for name in sigs]
+        if names:  # a stop at the end of the run: the trained state first
+            if not self.final_saved:
+                self.checkpoint(end, global_step, next_obs, next_done)
+                self.final_saved = True
+            if rank == 0:
+                print(f"stopped at the end of the run ({names[0]}); the trained model is in {self.checkpoint_path}"
+                      + (f"; evaluate it with: {self.launcher()} --resume {self.checkpoint_path} --eval-episodes "
+                         f"{args.eval_episodes}" if args.eval_episodes else ""), flush=True)
+            return
+        if args.eval_episodes:
+            eval_returns = [r for part, _ in parts for r in part]
+            mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
+            self.log("eval/episodic_return", mean, global_step)
+            if rank == 0:
+                print(f"eval: {args.eval_episodes} episodes{' (deterministic)' if args.eval_deterministic else ''}, "
+                      f"return {mean:.2f} ± {std:.2f}")
+            self.result["eval_returns"] = eval_returns
+
+
+def quiet_event_writer_thread(hook_args) -> None:
+    """threading.excepthook during a run: TensorBoard's writer thread re-raises a failed write (disk full), which the
+    main thread's next call of the writer reports in one line (Run.writer_call); other threads report as usual."""
+    if type(hook_args.thread).__name__ != "_AsyncWriterThread":
+        sys.__excepthook__(hook_args.exc_type, hook_args.exc_value, hook_args.exc_traceback)
+
+
+def leave_signals_to_main(make):
+    """An async worker ignores SIGINT and SIGTERM: a Ctrl-C reaches the whole process group, and a worker that died
+    of it would break the main process's last step and close instead of its checkpoint and clean exit. (gymnasium
+    also calls the first thunk in the main process, for the spaces: that one leaves the handlers alone.)"""
+    def thunk():
+        if multiprocessing.parent_process() is not None:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return make()
+
+    return thunk
+
+
+class RunDirBusy(Exception):
+    pass
+
+
+def make_new_dir(path: str) -> bool:
+    """Create `path` (and its parents); False if it exists already (another run took the name)."""
+    try:
+        os.makedirs(path)
+        return True
+    except FileExistsError:
+        if os.path.isdir(path):
+            return False
+        raise
+
+
+def lock_run_dir(run_dir: str) -> int:
+    """Hold an exclusive lock on run_dir/.lock for the life of this process (the OS releases it, even after kill -9);
+    RunDirBusy if another live process holds it."""
+    fd = os.open(os.path.join(run_dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise RunDirBusy(f"run directory {run_dir} is in use by another process (pid {pid}): wait for it to end or "
+                         "stop it first") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+
+
+def os_error(e: BaseException) -> Optional[str]:
+    """The reason of a failed write, from the OSError in the exception's chain (torch wraps it in a RuntimeError)."""
+    while e is not None:
+        if isinstance(e, OSError):
+            return e.strerror or str(e)
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
+    var_y = np.var(y_true)
+    return float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y)
+
+
+def eta_text(seconds: float) -> str:
+    """Time left for the progress line: 2h05m, 13m20s or 45s ("?" before the speed is known)."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Distributed (torchrun): data parallel, every rank steps its own envs, DDP averages the gradients
+# ---------------------------------------------------------------------------------------------------------
+def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
+    """Rank, world size and device. Without torchrun (or with one process) no process group is created."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, torch.device("cuda" if args.cuda else "cpu")
+    import torch.distributed as dist
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cpu")
+    if args.cuda:  # one GPU per rank
+        if local_rank >= torch.cuda.device_count():
+            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    # one hour (NCCL's default is 10 minutes): at the end the ranks wait while rank 0 writes its videos and the
+    # checkpoint, and for the longest share of the evaluation episodes
+    dist.init_process_group("nccl" if args.cuda else "gloo", timeout=datetime.timedelta(hours=1))
+    return dist.get_rank(), world, device
+
+
+def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Sum of x over ranks (a new tensor; x itself with one process)."""
+    if world > 1:
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+def gather_objects(obj, world: int) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank."""
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+def merge_moments(parts: list) -> tuple[np.ndarray, np.ndarray, float]:
+    """Mean, (population) variance and count of the union of disjoint sets of samples, from each set's
+    (mean, var, count): the parallel variance formula (Chan et al.) for any number of sets,
+        n = sum_i n_i,   mean = sum_i n_i mean_i / n,   var = sum_i n_i (var_i + (mean_i - mean)^2) / n.
+    Sets of count 0 add nothing. Deterministic in the order of `parts`: ranks that merge the same list agree bit for
+    bit."""
+    count = sum(float(c) for _, _, c in parts)
+    mean = sum(float(c) * np.asarray(m, dtype=np.float64) for m, _, c in parts) / count
+    var = sum(float(c) * (np.asarray(v, dtype=np.float64) + np.square(np.asarray(m, dtype=np.float64) - mean))
+              for m, v, c in parts) / count
+    return mean, var, count
+
+
+def merge_ranks(stats: list[RunningMeanStd], world: int) -> None:
+    """Under torchrun, once per rollout: each rank normalises with running statistics of its own data during a
+    rollout; after it, each running statistics in `stats` (tracking its additions, see
+    RunningMeanStd.track_additions) becomes that of the data of all ranks: the state of the last merge, the same on
+    every rank, combined with what each rank added since. One collective for all of them. So every rank, and the
+    checkpoint, hold the statistics of all ranks' data."""
+    added = gather_objects([(rms.added.mean, rms.added.var, rms.added.count) for rms in stats], world)
+    for i, rms in enumerate(stats):
+        rms.mean, rms.var, rms.count = merge_moments([rms.merged] + [rank_added[i] for rank_added in added])
+        rms.track_additions()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints and exact resume
+# ---------------------------------------------------------------------------------------------------------
+def mujoco_state(env) -> Optional[dict]:
+    """The state of a MuJoCo env's simulator, which lives in env.unwrapped.data, not in plain attributes (None for
+    other envs): the integration state (mj_getState with mjSTATE_INTEGRATION: time, qpos, qvel, act, ctrl,
+    qacc_warmstart, mocap, ...) and every numeric array of MjData. The arrays matter too: between steps they hold the
+    quantities derived at the start of the last step (body positions, contact forces, ...), which the envs read (Ant's
+    reward uses the torso position before the step); mj_forward on the restored qpos would compute other values, and
+    qpos and qvel alone (MujocoEnv.set_state) do not continue bit for bit (checked on Hopper, HalfCheetah and Ant)."""
+    model, data = getattr(env, "model", None), getattr(env, "data", None)
+    if model is None or data is None or type(data).__module__.split(".")[0] != "mujoco":
+        return None
+    import mujoco
+
+    sig = mujoco.mjtState.mjSTATE_INTEGRATION
+    state = np.empty(mujoco.mj_stateSize(model, sig), dtype=np.float64)
+    mujoco.mj_getState(model, data, state, sig)
+    arrays = {}
+    for name in dir(data):
+        if name.startswith("_"):
+            continue
+        try:
+            value = getattr(data, name)
+        except Exception:  # noqa: BLE001 - some properties exist only for some models
+            continue
+        if isinstance(value, np.ndarray) and value.dtype.kind in "biuf" and value.size:
+            arrays[name] = torch.from_numpy(np.array(value, copy=True))
+    return {"integration": torch.from_numpy(state), "arrays": arrays}
+
+
+def set_mujoco_state(env, saved: dict) -> None:
+    import mujoco
+
+    sig = mujoco.mjtState.mjSTATE_INTEGRATION
+    state = saved["integration"].numpy().astype(np.float64)
+    if state.size != mujoco.mj_stateSize(env.model, sig):
+        raise ValueError(f"MuJoCo state of size {state.size}, expected {mujoco.mj_stateSize(env.model, sig)}")
+    for name, value in saved["arrays"].items():  # derived quantities; the variable-sized solver arrays (contacts,
+        current = getattr(env.data, name, None)  # constraints) are rebuilt by the next step and may not fit now
+        if isinstance(current, np.ndarray) and current.shape == tuple(value.shape):
+            current[...] = value.numpy()
+    mujoco.mj_setState(env.model, env.data, state, sig)
+
+
+EXACT_RESUME_MODULES = ("gymnasium.envs.classic_control", "gymnasium.envs.mujoco")  # state: saved in full
+
+
+def env_state(envs) -> Optional[list]:
+    """Snapshot of each sub-environment of a SyncVectorEnv, enough to continue its episode bit for bit: the plain
+    attributes (numbers, arrays) of the env and of every wrapper (TimeLimit's step counter, ...), its random generator
+    and, for MuJoCo, the simulator state (mujoco_state). None for AsyncVectorEnv, whose envs live in other processes
+    (a resumed run starts new episodes), and for envs whose state lives elsewhere (Box2D's world): restoring part of
+    it would be another game."""
+    if not hasattr(envs, "envs") or not envs.envs[0].unwrapped.__module__.startswith(EXACT_RESUME_MODULES):
+        return None
+    snapshot = []
+    for env in envs.envs:
+        layers = []
+        while True:
+            plain = {}
+            for k, v in vars(env).items():
+                if isinstance(v, (bool, int, float, str)) or v is None:
+                    plain[k] = v
+                elif isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biuf":
+                    plain[k] = torch.from_numpy(np.array(v, copy=True))
+            layers.append(plain)
+            if not hasattr(env, "env"):
+                break
+            env = env.env
+        snapshot.append({"layers": layers, "np_random": env.np_random.bit_generator.state,
+                         "mujoco": mujoco_state(env)})
+    return snapshot
+
+
+def load_env_state(envs, snapshot: list) -> None:
+    for env, saved in zip(envs.envs, snapshot):
+        for plain in saved["layers"]:
+            for k, v in plain.items():
+                setattr(env, k, v.numpy().copy() if isinstance(v, torch.Tensor) else v)
+            env = getattr(env, "env", env)
+        env.np_random.bit_generator.state = saved["np_random"]
+        if saved.get("mujoco") is not None:
+            set_mujoco_state(env, saved["mujoco"])
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:
+    """optimizer.load_state_dict, keeping this run's settings: torch restores the saved ones (capturable, fused,
+    foreach, and lr as a tensor on the CPU after map_location), so a checkpoint of a CUDA-graph run would not
+    resume on the CPU, nor a CPU one stay free of host syncs on CUDA. Adam's step counters go where this run's
+    settings want them."""
+    own = [{k: g[k] for k in ("capturable", "fused", "foreach", "differentiable") if k in g}
+           for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for g, settings in zip(optimizer.param_groups, own):
+        g.update(settings)
+        g["lr"] = torch.tensor(float(g["lr"]), device=device)
+        for p in g["params"]:
+            st = optimizer.state.get(p, {})
+            if torch.is_tensor(st.get("step")):
+                on_param = g.get("capturable") or g.get("fused")
+                st["step"] = st["step"].to(p.device if on_param else torch.device("cpu"), torch.float32)
+
+
+def rng_state() -> dict:
+    """The script's randomness: torch's CPU generator, and the CUDA one of this process's GPU when it is in use
+    (sampling and shuffles on --cuda draw from it)."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step: int, iteration: int,
+                    obs_rms: RunningMeanStd, reward_scaler: RewardScaler, rollout: Optional[dict] = None,
+                    other_ranks: list = (), kl_coef: Optional[float] = None) -> None:
+    """Atomic write (temporary file, then rename): a kill during the save keeps the previous checkpoint, and a write
+    that fails (disk full) removes its partial file and raises WriteError with the reason.
+    kl_coef: the adapted coefficient of the KL-penalty variant (None with the clipped objective).
+    `rollout` holds what an exact resume needs besides the networks: env states, next obs, episode counters,
+    the reward scaler's running return.
+    Under torchrun `other_ranks` holds the RNG state and rollout of ranks 1, 2, ... (the networks are the same, and so
+    are the normalisation statistics, merged over the ranks at the end of every rollout)."""
+    state = {
+        "script": SCRIPT,
+        "env_id": args.env_id,
+        "model": agent.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "global_step": global_step,
+        "iteration": iteration,
+        "rng": rng_state(),
+        "args": dataclasses.asdict(args),
+        "obs_rms": obs_rms.state_dict(),
+        "return_rms": reward_scaler.rms.state_dict(),
+        "rollout": rollout,
+        "world_size": 1 + len(other_ranks),
+        "other_ranks": list(other_ranks),
+        "kl_coef": kl_coef,
+    }
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as f:  # a Python file: torch's error for a failed write then carries the OSError
+            torch.save(state, f)
+        os.replace(tmp, path)
+    except Exception as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        reason = os_error(e)
+        if reason is None:
+            raise
+        raise WriteError(f"cannot write {path}: {reason}") from None
+
+
+CHECKPOINT_KEYS = {"env_id": str, "model": dict, "optimizer": dict, "global_step": int, "iteration": int, "rng": dict,
+                   "args": dict, "obs_rms": dict, "return_rms": dict, "rollout": dict, "world_size": int,
+                   "other_ranks": list}
+ROLLOUT_KEYS = ("envs", "next_obs", "next_done", "ep_return", "ep_length", "reward_ret")
+_read_checkpoints: dict = {}  # the last checkpoint read: parse_args reads it for its flags, main for its states
+
+
+def load_checkpoint(path: str, env_id: Optional[str] = None) -> dict:
+    """Read and check a checkpoint (once per version of the file); whatever is wrong with it is one line, exit 2."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        die(f"cannot read checkpoint {path}: {e.strerror}")
+    key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+    if key not in _read_checkpoints:
+        _read_checkpoints.clear()
+        _read_checkpoints[key] = read_checkpoint(path)
+    ckpt = _read_checkpoints[key]
+    if env_id is not None and ckpt["env_id"] != env_id:
+        die(f"{path} was trained on {ckpt['env_id']}, not {env_id} (pass --env-id {ckpt['env_id']})")
+    return ckpt
+
+
+def read_checkpoint(path: str) -> dict:
+    try:
+        with zipfile.ZipFile(path) as z:  # torch.load does not check the records' CRCs: a flipped bit would load
+            bad = z.testzip()
+        ckpt = None if bad else torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        die(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    if bad:
+        die(f"checkpoint {path} is damaged: its record {bad} fails its CRC check")
+    if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
+        die(f"{path} is not a {SCRIPT} checkpoint (script={ckpt.get('script') if isinstance(ckpt, dict) else None})")
+    damaged = lambda what: die(f"checkpoint {path} is damaged or was edited: {what}")  # noqa: E731
+    for key, kind in CHECKPOINT_KEYS.items():
+        if not isinstance(ckpt.get(key), kind) or isinstance(ckpt.get(key), bool):
+            damaged(f"{key} is {type(ckpt[key]).__name__}, not {kind.__name__}" if key in ckpt else f"no {key}")
+    if not fits(ckpt.get("kl_coef"), Optional[float]):
+        damaged(f"kl_coef is {ckpt['kl_coef']!r}, not a number")
+    for key in ("obs_rms", "return_rms"):  # mean and var of one shape, count > 0, all finite, var >= 0
+        st = {k: ckpt[key].get(k) for k in ("mean", "var", "count")}
+        if not (all(torch.is_tensor(t) and t.is_floating_point() for t in st.values()) and st["count"].ndim == 0
+                and st["mean"].shape == st["var"].shape and st["count"] > 0 and (st["var"] >= 0).all()
+                and all(torch.isfinite(t).all() for t in st.values())):
+            damaged(f"the normalisation statistics {key} are not a mean, a variance and a count")
+    hints = typing.get_type_hints(Args, include_extras=True)
+    for name, value in ckpt["args"].items():
+        if name in hints and not fits(value, hints[name]):
+            damaged(f"args.{name} is {value!r}, not {hint_text(hints[name])}")
+    ranks = [ckpt, *ckpt["other_ranks"]]
+    if ckpt["world_size"] != len(ranks):
+        damaged(f"world_size {ckpt['world_size']} with states of {len(ranks)} process(es)")
+    for r, state in enumerate(ranks):
+        rng, rollout = state.get("rng"), state.get("rollout")
+        if not (isinstance(rng, dict) and torch.is_tensor(rng.get("torch"))
+                and rng["torch"].shape == torch.get_rng_state().shape):
+            damaged(f"the RNG state of rank {r} is missing or of the wrong size")
+        if not (isinstance(rollout, dict) and all(k in rollout for k in ROLLOUT_KEYS)):
+            damaged(f"the rollout state of rank {r} lacks one of {', '.join(ROLLOUT_KEYS)}")
+    return ckpt
+
+
+def fits(value, hint) -> bool:
+    """Whether a value read from a checkpoint has the type of its Args field (int, float, bool, str, Optional,
+    Literal choices)."""
+    origin, parts = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        return fits(value, parts[0])
+    if origin is typing.Union:
+        return any(fits(value, p) for p in parts)
+    if origin is Literal:
+        return value in parts
+    if hint is type(None):
+        return value is None
+    if hint in (int, float):
+        return isinstance(value, (int, float) if hint is float else int) and not isinstance(value, bool)
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def hint_text(hint) -> str:
+    origin, parts = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        return hint_text(parts[0])
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, parts))
+    if origin is typing.Union:
+        return " or ".join(hint_text(p) for p in parts)
+    return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def check_resume(ckpt: dict, args: Args, world: int) -> None:
+    """The iteration count and lr schedule hold for the checkpoint's processes and rollout size, and the network for
+    its normalisation switches."""
+    if ckpt["world_size"] != world:  # iterations, seeds and envs are per process
+        n = ckpt["world_size"]
+        die(f"{args.resume} was written by {n} process(es); resume it with as many: "
+            f"{'python' if n == 1 else f'torchrun --nproc-per-node {n}'} {SCRIPT} --resume {args.resume}")
+    saved = ckpt["args"]
+    if (saved.get("num_envs"), saved.get("num_steps")) != (args.num_envs, args.num_steps):
+        die(f"{args.resume} was written with --num-envs {saved.get('num_envs')} --num-steps {saved.get('num_steps')}; "
+            "its iteration count and learning-rate schedule hold for that rollout: resume with the same")
+    for name in ("norm_obs", "norm_reward"):  # the network was trained on these inputs / value scale
+        if saved.get(name) != getattr(args, name):
+            die(f"{args.resume} was trained with {name}={saved.get(name)}; --{name.replace('_', '-')} cannot change "
+                "on --resume")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Evaluation, videos and load_policy
+# ---------------------------------------------------------------------------------------------------------
+def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_rms: RunningMeanStd,
+             video_dir: str = "", rank: int = 0, stop=lambda: False) -> list[float]:
+    """Run `episodes` full episodes with actions sampled from the policy (its mean with --eval-deterministic) and
+    the observation statistics frozen; return their undiscounted (raw) returns (fewer once stop() says so).
+    Under torchrun each rank plays with its own seed, and rank 0 alone records videos."""
+    env = make_env(args.env_id, 0, args.capture_video and rank == 0, video_dir)()
+    low, high = env.action_space.low, env.action_space.high
+    rms = obs_rms if args.norm_obs else None
+    returns = []
+    obs, _ = env.reset(seed=args.seed + 10_000 + rank)
+    ep_ret = 0.0
+    while len(returns) < episodes and not stop():
+        with torch.inference_mode():
+            action = agent.act(obs_tensor(obs[None], device, rms, args.obs_clip), args.eval_deterministic)
+        obs, r, term, trunc, _ = env.step(np.clip(action[0].cpu().numpy(), low, high))
+        ep_ret += float(r)
+        if term or trunc:
+            returns.append(ep_ret)
+            ep_ret = 0.0
+            if len(returns) < episodes:  # no reset after the last one: RecordVideo would start an empty video
+                obs, _ = env.reset()
+    env.close()
+    return returns
+
+
+def setup_rendering(env_id: str) -> str:
+    """Find a GL backend that renders env_id offscreen and export it as MUJOCO_GL (read when the renderer is made).
+
+    MuJoCo renders through GLFW (needs a display), EGL (libEGL: a GPU driver or Mesa) or OSMesa (libOSMesa, software).
+    A headless machine needs MUJOCO_GL=egl or MUJOCO_GL=osmesa. The probe runs in a child process because a broken GL
+    backend can abort the process that tries it."""
+    code = ("import gymnasium as gym, moviepy\n"
+            f"e = gym.make({env_id!r}, render_mode='rgb_array'); e.reset(seed=0); assert e.render().size > 0")
+    if os.environ.get("MUJOCO_GL"):
+        candidates = [os.environ["MUJOCO_GL"]]
+    else:
+        candidates = (["glfw"] if os.environ.get("DISPLAY") else []) + ["egl", "osmesa"]
+    last = ""
+    for gl in candidates:
+        try:
+            r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, MUJOCO_GL=gl),
+                               capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            last = f"MUJOCO_GL={gl}: timed out"
+            continue
+        if r.returncode == 0:
+            os.environ["MUJOCO_GL"] = gl
+            return gl
+        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+        last = f"MUJOCO_GL={gl}: {lines[-1].strip() if lines else f'exit code {r.returncode}'}"
+    die(f"--capture-video: cannot render {env_id} offscreen (tried MUJOCO_GL={'/'.join(candidates)}; last: {last}); "
+        "install EGL (libegl1) or OSMesa (libosmesa6) and set MUJOCO_GL=egl or MUJOCO_GL=osmesa")
+    return ""
+
+
+def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
+    """A trained policy for your own code: `policy = load_policy("runs/<run>/checkpoint.pt")`, then
+    `action = policy(obs)` for one raw observation of the checkpoint's env, or `policy(batch)` for one action per
+    row. The saved observation statistics normalise the input (frozen); actions are clipped to the action space."""
+    import gymnasium as gym
+
+    err = io.StringIO()
+    try:  # a library call: a bad file raises instead of exiting the caller's program
+        with contextlib.redirect_stderr(err):
+            ckpt = load_checkpoint(path)
+    except SystemExit:
+        raise ValueError(err.getvalue().strip().removeprefix("error: ")) from None
+    probe = gym.make(ckpt["env_id"])
+    shape, low, high = probe.observation_space.shape, probe.action_space.low, probe.action_space.high
+    probe.close()
+    obs_dim = int(np.prod(shape))
+    agent = Agent(obs_dim, int(np.prod(low.shape))).to(device)
+    agent.load_state_dict(ckpt["model"])
+    obs_rms = RunningMeanStd((obs_dim,))
+    obs_rms.load_state_dict(ckpt["obs_rms"])
+    saved = ckpt["args"]
+    rms = obs_rms if saved["norm_obs"] else None
+
+    @torch.inference_mode()
+    def policy(obs):
+        obs = np.asarray(obs)
+        if obs.shape in (shape, (obs_dim,)):
+            batch = False
+        elif obs.shape[1:] in (shape, (obs_dim,)):
+            batch = True
+        else:
+            raise ValueError(f"an observation of shape {obs.shape}: expected {shape} or a batch of them")
+        x = obs_tensor(obs.reshape(-1, obs_dim), device, rms, saved["obs_clip"])
+        actions = np.clip(agent.act(x, deterministic).cpu().numpy(), low, high)
+        return actions if batch else actions[0]
+
+    return policy
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Compile and CUDA-graph helpers
+# ---------------------------------------------------------------------------------------------------------
+def compile_hot_functions(policy, update, agent: Agent, args: Args):
+    """The rollout's action sampling and the minibatch update, as they run: eager; torch.compile'd (--compile; mode
+    reduce-overhead adds CUDA graphs with --cudagraphs); or recorded by dynamo's cudagraphs backend (--cudagraphs
+    alone). The gradients are allocated here, outside any graph's memory pool; the update zeroes them in place."""
+    for p in agent.parameters():
+        p.grad = torch.zeros_like(p)
+        if args.cudagraphs:  # a fixed address, so that the graph of clip + optimizer step may update them in place
+            torch._dynamo.mark_static_address(p.grad)
+    if args.compile:
+        if args.torch_deterministic:  # compiled code draws the same random numbers as eager code
+            import torch._inductor.config as inductor_config
+
+            inductor_config.fallback_random = True
+        mode = "reduce-overhead" if args.cudagraphs else None
+        return torch.compile(policy, mode=mode), torch.compile(update, mode=mode)
+    if args.cudagraphs:  # CUDA graphs without inductor: dynamo's cudagraphs backend records and replays
+        return torch.compile(policy, backend="cudagraphs"), torch.compile(update, backend="cudagraphs")
+    return policy, update
+
+
+def cudagraph_skips() -> int:
+    """How many compiled graphs torch decided to run without CUDA graphs (dynamo's and inductor's count; a graph that
+    mutates an input whose address is not fixed is one), so that --cudagraphs never falls back silently."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------------
+def die(msg: str) -> None:
+    """Bad input: one line on stderr (rank 0's alone under torchrun), exit code 2, no traceback."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_count(text: str) -> int:
+    """A count written as 1000000, 1e6, 5e5 or 1_000_000; anything that is not a whole number is an error."""
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
+    if not value.is_integer():
+        raise ValueError(f"{text!r} is not a whole number")
+    return int(value)
+
+
+Count = Annotated[
+    int,
+    tyro.constructors.PrimitiveConstructorSpec(
+        nargs=1,
+        metavar="INT",
+        instance_from_str=lambda a: parse_count(a[0]),
+        is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool),
+        str_from_instance=lambda x: [str(x)],
+    ),
+]
 BOOL_WORDS = {"true": "", "yes": "", "1": "", "false": "no-", "no": "no-", "0": "no-"}
 
 
@@ -248,16 +1607,16 @@ def validate(args: Args) -> None:
         if getattr(args, name) < 0:
             die(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     batch = args.num_envs * args.num_steps
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun: one rollout of every process
+    if 0 < args.total_timesteps < batch * world:
+        die(f"--total-timesteps {args.total_timesteps} is less than one rollout (num_envs*num_steps = {batch}"
+            + (f", times {world} processes)" if world > 1 else ")"))
     if batch % args.num_minibatches:
         die(f"num_envs*num_steps = {batch} is not divisible by --num-minibatches {args.num_minibatches}")
     if args.norm_adv and args.norm_adv_scope == "minibatch" and batch // args.num_minibatches < 2:
         die(f"minibatches of {batch // args.num_minibatches} sample: --norm-adv needs at least 2 (their std)")
     if not 0 <= args.seed < 2**31:
         die(f"--seed must lie in [0, 2**31), got {args.seed}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun: one rollout of every process
-    if 0 < args.total_timesteps < batch * world:
-        die(f"--total-timesteps {args.total_timesteps} is less than one rollout (num_envs*num_steps = {batch}"
-            + (f", times {world} processes)" if world > 1 else ")"))
     if not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1):
         die("--gamma and --gae-lambda must lie in [0, 1]")
     for f in dataclasses.fields(Args):  # nan / inf pass the range checks below unnoticed
@@ -289,23 +1648,6 @@ def validate(args: Args) -> None:
         die(f"--resume: no such file {args.resume}")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Environments
-# ---------------------------------------------------------------------------------------------------------
-def make_env(env_id: str, idx: int = 0, capture_video: bool = False, video_dir: str = ""):
-    def thunk():
-        import gymnasium as gym
-
-        if capture_video and idx == 0:
-            env = gym.make(env_id, render_mode="rgb_array")
-            env = gym.wrappers.RecordVideo(env, video_dir, episode_trigger=lambda ep: True, disable_logger=True)
-        else:
-            env = gym.make(env_id)
-        return env
-
-    return thunk
-
-
 def check_env(env_id: str) -> None:
     """Die with one line unless env_id makes an env with flat Box action and observation spaces."""
     import gymnasium as gym
@@ -326,1011 +1668,11 @@ def check_env(env_id: str) -> None:
     probe.close()
 
 
-def make_vector_env(args: Args):
-    """Vector env in SAME_STEP autoreset mode: a finished episode is reset inside the same step() call and its last
-    observation comes back in info["final_obs"], so every stored transition is a real one (no reset transitions)."""
-    import gymnasium as gym
-
-    fns = [make_env(args.env_id, i) for i in range(args.num_envs)]
-    cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
-    if args.vector_mode == "async":
-        fns = [leave_signals_to_main(fn) for fn in fns]
-    return cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
-
-
-def leave_signals_to_main(make):
-    """An async worker ignores SIGINT and SIGTERM: a Ctrl-C reaches the whole process group, and a worker that died
-    of it would break the main process's last step and close instead of its checkpoint and clean exit."""
-    def thunk():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        return make()
-
-    return thunk
-
-
-def setup_rendering(env_id: str) -> str:
-    """Find a GL backend that renders env_id offscreen and export it as MUJOCO_GL (read when the renderer is made).
-
-    MuJoCo renders through GLFW (needs a display), EGL (libEGL: a GPU driver or Mesa) or OSMesa (libOSMesa, software).
-    A headless machine needs MUJOCO_GL=egl or MUJOCO_GL=osmesa. The probe runs in a child process because a broken GL
-    backend can abort the process that tries it."""
-    code = ("import gymnasium as gym, moviepy\n"
-            f"e = gym.make({env_id!r}, render_mode='rgb_array'); e.reset(seed=0); assert e.render().size > 0")
-    if os.environ.get("MUJOCO_GL"):
-        candidates = [os.environ["MUJOCO_GL"]]
-    else:
-        candidates = (["glfw"] if os.environ.get("DISPLAY") else []) + ["egl", "osmesa"]
-    last = ""
-    for gl in candidates:
-        try:
-            r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, MUJOCO_GL=gl),
-                               capture_output=True, text=True, timeout=120)
-        except subprocess.TimeoutExpired:
-            last = f"MUJOCO_GL={gl}: timed out"
-            continue
-        if r.returncode == 0:
-            os.environ["MUJOCO_GL"] = gl
-            return gl
-        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-        last = f"MUJOCO_GL={gl}: {lines[-1].strip() if lines else f'exit code {r.returncode}'}"
-    die(f"--capture-video: cannot render {env_id} offscreen (tried MUJOCO_GL={'/'.join(candidates)}; last: {last}); "
-        "install EGL (libegl1) or OSMesa (libosmesa6) and set MUJOCO_GL=egl or MUJOCO_GL=osmesa")
-    return ""
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Normalisation: observations by running mean/var, rewards by the running std of the discounted return
-# ---------------------------------------------------------------------------------------------------------
-class RunningMeanStd:
-    """Mean and (population) variance of a stream of vectors, merged batch by batch with Chan et al.'s parallel
-    update, as in OpenAI baselines and gymnasium. count starts at epsilon (mean 0, var 1) as there."""
-
-    def __init__(self, shape: tuple = (), epsilon: float = 1e-4):
-        self.mean = np.zeros(shape, dtype=np.float64)
-        self.var = np.ones(shape, dtype=np.float64)
-        self.count = float(epsilon)
-        self.added: Optional[RunningMeanStd] = None  # under torchrun: what this rank added since the last merge
-        self.merged: Optional[tuple] = None  # under torchrun: (mean, var, count) at the last merge, alike on all ranks
-
-    def update(self, x: np.ndarray) -> None:
-        """x: a batch (B, *shape) of new samples."""
-        x = np.asarray(x, dtype=np.float64)
-        b_count = x.shape[0]
-        b_mean = x.sum(axis=0) / b_count  # = x.mean(0), x.var(0) without numpy's slow wrappers (hot loop)
-        b_var = np.square(x - b_mean).sum(axis=0) / b_count
-        delta = b_mean - self.mean
-        total = self.count + b_count
-        self.mean = self.mean + delta * (b_count / total)
-        m2 = self.var * self.count + b_var * b_count + delta**2 * (self.count * b_count / total)
-        self.var = m2 / total
-        self.count = total
-        if self.added is not None:
-            self.added.update(x)
-
-    def track_additions(self) -> None:
-        """Under torchrun: remember the current state (the same on every rank) and collect the samples added from
-        now on in self.added, for merge_ranks."""
-        self.merged = (self.mean.copy(), self.var.copy(), self.count)
-        self.added = RunningMeanStd(self.mean.shape, epsilon=0.0)
-
-    def state_dict(self) -> dict:
-        return {"mean": torch.tensor(self.mean), "var": torch.tensor(self.var),
-                "count": torch.tensor(self.count, dtype=torch.float64)}
-
-    def load_state_dict(self, state: dict) -> None:
-        mean = state["mean"].numpy().astype(np.float64)
-        if mean.shape != self.mean.shape:
-            raise ValueError(f"normalisation statistics of shape {tuple(mean.shape)}, expected {self.mean.shape}")
-        self.mean, self.var, self.count = mean, state["var"].numpy().astype(np.float64), float(state["count"])
-
-
-def merge_moments(parts: list) -> tuple[np.ndarray, np.ndarray, float]:
-    """Mean, (population) variance and count of the union of disjoint sets of samples, from each set's
-    (mean, var, count): the parallel variance formula (Chan et al.) for any number of sets,
-        n = sum_i n_i,   mean = sum_i n_i mean_i / n,   var = sum_i n_i (var_i + (mean_i - mean)^2) / n.
-    Sets of count 0 add nothing. Deterministic in the order of `parts`: ranks that merge the same list agree bit for
-    bit."""
-    count = sum(float(c) for _, _, c in parts)
-    mean = sum(float(c) * np.asarray(m, dtype=np.float64) for m, _, c in parts) / count
-    var = sum(float(c) * (np.asarray(v, dtype=np.float64) + np.square(np.asarray(m, dtype=np.float64) - mean))
-              for m, v, c in parts) / count
-    return mean, var, count
-
-
-def normalize_obs(obs: np.ndarray, rms: RunningMeanStd, clip: float, eps: float = 1e-8) -> np.ndarray:
-    """(obs - mean) / sqrt(var + eps), clipped to [-clip, clip]; uses the statistics as they are (no update)."""
-    return np.clip((obs - rms.mean) / np.sqrt(rms.var + eps), -clip, clip)
-
-
-class RewardScaler:
-    """Divide rewards by the running std of the discounted return G <- gamma * G + r (no mean subtraction), as
-    gymnasium's NormalizeReward; G restarts at 0 after every episode end, termination or truncation."""
-
-    def __init__(self, num_envs: int, gamma: float, clip: float = 10.0, eps: float = 1e-8):
-        self.rms = RunningMeanStd(())
-        self.ret = np.zeros(num_envs, dtype=np.float64)
-        self.gamma, self.clip, self.eps = gamma, clip, eps
-
-    def __call__(self, reward: np.ndarray, done: np.ndarray) -> np.ndarray:
-        self.ret = self.ret * self.gamma + reward
-        self.rms.update(self.ret)
-        scaled = np.clip(reward / np.sqrt(self.rms.var + self.eps), -self.clip, self.clip)
-        self.ret[done] = 0.0
-        return scaled
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Agent: separate actor and critic MLPs (64x64 tanh), orthogonal init, diagonal Gaussian policy
-# ---------------------------------------------------------------------------------------------------------
-def layer_init(layer: nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
-    torch.nn.init.orthogonal_(layer.weight, std)  # detail: orthogonal init with scaled gains
-    torch.nn.init.constant_(layer.bias, bias_const)
-    return layer
-
-
-LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
-
-
-def gaussian_logprob_entropy(mean: torch.Tensor, logstd: torch.Tensor, action: torch.Tensor):
-    """log N(action; mean, exp(logstd)^2) and the entropy, summed over action dimensions (the diagonal Gaussian's
-    dimensions are independent). Written out instead of torch.distributions: cheaper in the hot loop, compilable."""
-    z = (action - mean) * torch.exp(-logstd)
-    logprob = (-0.5 * z * z - logstd - LOG_SQRT_2PI).sum(-1)
-    entropy = (0.5 + LOG_SQRT_2PI + logstd).sum(-1)
-    return logprob, entropy
-
-
-class Agent(nn.Module):
-    def __init__(self, obs_dim: int, act_dim: int):
-        super().__init__()
-        self.critic = nn.Sequential(
-            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 1), std=1.0),
-        )
-        self.actor_mean = nn.Sequential(
-            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, act_dim), std=0.01),  # detail: small last-layer gain -> mean near 0 at start
-        )
-        self.actor_logstd = nn.Parameter(torch.zeros(1, act_dim))  # detail: state-independent learnable log std
-
-    def get_value(self, x: torch.Tensor) -> torch.Tensor:
-        return self.critic(x).squeeze(-1)
-
-    def fused_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Actor and critic as one MLP with block-diagonal weights: the same function in half the matmuls. The rollout
-        (one small batch per env step, bound by per-op overhead) uses it; take a fresh copy after each update."""
-        a, c = self.actor_mean, self.critic
-        with torch.no_grad():
-            return [(torch.cat([a[0].weight, c[0].weight]), torch.cat([a[0].bias, c[0].bias])),
-                    (torch.block_diag(a[2].weight, c[2].weight), torch.cat([a[2].bias, c[2].bias])),
-                    (torch.block_diag(a[4].weight, c[4].weight), torch.cat([a[4].bias, c[4].bias]))]
-
-    def get_action_and_value(self, x: torch.Tensor, action: Optional[torch.Tensor] = None, fused=None):
-        """Sample (or score) an unclipped action. Returns action, log pi(a|s), entropy, V(s).
-        fused: fused_weights() of this agent, for a faster forward pass without gradients."""
-        return self(x, action, fused)[:4]
-
-    def forward(self, x: torch.Tensor, action: Optional[torch.Tensor] = None, fused=None):
-        """get_action_and_value, plus the Gaussian (mean, log std) of each state (the KL-penalty variant's exact KL
-        compares the old and the new ones). The update calls the agent itself, so that DDP can average the gradients."""
-        if fused is None:
-            mean, value = self.actor_mean(x), self.get_value(x)
-        else:
-            (w1, b1), (w2, b2), (w3, b3) = fused
-            out = F.linear(torch.tanh(F.linear(torch.tanh(F.linear(x, w1, b1)), w2, b2)), w3, b3)
-            mean, value = out[..., :-1], out[..., -1]
-        logstd = self.actor_logstd.expand_as(mean)
-        if action is None:  # sampling: the log-prob follows from the noise, z = (a - mean) / std = noise
-            noise = torch.randn_like(mean)
-            action = mean + torch.exp(logstd) * noise
-            logprob = (-0.5 * noise * noise - logstd - LOG_SQRT_2PI).sum(-1)
-            entropy = (0.5 + LOG_SQRT_2PI + logstd).sum(-1)
-        else:
-            logprob, entropy = gaussian_logprob_entropy(mean, logstd, action)
-        return action, logprob, entropy, value, (mean, logstd)
-
-    def act(self, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
-        """The action to play (evaluation, load_policy), unclipped: sampled, or the Gaussian's mean."""
-        return self.actor_mean(x) if deterministic else self.get_action_and_value(x)[0]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Pure functions (imported by the tests)
-# ---------------------------------------------------------------------------------------------------------
-def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, lam: float):
-    """Generalized advantage estimation by the backward recursion of the note.
-
-    rewards, values, dones: (T, N) numpy arrays; dones[t] = 1 if obs[t] is the first of a new episode (the transition
-    at t-1 ended one). next_value, next_done: (N,) for the observation after the last step. Truncated episodes must
-    already carry gamma * V(final_obs) in their last reward (see main), so a done here always means "no bootstrap".
-    Returns advantages and returns R_t = A_t + V(s_t), both (T, N). On the host in numpy: the T-step loop over
-    tiny arrays costs a fifth of what it costs in torch.
-    """
-    T = rewards.shape[0]
-    advantages = np.zeros_like(rewards)
-    lastgaelam = np.zeros_like(next_value)
-    for t in reversed(range(T)):
-        if t == T - 1:
-            nextnonterminal, nextvalues = 1.0 - next_done, next_value
-        else:
-            nextnonterminal, nextvalues = 1.0 - dones[t + 1], values[t + 1]
-        delta = rewards[t] + gamma * nextvalues * nextnonterminal - values[t]  # TD error
-        lastgaelam = delta + gamma * lam * nextnonterminal * lastgaelam
-        advantages[t] = lastgaelam
-    return advantages, advantages + values
-
-
-def normalize_advantages(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(A - mean) / (std + eps), with the unbiased std as in CleanRL and the OpenAI baselines."""
-    return (adv - adv.mean()) / (adv.std() + eps)
-
-
-def normalize_advantages_rollout(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """The note's advantage normalisation over the whole rollout: (A - mean) / sqrt(population variance + eps)."""
-    return (adv - adv.mean()) / torch.sqrt(adv.var(unbiased=False) + eps)
-
-
-def gaussian_kl(old_mean, old_logstd, mean, logstd) -> torch.Tensor:
-    """KL(N(old_mean, old_std^2) || N(mean, std^2)) of each state, exact, summed over the diagonal's dimensions:
-    log(std/old_std) + (old_std^2 + (old_mean - mean)^2) / (2 std^2) - 1/2 per dimension; (..., A) -> (...)."""
-    return (logstd - old_logstd + (torch.exp(2 * old_logstd) + (old_mean - mean) ** 2) * (0.5 * torch.exp(-2 * logstd))
-            - 0.5).sum(-1)
-
-
-def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, entropy,
-             clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool, kl_coef=None,
-             kl=None):
-    """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync).
-    kl_coef (a number or 0-d tensor) selects the KL-penalty policy loss instead: -r*A + kl_coef * kl, with kl the
-    exact KL(pi_old(.|s) || pi(.|s)) of each sample's state (gaussian_kl), as in the PPO paper."""
-    if kl_coef is not None and kl is None:
-        raise ValueError("ppo_loss: kl_coef needs kl, the KL(pi_old(.|s) || pi(.|s)) of each sample")
-    logratio = newlogprob - oldlogprob
-    ratio = logratio.exp()
-    with torch.no_grad():
-        old_approx_kl = (-logratio).mean()
-        approx_kl = ((ratio - 1) - logratio).mean()  # k3 estimator, unbiased and low variance
-        clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
-    if norm_adv:
-        advantages = normalize_advantages(advantages)
-    pg_loss1 = -advantages * ratio
-    if kl_coef is None:
-        pg_loss2 = -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
-        pg_loss = torch.max(pg_loss1, pg_loss2).mean()
-    else:
-        pg_loss = (pg_loss1 + kl_coef * kl).mean()
-    if clip_vloss:  # detail: value clipping around the old prediction
-        v_unclipped = (newvalue - returns) ** 2
-        v_clipped = oldvalue + torch.clamp(newvalue - oldvalue, -clip_coef, clip_coef)
-        v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - returns) ** 2).mean()
-    else:
-        v_loss = 0.5 * ((newvalue - returns) ** 2).mean()
-    entropy_loss = entropy.mean()
-    loss = pg_loss - ent_coef * entropy_loss + v_loss * vf_coef
-    stats = dict(policy_loss=pg_loss.detach(), value_loss=v_loss.detach(), entropy=entropy_loss.detach(),
-                 old_approx_kl=old_approx_kl, approx_kl=approx_kl, clipfrac=clipfrac)
-    return loss, stats
-
-
-def adapt_kl_coef(coef: float, kl: float, target: float) -> float:
-    """The PPO paper's rule for the KL-penalty variant: halve the coefficient when the update moved the policy by
-    less than target/1.5, double it above 1.5*target; kept within [1e-6, 1e6] so that it can always come back."""
-    if kl < target / 1.5:
-        coef /= 2
-    elif kl > target * 1.5:
-        coef *= 2
-    return min(max(coef, 1e-6), 1e6)
-
-
-def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
-    var_y = np.var(y_true)
-    return float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y)
-
-
-def eta_text(seconds: float) -> str:
-    """Time left for the progress line: 2h05m, 13m20s or 45s ("?" before the speed is known)."""
-    if not math.isfinite(seconds) or seconds < 0:
-        return "?"
-    s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Checkpoints
-# ---------------------------------------------------------------------------------------------------------
-SCRIPT = "ppo_continuous.py"
-
-
-def mujoco_state(env) -> Optional[dict]:
-    """The state of a MuJoCo env's simulator, which lives in env.unwrapped.data, not in plain attributes (None for
-    other envs): the integration state (mj_getState with mjSTATE_INTEGRATION: time, qpos, qvel, act, ctrl,
-    qacc_warmstart, mocap, ...) and every numeric array of MjData. The arrays matter too: between steps they hold the
-    quantities derived at the start of the last step (body positions, contact forces, ...), which the envs read (Ant's
-    reward uses the torso position before the step); mj_forward on the restored qpos would compute other values."""
-    model, data = getattr(env, "model", None), getattr(env, "data", None)
-    if model is None or data is None or type(data).__module__.split(".")[0] != "mujoco":
-        return None
-    import mujoco
-
-    sig = mujoco.mjtState.mjSTATE_INTEGRATION
-    state = np.empty(mujoco.mj_stateSize(model, sig), dtype=np.float64)
-    mujoco.mj_getState(model, data, state, sig)
-    arrays = {}
-    for name in dir(data):
-        if name.startswith("_"):
-            continue
-        try:
-            value = getattr(data, name)
-        except Exception:  # noqa: BLE001 - some properties exist only for some models
-            continue
-        if isinstance(value, np.ndarray) and value.dtype.kind in "biuf" and value.size:
-            arrays[name] = torch.from_numpy(np.array(value, copy=True))
-    return {"integration": torch.from_numpy(state), "arrays": arrays}
-
-
-def set_mujoco_state(env, saved: dict) -> None:
-    import mujoco
-
-    sig = mujoco.mjtState.mjSTATE_INTEGRATION
-    state = saved["integration"].numpy().astype(np.float64)
-    if state.size != mujoco.mj_stateSize(env.model, sig):
-        raise ValueError(f"MuJoCo state of size {state.size}, expected {mujoco.mj_stateSize(env.model, sig)}")
-    for name, value in saved["arrays"].items():  # derived quantities; the variable-sized solver arrays (contacts,
-        current = getattr(env.data, name, None)  # constraints) are rebuilt by the next step and may not fit now
-        if isinstance(current, np.ndarray) and current.shape == tuple(value.shape):
-            current[...] = value.numpy()
-    mujoco.mj_setState(env.model, env.data, state, sig)
-
-
-EXACT_RESUME_MODULES = ("gymnasium.envs.classic_control", "gymnasium.envs.mujoco")  # state: saved in full
-
-
-def env_state(envs) -> Optional[list]:
-    """Snapshot of each sub-environment of a SyncVectorEnv: the plain attributes (numbers, arrays) of the env and
-    of every wrapper (TimeLimit's step counter, ...), its random generator and, for MuJoCo, the simulator state
-    (which lives in env.unwrapped.data, not in plain attributes). None for AsyncVectorEnv, whose envs live in other
-    processes, and for envs whose state lives elsewhere (Box2D's world): restoring part of it would be another game."""
-    if not hasattr(envs, "envs") or not envs.envs[0].unwrapped.__module__.startswith(EXACT_RESUME_MODULES):
-        return None
-    snapshot = []
-    for env in envs.envs:
-        layers = []
-        while True:
-            plain = {}
-            for k, v in vars(env).items():
-                if isinstance(v, (bool, int, float, str)) or v is None:
-                    plain[k] = v
-                elif isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biuf":
-                    plain[k] = torch.from_numpy(np.array(v, copy=True))
-            layers.append(plain)
-            if not hasattr(env, "env"):
-                break
-            env = env.env
-        snapshot.append({"layers": layers, "np_random": env.np_random.bit_generator.state,
-                         "mujoco": mujoco_state(env)})
-    return snapshot
-
-
-def load_env_state(envs, snapshot: list) -> None:
-    for env, saved in zip(envs.envs, snapshot):
-        for plain in saved["layers"]:
-            for k, v in plain.items():
-                setattr(env, k, v.numpy() if isinstance(v, torch.Tensor) else v)
-            env = getattr(env, "env", env)
-        env.np_random.bit_generator.state = saved["np_random"]
-        if saved.get("mujoco") is not None:
-            set_mujoco_state(env, saved["mujoco"])
-
-
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:
-    """optimizer.load_state_dict, keeping this run's settings: torch restores the saved ones (capturable, fused,
-    foreach, and lr as a tensor on the CPU after map_location), so a checkpoint of a CUDA-graph run would not
-    resume on the CPU, nor a CPU one stay free of host syncs on CUDA. Adam's step counters go where this run's
-    settings want them."""
-    own = [{k: g[k] for k in ("capturable", "fused", "foreach", "differentiable") if k in g}
-           for g in optimizer.param_groups]
-    optimizer.load_state_dict(state)
-    for g, settings in zip(optimizer.param_groups, own):
-        g.update(settings)
-        g["lr"] = torch.tensor(float(g["lr"]), device=device)
-        for p in g["params"]:
-            st = optimizer.state.get(p, {})
-            if torch.is_tensor(st.get("step")):
-                on_param = g.get("capturable") or g.get("fused")
-                st["step"] = st["step"].to(p.device if on_param else torch.device("cpu"), torch.float32)
-
-
-def rng_state() -> dict:
-    """The script's randomness: torch's CPU generator, and the CUDA one of this process's GPU when it is in use
-    (sampling and shuffles on --cuda draw from it)."""
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step: int, iteration: int,
-                    obs_rms: RunningMeanStd, reward_scaler: RewardScaler, rollout: Optional[dict] = None,
-                    other_ranks: list = (), kl_coef: Optional[float] = None) -> None:
-    """Atomic write (temporary file, then rename): a kill during the save keeps the previous checkpoint.
-    kl_coef: the adapted coefficient of the KL-penalty variant (None with the clipped objective).
-    `rollout` holds what an exact resume needs besides the networks: env states, next obs, episode counters,
-    the reward scaler's running return.
-    Under torchrun `other_ranks` holds the RNG state and rollout of ranks 1, 2, ... (the networks are the same, and so
-    are the normalisation statistics, merged over the ranks at the end of every rollout)."""
-    state = {
-        "script": SCRIPT,
-        "env_id": args.env_id,
-        "model": agent.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "global_step": global_step,
-        "iteration": iteration,
-        "rng": rng_state(),
-        "args": dataclasses.asdict(args),
-        "obs_rms": obs_rms.state_dict(),
-        "return_rms": reward_scaler.rms.state_dict(),
-        "rollout": rollout,
-        "world_size": 1 + len(other_ranks),
-        "other_ranks": list(other_ranks),
-        "kl_coef": kl_coef,
-    }
-    tmp = f"{path}.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path: str, env_id: Optional[str] = None) -> dict:
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        die(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
-        die(f"{path} is not a {SCRIPT} checkpoint (script={ckpt.get('script') if isinstance(ckpt, dict) else None})")
-    if env_id is not None and ckpt["env_id"] != env_id:
-        die(f"{path} was trained on {ckpt['env_id']}, not {env_id} (pass --env-id {ckpt['env_id']})")
-    return ckpt
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Evaluation
-# ---------------------------------------------------------------------------------------------------------
-def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_rms: RunningMeanStd,
-             video_dir: str = "", rank: int = 0) -> list[float]:
-    """Run `episodes` full episodes with actions sampled from the policy (its mean with --eval-deterministic) and
-    the observation statistics frozen; return their undiscounted (raw) returns. Under torchrun each rank plays with
-    its own seed, and rank 0 alone records videos."""
-    env = make_env(args.env_id, 0, args.capture_video and rank == 0, video_dir)()
-    low, high = env.action_space.low, env.action_space.high
-    returns = []
-    obs, _ = env.reset(seed=args.seed + 10_000 + rank)
-    ep_ret = 0.0
-    while len(returns) < episodes:
-        x = normalize_obs(obs, obs_rms, args.obs_clip) if args.norm_obs else obs
-        with torch.inference_mode():
-            x = torch.as_tensor(x[None], dtype=torch.float32, device=device)
-            action = agent.act(x, args.eval_deterministic)
-        obs, r, term, trunc, _ = env.step(np.clip(action[0].cpu().numpy(), low, high))
-        ep_ret += float(r)
-        if term or trunc:
-            returns.append(ep_ret)
-            ep_ret = 0.0
-            if len(returns) < episodes:  # no reset after the last one: RecordVideo would start an empty video
-                obs, _ = env.reset()
-    env.close()
-    return returns
-
-
-def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
-    """A trained policy for your own code: `policy = load_policy("runs/<run>/checkpoint.pt")`, then
-    `action = policy(obs)` for one raw observation of the checkpoint's env, or `policy(batch)` for one action per
-    row. The saved observation statistics normalise the input (frozen); actions are clipped to the action space."""
-    import gymnasium as gym
-
-    err = io.StringIO()
-    try:  # a library call: a bad file raises instead of exiting the caller's program
-        with contextlib.redirect_stderr(err):
-            ckpt = load_checkpoint(path)
-    except SystemExit:
-        raise ValueError(err.getvalue().strip().removeprefix("error: ")) from None
-    probe = gym.make(ckpt["env_id"])
-    shape, low, high = probe.observation_space.shape, probe.action_space.low, probe.action_space.high
-    probe.close()
-    obs_dim = int(np.prod(shape))
-    agent = Agent(obs_dim, int(np.prod(low.shape))).to(device)
-    agent.load_state_dict(ckpt["model"])
-    obs_rms = RunningMeanStd((obs_dim,))
-    obs_rms.load_state_dict(ckpt["obs_rms"])
-    saved = ckpt["args"]
-
-    @torch.inference_mode()
-    def policy(obs):
-        x = np.asarray(obs, dtype=np.float64)
-        if tuple(x.shape) in (shape, (obs_dim,)):
-            batch = False
-        elif tuple(x.shape[1:]) in (shape, (obs_dim,)):
-            batch = True
-        else:
-            raise ValueError(f"an observation of shape {tuple(x.shape)}: expected {shape} or a batch of them")
-        x = x.reshape(-1, obs_dim)
-        if saved["norm_obs"]:
-            x = normalize_obs(x, obs_rms, saved["obs_clip"])
-        x = torch.as_tensor(x, dtype=torch.float32, device=device)
-        actions = np.clip(agent.act(x, deterministic).cpu().numpy(), low, high)
-        return actions if batch else actions[0]
-
-    return policy
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Distributed (torchrun): data parallel, every rank steps its own envs, DDP averages the gradients
-# ---------------------------------------------------------------------------------------------------------
-def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
-    """Rank, world size and device. Without torchrun (or with one process) no process group is created."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1, torch.device("cuda" if args.cuda else "cpu")
-    import torch.distributed as dist
-
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device("cpu")
-    if args.cuda:  # one GPU per rank
-        if local_rank >= torch.cuda.device_count():
-            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    # one hour (NCCL's default is 10 minutes): at the end the ranks wait while rank 0 writes its videos and the
-    # checkpoint, and for the longest share of the evaluation episodes
-    dist.init_process_group("nccl" if args.cuda else "gloo", timeout=datetime.timedelta(hours=1))
-    return dist.get_rank(), world, device
-
-
-def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Sum of x over ranks (a new tensor; x itself with one process)."""
-    if world > 1:
-        import torch.distributed as dist
-
-        x = x.clone()
-        dist.all_reduce(x)
-    return x
-
-
-class Silent:
-    """Stands in for the tensorboard writer on ranks other than 0: only rank 0 logs."""
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: None
-
-
-def gather_objects(obj, world: int) -> list:
-    """[obj of rank 0, obj of rank 1, ...] on every rank."""
-    if world == 1:
-        return [obj]
-    import torch.distributed as dist
-
-    out = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def merge_ranks(stats: list[RunningMeanStd], world: int) -> None:
-    """Under torchrun, once per rollout: each running statistics in `stats` (tracking its additions, see
-    RunningMeanStd.track_additions) becomes that of the data of all ranks: the state of the last merge, the same on
-    every rank, combined with what each rank added since. One collective for all of them."""
-    added = gather_objects([(rms.added.mean, rms.added.var, rms.added.count) for rms in stats], world)
-    for i, rms in enumerate(stats):
-        rms.mean, rms.var, rms.count = merge_moments([rms.merged] + [rank_added[i] for rank_added in added])
-        rms.track_additions()
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Training
-# ---------------------------------------------------------------------------------------------------------
-def cudagraph_skips() -> int:
-    """How many compiled graphs torch decided to run without CUDA graphs (dynamo's and inductor's count; a graph that
-    mutates an input whose address is not fixed is one), so that --cudagraphs never falls back silently."""
-    from torch._dynamo.utils import counters
-
-    return counters["inductor"]["cudagraph_skips"]
-
-
-def main(args: Args) -> dict:
-    rank, world, device = setup_distributed(args)
-    batch_size = args.num_envs * args.num_steps  # per rank; the global batch is world * batch_size
-    minibatch_size = batch_size // args.num_minibatches
-    num_iterations = args.total_timesteps // (batch_size * world)
-
-    ckpt = load_checkpoint(args.resume, args.env_id) if args.resume else None
-    if ckpt is not None and ckpt.get("world_size", 1) != world:  # iterations, seeds and envs are per process
-        n = ckpt.get("world_size", 1)
-        die(f"{args.resume} was written by {n} process(es); resume it with as many: "
-            f"{'python' if n == 1 else f'torchrun --nproc-per-node {n}'} {SCRIPT} --resume {args.resume}")
-    if ckpt is not None and (ckpt["args"]["num_envs"], ckpt["args"]["num_steps"]) != (args.num_envs, args.num_steps):
-        die(f"{args.resume} was written with --num-envs {ckpt['args']['num_envs']} --num-steps "
-            f"{ckpt['args']['num_steps']}; its iteration count and learning-rate schedule hold for that rollout: "
-            "resume with the same")
-    check_env(args.env_id)  # before anything is written: bad input leaves no run directory behind
-    if ckpt is not None:
-        for name in ("norm_obs", "norm_reward"):  # the network was trained on these inputs / value scale
-            if ckpt["args"].get(name) != getattr(args, name):
-                die(f"{args.resume} was trained with {name}={ckpt['args'].get(name)}; "
-                    f"--{name.replace('_', '-')} cannot change on --resume")
-        run_dir = os.path.dirname(os.path.abspath(args.resume))
-        run_name = os.path.basename(run_dir)
-    else:
-        run_name = gather_objects(f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}", world)[0]
-        run_dir = os.path.join(args.runs_dir, run_name)
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-    except OSError as e:
-        die(f"cannot create run directory {run_dir}: {e.strerror}")
-    if not os.access(run_dir, os.W_OK):
-        die(f"run directory {run_dir} is not writable")
-
-    # Seeding
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.set_num_threads(args.torch_threads)
-
-    envs = make_vector_env(args)
-    if args.capture_video and rank == 0:  # fail before training, not after it (rank 0 alone evaluates)
-        backend = setup_rendering(args.env_id)
-        print(f"video: MUJOCO_GL={backend}" + ("" if args.eval_episodes else
-                                                " (videos are recorded of the --eval-episodes only; none asked)"))
-    obs_dim = int(np.prod(envs.single_observation_space.shape))
-    act_dim = int(np.prod(envs.single_action_space.shape))
-    act_low, act_high = envs.single_action_space.low, envs.single_action_space.high
-    agent = Agent(obs_dim, act_dim).to(device)
-    # lr lives in a tensor so that annealing does not recompile the compiled/captured optimizer step;
-    # on CPU the fused Adam is one kernel instead of one per parameter (4x faster step for these small nets); on CUDA
-    # `capturable` keeps the step counters on the GPU and reads the tensor lr there (no host sync per parameter)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
-                                 capturable=args.cuda, fused=True if not args.cuda else None)
-    obs_rms = RunningMeanStd((obs_dim,))
-    reward_scaler = RewardScaler(args.num_envs, args.gamma, args.reward_clip)
-    start_iteration, global_step = 1, 0
-    # KL-penalty variant: beta on the host (the adaptive rule) and in a tensor that the (compiled) update reads
-    penalty = args.kl_penalty_coef is not None or args.kl_penalty_target is not None
-    beta = 1.0 if args.kl_penalty_coef is None else args.kl_penalty_coef
-    if ckpt is not None and args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
-        beta = ckpt["kl_coef"]  # the adapted value goes on
-    kl_coef = torch.tensor(beta, device=device)
-    if ckpt is not None:
-        try:
-            agent.load_state_dict(ckpt["model"])
-            load_optimizer_state(optimizer, ckpt["optimizer"], device)
-            obs_rms.load_state_dict(ckpt["obs_rms"])
-            reward_scaler.rms.load_state_dict(ckpt["return_rms"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            die(f"checkpoint {args.resume} does not fit this network: {str(e).splitlines()[0]}")
-        start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
-        if rank > 0:  # this rank's RNG and envs
-            ckpt = ckpt["other_ranks"][rank - 1]
-        set_rng_state(ckpt["rng"], device)
-        if rank == 0:
-            print(f"resumed {args.resume} at iteration {start_iteration - 1}, global step {global_step}")
-            saved_total = ckpt["args"].get("total_timesteps", args.total_timesteps)
-            if args.anneal_lr and saved_total != args.total_timesteps:  # not silent: the lr jumps
-                print(f"note: --total-timesteps {args.total_timesteps} differs from the checkpoint's {saved_total}: "
-                      "the learning rate now anneals to 0 at the new total")
-            if args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
-                print(f"note: the adaptive KL-penalty coefficient goes on from the checkpoint's {beta:.3g} "
-                      "(--kl-penalty-coef sets the start of a new run only)")
-    if world > 1:  # each rank's statistics see its own data during a rollout; merge_ranks combines them after it
-        obs_rms.track_additions()
-        reward_scaler.rms.track_additions()
-    for p in agent.parameters():  # gradients allocated here, outside any CUDA graph's memory pool; the update
-        p.grad = torch.zeros_like(p)  # zeroes them in place (zero_grad(set_to_none=False))
-        if args.cudagraphs:  # a fixed address, so that the graph of clip + optimizer step may update them in place
-            torch._dynamo.mark_static_address(p.grad)
-    train_agent = agent  # what the update calls: the agent itself, or DDP around it under torchrun
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        train_agent = DistributedDataParallel(agent, device_ids=[device.index] if args.cuda else None)
-
-    from torch.utils.tensorboard import SummaryWriter
-
-    if args.track and rank == 0:
-        import wandb
-
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                   config=vars(args), name=run_name, dir=run_dir, resume="allow", id=run_name)
-    writer = SummaryWriter(run_dir) if rank == 0 else Silent()  # rank 0 alone logs
-    if ckpt is None:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
-                        "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-
-    # The two hot functions: action sampling during the rollout and one minibatch update.
-    norm_per_minibatch = args.norm_adv and args.norm_adv_scope == "minibatch"
-    def policy(obs, fused):
-        action, logprob, _, value, (mean, _) = agent(obs, fused=fused)
-        return action, logprob, value, mean
-
-    def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_old_mean=None,
-               mb_old_logstd=None):
-        optimizer.zero_grad(set_to_none=False)
-        _, newlogprob, entropy, newvalue, (mean, logstd) = train_agent(mb_obs, mb_actions)
-        loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
-                               args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef, norm_per_minibatch,
-                               kl_coef if penalty else None,
-                               gaussian_kl(mb_old_mean, mb_old_logstd, mean, logstd) if penalty else None)
-        loss.backward()
-        stats["grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-        optimizer.step()
-        return stats
-
-    if args.compile:
-        if args.torch_deterministic:  # compiled code draws the same random numbers as eager code
-            import torch._inductor.config as inductor_config
-
-            inductor_config.fallback_random = True
-        policy = torch.compile(policy, mode="reduce-overhead" if args.cudagraphs else None)
-        update = torch.compile(update, mode="reduce-overhead" if args.cudagraphs else None)
-    elif args.cudagraphs:  # CUDA graphs without inductor: dynamo's cudagraphs backend records and replays
-        policy = torch.compile(policy, backend="cudagraphs")
-        update = torch.compile(update, backend="cudagraphs")
-
-    def prepare_obs(raw: np.ndarray, update_stats: bool) -> np.ndarray:
-        if not args.norm_obs:
-            return raw
-        if update_stats:
-            obs_rms.update(raw)
-        return normalize_obs(raw, obs_rms, args.obs_clip)
-
-    # Rollout storage (T, N, ...): what the envs return stays on the host (numpy), what the policy returns on the device
-    obs = np.zeros((args.num_steps, args.num_envs, obs_dim), dtype=np.float32)
-    rewards = np.zeros((args.num_steps, args.num_envs), dtype=np.float32)
-    dones = np.zeros((args.num_steps, args.num_envs), dtype=np.float32)
-    actions = torch.zeros((args.num_steps, args.num_envs, act_dim), device=device)
-    logprobs = torch.zeros((args.num_steps, args.num_envs), device=device)
-    values = torch.zeros((args.num_steps, args.num_envs), device=device)
-    # the KL-penalty variant's exact KL needs the Gaussian pi_old(.|s) of every state (its std is the same in all)
-    old_means = torch.zeros((args.num_steps, args.num_envs, act_dim), device=device) if penalty else None
-
-    next_obs_np, _ = envs.reset(seed=[args.seed + global_step + rank * args.num_envs + i
-                                      for i in range(args.num_envs)])
-    next_done = np.zeros(args.num_envs, dtype=np.float32)
-    ep_return = np.zeros(args.num_envs)
-    ep_length = np.zeros(args.num_envs, dtype=np.int64)
-    saved = ckpt.get("rollout") if ckpt is not None else None
-    if saved is not None and saved["envs"] is not None and args.vector_mode == "sync":
-        # exact resume: the episodes in flight continue where they stopped
-        try:
-            load_env_state(envs, saved["envs"])
-        except (ValueError, KeyError, AttributeError) as e:
-            die(f"checkpoint {args.resume}: cannot restore the environments: {e}")
-        next_obs = saved["next_obs"].numpy().astype(np.float32)  # already normalised
-        next_done = saved["next_done"].numpy().astype(np.float32)
-        ep_return, ep_length = saved["ep_return"].numpy().copy(), saved["ep_length"].numpy().copy()
-        reward_scaler.ret = saved["reward_ret"].numpy().astype(np.float64)
-    else:
-        if ckpt is not None and rank == 0:
-            print("note: environments start new episodes (exact resume needs --vector-mode sync, then and now, "
-                  "and an env whose whole state the script saves)")
-        next_obs = prepare_obs(next_obs_np, update_stats=num_iterations >= start_iteration).astype(np.float32)
-
-    def checkpoint(path: str, iteration: int) -> None:
-        """Called by every rank at the same iteration; rank 0 writes the states of all ranks."""
-        rollout = dict(envs=env_state(envs), next_obs=torch.from_numpy(next_obs.copy()),
-                       next_done=torch.from_numpy(next_done.copy()), ep_return=torch.from_numpy(ep_return.copy()),
-                       ep_length=torch.from_numpy(ep_length.copy()),
-                       reward_ret=torch.from_numpy(reward_scaler.ret.copy()))
-        ranks = gather_objects({"rng": rng_state(), "rollout": rollout}, world)
-        if rank == 0:
-            save_checkpoint(path, agent, optimizer, args, global_step, iteration, obs_rms, reward_scaler, rollout,
-                            ranks[1:], beta if penalty else None)
-    recent_returns: list[float] = []
-    last_stats: dict = {}
-    start_time, last_print = time.time(), 0.0
-    steps_at_start = global_step
-    finished, failed = True, False  # failed: an update went non-finite
-    # SIGTERM / SIGINT: finish the current iteration, write a checkpoint, say how to resume, exit cleanly.
-    stop_signal: list[int] = []
-    previous_handlers = {sig: signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
-                         for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    for iteration in range(start_iteration, num_iterations + 1):
-        lr_now = args.learning_rate
-        if args.anneal_lr:  # detail: linear annealing to 0 over the whole run
-            lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
-        optimizer.param_groups[0]["lr"].fill_(lr_now)
-        fused = agent.fused_weights()  # the policy of this iteration's rollout (theta_old)
-        old_logstd = agent.actor_logstd.detach().clone() if penalty else None  # and its std, (1, act_dim)
-
-        # Collect rollout
-        for step in range(args.num_steps):
-            global_step += args.num_envs * world  # environment steps of all ranks
-            obs[step] = next_obs
-            dones[step] = next_done
-            with torch.inference_mode():
-                action, logprob, value, mean = policy(torch.from_numpy(next_obs).to(device), fused)
-            values[step] = value
-            actions[step] = action
-            logprobs[step] = logprob
-            if penalty:
-                old_means[step] = mean
-
-            # detail: clip to the action bounds for the env only; the buffer keeps the sample the log-prob is of
-            next_obs_np, raw_reward, terminations, truncations, infos = envs.step(
-                np.clip(action.cpu().numpy(), act_low, act_high))
-            done = np.logical_or(terminations, truncations)
-            ep_return += raw_reward
-            ep_length += 1
-            next_obs = prepare_obs(next_obs_np, update_stats=True).astype(np.float32)  # detail: obs normalisation
-            reward = reward_scaler(raw_reward, done) if args.norm_reward else np.asarray(raw_reward, np.float64)
-            # Truncation is not termination: bootstrap r + gamma * V(final obs) for episodes cut by a time limit,
-            # the final observation normalised with the same statistics as the policy's inputs.
-            trunc_only = np.logical_and(truncations, np.logical_not(terminations))
-            if trunc_only.any():
-                idx = np.nonzero(trunc_only)[0]
-                final = prepare_obs(np.stack(infos["final_obs"][idx]), update_stats=False)
-                with torch.inference_mode():
-                    final_value = agent.get_value(torch.as_tensor(final, dtype=torch.float32, device=device))
-                reward[idx] += args.gamma * final_value.cpu().numpy()
-            for i in np.nonzero(done)[0]:
-                recent_returns.append(float(ep_return[i]))
-                writer.add_scalar("charts/episodic_return", ep_return[i], global_step)
-                writer.add_scalar("charts/episodic_length", ep_length[i], global_step)
-            ep_return[done] = 0.0
-            ep_length[done] = 0
-            rewards[step] = reward
-            next_done = done.astype(np.float32)
-        if world > 1:  # every rank's normalisation statistics become those of all ranks' data (before the update)
-            merge_ranks([obs_rms, reward_scaler.rms], world)
-
-        # Compute advantages and returns (GAE)
-        with torch.inference_mode():
-            next_value = agent.get_value(torch.from_numpy(next_obs).to(device)).cpu().numpy()
-        advantages, returns = compute_gae(rewards, values.cpu().numpy(), dones, next_value, next_done,
-                                          args.gamma, args.gae_lambda)
-
-        b_obs = torch.from_numpy(obs).to(device).reshape(batch_size, obs_dim)
-        b_logprobs, b_actions = logprobs.reshape(-1), actions.reshape(batch_size, act_dim)
-        b_advantages = torch.from_numpy(advantages).to(device).reshape(-1)
-        b_returns, b_values = torch.from_numpy(returns).to(device).reshape(-1), values.reshape(-1)
-        if penalty:
-            b_old_means = old_means.reshape(batch_size, act_dim)
-        if args.norm_adv and not norm_per_minibatch:  # the note's form (the default is per minibatch, in ppo_loss)
-            b_advantages = normalize_advantages_rollout(b_advantages)
-
-        # Optimise policy & value for E epochs
-        stats_sum, n_updates = None, 0
-        for epoch in range(args.update_epochs):
-            b_inds = torch.randperm(batch_size, device=device)
-            for start in range(0, batch_size, minibatch_size):
-                mb = b_inds[start:start + minibatch_size]
-                stats = update(b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb], b_returns[mb],
-                               b_values[mb], b_old_means[mb] if penalty else None, old_logstd)
-                stats = {k: v.clone() for k, v in stats.items()}
-                stats_sum = stats if stats_sum is None else {k: stats_sum[k] + v for k, v in stats.items()}
-                n_updates += 1
-            if args.target_kl is not None and float(all_ranks_sum(stats["approx_kl"], world)) / world > args.target_kl:
-                break
-        # Update reference policy: theta_old <- theta happens implicitly, the next rollout samples from theta.
-        # KL(pi_old || pi_theta) of the whole rollout after the update: the d of the adaptive KL-penalty rule
-        if penalty:
-            with torch.no_grad():
-                kl_sum = torch.zeros((), device=device)
-                for start in range(0, batch_size, minibatch_size):
-                    mb = slice(start, start + minibatch_size)
-                    kl_sum += gaussian_kl(b_old_means[mb], old_logstd, agent.actor_mean(b_obs[mb]),
-                                          agent.actor_logstd).sum()
-            stats_sum["kl"] = kl_sum / batch_size * n_updates  # one value: the mean over updates below gives it back
-
-        # one host sync: the statistics averaged over updates (and ranks), the number of ranks whose parameters are
-        # all finite, and the number of stop signals received by any rank
-        finite = torch.stack([torch.isfinite(p).all() for p in agent.parameters()]).all()
-        summed = all_ranks_sum(torch.stack([*stats_sum.values(), finite.float(),
-                                            torch.tensor(float(len(stop_signal)), device=device)]), world)
-        *means, finite_ranks, signals = torch.cat([summed[:-2] / (n_updates * world), summed[-2:]]).tolist()
-        last_stats = dict(zip(stats_sum, means))
-        if finite_ranks < world:
-            last_stats["parameters"] = float("nan")
-        if not all(np.isfinite(v) for v in last_stats.values()):  # stop before a checkpoint of this update
-            bad = [k for k, v in last_stats.items() if not np.isfinite(v)]
-            if rank == 0:  # (every rank sees the same all-reduced statistics)
-                print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
-                      file=sys.stderr)
-            finished, failed = False, True  # no final checkpoint and no evaluation; exit 1 after the clean-up
-            break
-        last_stats["explained_variance"] = explained_variance(b_values.cpu().numpy(), b_returns.cpu().numpy())
-        rate = (global_step - steps_at_start) / (time.time() - start_time)  # steps/s of this process
-        sps = int(rate)
-        writer.add_scalar("charts/learning_rate", lr_now, global_step)
-        for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
-                  "explained_variance"):
-            writer.add_scalar(f"losses/{k}", last_stats[k], global_step)
-        writer.add_scalar("charts/SPS", sps, global_step)
-        if penalty:
-            writer.add_scalar("losses/kl", last_stats["kl"], global_step)
-            writer.add_scalar("charts/kl_coef", beta, global_step)  # the coefficient this update used
-
-        now = time.time()
-        if rank == 0 and (now - last_print >= 5.0 or iteration == num_iterations):
-            last_print = now
-            recent = np.mean(recent_returns[-20:]) if recent_returns else float("nan")
-            steps_left = (num_iterations - iteration) * batch_size * world
-            print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={sps}  "
-                  f"return(last 20)={recent:.1f}  approx_kl={last_stats['approx_kl']:.4f}"
-                  + (f"  kl={last_stats['kl']:.4f} kl_coef={beta:.3g}" if penalty else "")
-                  + f"  eta={eta_text(steps_left / rate if rate > 0 else math.inf)}", flush=True)
-        if args.cudagraphs and iteration == start_iteration and rank == 0 and cudagraph_skips():
-            print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs says "
-                  "why)", flush=True)
-        if args.kl_penalty_target is not None:  # the coefficient of the next update
-            beta = adapt_kl_coef(beta, last_stats["kl"], args.kl_penalty_target)
-            kl_coef.fill_(beta)
-
-        ckpt_path = os.path.join(run_dir, "checkpoint.pt")
-        stop_now = args.stop_after and iteration - start_iteration + 1 >= args.stop_after
-        if (stop_now or signals) and iteration < num_iterations:  # signals: summed over ranks, so all stop together
-            checkpoint(ckpt_path, iteration)
-            why = (signal.Signals(stop_signal[0]).name if stop_signal else "a signal to another rank" if signals
-                   else f"--stop-after {args.stop_after}")
-            if rank == 0:
-                launcher = f"torchrun --nproc-per-node {world}" if world > 1 else "python"
-                print(f"stopped at iteration {iteration} ({why}); continue with: {launcher} {SCRIPT} --resume "
-                      f"{ckpt_path}" + (f" (which stops again after {args.stop_after} iterations, the checkpoint's "
-                       "--stop-after; add --stop-after 0 to run to the end)" if args.stop_after else ""), flush=True)
-            finished = False
-            break
-        if args.checkpoint_every and iteration % args.checkpoint_every == 0:
-            checkpoint(ckpt_path, iteration)
-    checkpointed = ckpt is not None or args.checkpoint_every or args.stop_after  # a checkpoint.pt along the way
-    if finished and (args.save_model or (checkpointed and start_iteration <= num_iterations)):
-        # brought up to the end of the run, so that a --resume of the finished run evaluates instead of training
-        path = os.path.join(run_dir, "checkpoint.pt")
-        checkpoint(path, max(num_iterations, start_iteration - 1))
-        if rank == 0:
-            print(f"checkpoint written to {path}")
-    for sig, handler in previous_handlers.items():
-        signal.signal(sig, handler)
-    envs.close()
-
-    sps = int((global_step - steps_at_start) / (time.time() - start_time))
-    result = {"global_step": global_step, "sps": sps, "run_dir": run_dir, "stats": last_stats,
-              "returns": recent_returns, "agent": agent, "obs_rms": obs_rms, "return_rms": reward_scaler.rms}
-    if args.eval_episodes and finished:  # under torchrun every rank plays its share; rank 0 logs them all
-        share = args.eval_episodes // world + int(rank < args.eval_episodes % world)
-        mine = evaluate(agent, args, device, share, obs_rms, os.path.join(run_dir, "videos"), rank) if share else []
-        eval_returns = [r for part in gather_objects(mine, world) for r in part]
-        mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
-        writer.add_scalar("eval/episodic_return", mean, global_step)
-        if rank == 0:
-            print(f"eval: {args.eval_episodes} episodes{' (deterministic)' if args.eval_deterministic else ''}, "
-                  f"return {mean:.2f} ± {std:.2f}")
-        result["eval_returns"] = eval_returns
-    writer.close()
-    if args.track and rank == 0:
-        import wandb
-
-        wandb.finish(exit_code=int(failed))
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
-        dist.destroy_process_group()
-    if failed:
-        if world > 1:  # as at the end of __main__: skip the teardown where gloo's threads can abort
-            sys.stdout.flush(), sys.stderr.flush()
-            os._exit(1)
-        sys.exit(1)
-    return result
-
-
 if __name__ == "__main__":
-    main(parse_args())
+    args = parse_args()
+    for sig in STOP_SIGNALS:  # main() restores this at its end: a late signal then cannot break a clean exit
+        signal.signal(sig, signal.SIG_IGN)  # (SIG_IGN: the interpreter's teardown resets Python-level handlers)
+    main(args)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Everything is written and the process group destroyed. Skip the interpreter's teardown, where gloo's
         # threads now and then abort a finished run ("terminate called without an active exception", exit -6).
