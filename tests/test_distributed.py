@@ -74,10 +74,11 @@ def test_ppo_trains_stops_and_resumes_under_torchrun(tmp_path):
     assert len(glob.glob(str(tmp_path / "*" / "events.out.tfevents.*"))) == 2  # rank 0's, one per process run
 
 
-def test_bad_input_under_torchrun_is_said_once(tmp_path):
+@pytest.mark.parametrize("script", ["ppo.py", "ppo_atari_envpool.py"])
+def test_bad_input_under_torchrun_is_said_once(tmp_path, script):
     """Every rank finds the bad input before the process group exists; rank 0 alone says it (the launcher then
     reports the workers' failure and exits 1, which is torchrun's own rule)."""
-    res = torchrun(os.path.join(ROOT, "ppo.py"), "--num-envs", "abc", "--runs-dir", str(tmp_path))
+    res = torchrun(os.path.join(ROOT, script), "--num-envs", "abc", "--runs-dir", str(tmp_path))
     errors = [ln for ln in res.stderr.splitlines() if "error: " in ln and "not a number" in ln]
     assert res.returncode == 1 and len(errors) == 1, res.stderr[-3000:]
     assert errors[0].startswith("error: Error parsing --num-envs: 'abc' is not a number"), errors
