@@ -1,7 +1,7 @@
 """PPO for Atari through envpool (Breakout-v5 by default), with CleanRL's Atari settings, in one file.
 
-    python ppo_atari_envpool.py --total-timesteps 1e7              # Breakout-v5, 10M steps, 8 envs x 128
-    python ppo_atari_envpool.py --env-id Pong-v5 --cuda --compile --cudagraphs
+    python ppo_atari_envpool.py --total-timesteps 1e7              # Breakout-v5, 10M steps; on the GPU if any
+    python ppo_atari_envpool.py --env-id Pong-v5 --compile --cudagraphs
     python ppo_atari_envpool.py --stop-after 500                   # a piece of a run; then:
     python ppo_atari_envpool.py --resume runs/<run>/checkpoint.pt  # the next 500, same steps and lr schedule
     torchrun --nproc-per-node 2 ppo_atari_envpool.py               # data parallel: --num-envs envs per process
@@ -106,8 +106,8 @@ class Args:  # Count: an int that also reads 1e7 (defined with the command line,
     """seed of the experiment (python, numpy, torch and the environments)"""
     torch_deterministic: bool = True
     """deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only; cuDNN; cuBLAS workspace)"""
-    cuda: bool = False
-    """run the networks on CUDA (pinned host buffers, non-blocking copies)"""
+    cuda: bool = dataclasses.field(default_factory=lambda: torch.cuda.is_available())
+    """run the networks on CUDA: the default where torch sees a GPU (as CleanRL's script); --no-cuda forces the CPU"""
     compile: bool = False
     """torch.compile the action sampling and the update step"""
     cudagraphs: bool = False
@@ -1314,13 +1314,15 @@ def bool_values(argv: list[str]) -> list[str]:
 def parse_args(argv: Optional[list[str]] = None) -> Args:
     """tyro.cli, with its error boxes condensed to one line (exit code 2)."""
     argv = bool_values(sys.argv[1:] if argv is None else argv)
-    default = None
+    default, gpu_gone = None, False
     resume = resume_path(argv)
     if resume is not None:  # the checkpoint's arguments become the defaults; flags given now override them
         if not os.path.isfile(resume):
             die(f"--resume: no such file {resume}")
         saved = load_checkpoint(resume)["args"]
         default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
+        if default.cuda and not torch.cuda.is_available():  # written on a GPU, resumed where there is none
+            default.cuda, default.cudagraphs, gpu_gone = False, False, True  # (--cuda by name is refused below)
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
@@ -1339,6 +1341,8 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
                 break
             message.append(ln)
         die(" ".join(message) or "invalid arguments (see --help)")
+    if gpu_gone and not args.cuda and int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: {resume} was written on a GPU and torch finds none here: the run resumes on the CPU")
     validate(args)
     return args
 
@@ -1396,8 +1400,7 @@ def validate(args: Args) -> None:
     if args.cudagraphs and world > 1:
         die("--cudagraphs is not supported under torchrun (DDP's gradient all-reduce runs outside the graph)")
     if args.cuda and not torch.cuda.is_available():
-        die("--cuda given (or taken from the checkpoint: --no-cuda resumes on the CPU) but torch finds no CUDA "
-            "device")
+        die("--cuda given but torch finds no CUDA device (without the flag the script uses the GPU if there is one)")
     if args.resume is not None and not os.path.isfile(args.resume):
         die(f"--resume: no such file {args.resume}")
     check_env_id(args.env_id)

@@ -942,3 +942,38 @@ def test_the_nan_stop_says_when_no_checkpoint_exists(tmp_path, monkeypatch, caps
         pae.main(tiny(tmp_path, total_timesteps=64))
     err = capsys.readouterr().err
     assert e.value.code == 1 and "at iteration 1; stopping (no checkpoint was written)" in err, err
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Device: the GPU where torch sees one (as CleanRL's script), checked on the CPU with torch's answer patched
+# (parsing and validation only: nothing trains with the patched answer)
+# --------------------------------------------------------------------------------------------------------------
+def test_the_gpu_is_the_default_where_torch_sees_one(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pae.parse_args(["--total-timesteps", "1e7"]).cuda is True and pae.Args().cuda is True
+    assert pae.parse_args(["--no-cuda"]).cuda is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pae.parse_args(["--total-timesteps", "1e7"]).cuda is False and pae.Args().cuda is False
+    with pytest.raises(SystemExit) as e:  # asked for by name: refused
+        pae.parse_args(["--cuda"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--cuda given but torch finds no CUDA device" in err, err
+    monkeypatch.setenv("COLUMNS", "1000")  # tyro's help on one line per flag
+    with pytest.raises(SystemExit):
+        pae.parse_args(["--help"])
+    assert "the default where torch sees a GPU" in capsys.readouterr().out
+
+
+def test_a_gpu_checkpoint_resumes_on_the_cpu_where_there_is_none(stopped_run, tmp_path, monkeypatch, capsys):
+    path = edited_checkpoint(stopped_run, tmp_path, lambda s: s["args"].update(cuda=True, cudagraphs=True))  # a GPU's
+    args = pae.parse_args(["--resume", path])
+    assert args.cuda is False and args.cudagraphs is False
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "was written on a GPU and torch finds none here: the run resumes on the CPU" in out
+    with pytest.raises(SystemExit) as e:  # unless --cuda is given by name
+        pae.parse_args(["--resume", path, "--cuda"])
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and captured.err.count("\n") == 1 and not captured.out, captured
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # where there is a GPU it resumes there, silently
+    args = pae.parse_args(["--resume", path])
+    assert args.cuda is True and args.cudagraphs is True and not capsys.readouterr().out
