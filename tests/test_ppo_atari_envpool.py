@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/shared.py
 import ppo_atari_envpool as pae  # noqa: E402
-from shared import reference_gae  # noqa: E402  (tests/shared.py)
+from shared import FullDisk, reference_gae  # noqa: E402  (tests/shared.py)
 
 SCRIPT = os.path.join(ROOT, "ppo_atari_envpool.py")
 
@@ -831,22 +831,6 @@ def test_a_run_directory_held_by_a_live_process_is_refused(stopped_run, tmp_path
         assert f"run directory {os.path.dirname(ckpt)} is in use by another process (pid 4242)" in err
         assert os.stat(ckpt).st_mtime_ns == before
     assert pae.main(pae.parse_args(["--resume", ckpt]))["global_step"] == 128  # free again: it resumes
-
-
-class FullDisk:
-    """A file that takes `room` bytes, then fails as a full disk does."""
-
-    def __init__(self, f, room):
-        self.f, self.room = f, room
-
-    def write(self, b):
-        if len(b) > self.room:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self.room -= len(b)
-        return self.f.write(b)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
 
 
 @pytest.mark.parametrize("good_saves", [0, 1])
