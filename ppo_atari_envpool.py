@@ -612,7 +612,7 @@ class Run:
         return run_dir
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        args, clean = self.args, exc_type is None
+        clean = exc_type is None
         try:
             if self.envs is not None:
                 self.envs.close()
