@@ -1,36 +1,18 @@
-"""PPO for Atari through envpool (Breakout-v5 by default), with the CleanRL Atari settings.
+"""PPO for Atari through envpool (Breakout-v5 by default), with CleanRL's Atari settings, in one file.
 
-    python ppo_atari_envpool.py --total-timesteps 1e7              # Breakout-v5, 10M steps, 8 envs x 128
-    python ppo_atari_envpool.py --env-id Pong-v5 --cuda --compile --cudagraphs
+    python ppo_atari_envpool.py --total-timesteps 1e7              # Breakout-v5, 10M steps; on the GPU if any
+    python ppo_atari_envpool.py --env-id Pong-v5 --compile --cudagraphs
     python ppo_atari_envpool.py --stop-after 500                   # a piece of a run; then:
     python ppo_atari_envpool.py --resume runs/<run>/checkpoint.pt  # the next 500, same steps and lr schedule
     torchrun --nproc-per-node 2 ppo_atari_envpool.py               # data parallel: --num-envs envs per process
 
-All Atari preprocessing is envpool's own (noop reset, frame skip 4 with max-pool, episodic life, fire reset,
-reward clipping, 84x84 gray, frame stack 4, optional sticky actions). The loop follows the note
-(shared/seeds/ppo_note.md) step by step; each step is a section comment below:
-Collect rollout -> Compute advantages and returns (GAE) -> Advantage normalisation ->
-Optimise policy & value for E epochs (clipped policy loss + value loss + entropy bonus) -> Update reference policy.
-The note's adaptive-KL-penalty variant replaces the clipped loss with --kl-penalty-coef / --kl-penalty-target.
-
-envpool semantics this script relies on (checked by experiment with envpool 1.2.5, env_type="gymnasium"):
-- autoreset is "next step": the step() after a done returns the reset observation, reward 0, and ignores the
-  action. With episodic_life a life loss is such a done too (the reset step then continues the same game;
-  info["elapsed_step"] does not advance). Those reset steps carry no real transition: they are stored
-  (static shapes for compile / CUDA graphs) but masked out of the loss.
-- returned `terminated` is True on a life loss (episodic life: GAE treats it as terminal); info["terminated"] is
-  True only when the game is over; `truncated` (max_episode_steps, 27000 agent steps = 108000 frames) ends the
-  game as well. info["reward"] is the unclipped reward, from which the whole-game episodic return is summed.
-
-Stopping and resuming: SIGTERM / SIGINT (like --stop-after) finish the current iteration, write the checkpoint and
-print the --resume command. What --resume restores: the network, the optimizer (Adam moments), the torch RNG, the
-iteration and step count, and so the learning-rate schedule. What it does not: the games in flight. envpool's
-emulator state cannot be saved, so a resumed run starts new games (envpool seeded with seed + global_step) and a
-stopped and resumed run is not identical to an uninterrupted one (the updates that follow see other games).
-
-Under torchrun every process (rank) steps its own --num-envs envs (envpool seed offset by rank * num_envs, so no
-two ranks play the same games) and DistributedDataParallel averages the gradients; rank 0 alone logs and writes
-the checkpoint, which holds the torch RNG of every rank.
+Read from the top: Args -> environments (envpool does all the Atari preprocessing) -> Agent (Nature CNN) -> the PPO
+math (compute_gae, the truncation bootstrap, advantage normalisation and ppo_loss over the real transitions, the
+adaptive-KL-penalty variant) -> main(), whose loop is the note's steps (shared/seeds/ppo_note.md):
+1. Collect rollout, 2. Compute advantages and returns (GAE), 3. Advantage normalisation,
+4. Optimise policy & value for E epochs, 5. Update reference policy.
+PPO ends at the banner below main(). What follows it (run context: torchrun, logging, signals; checkpoints and
+resume; evaluation and load_policy; compile helpers; the command line) changes nothing that PPO computes.
 """
 
 from __future__ import annotations
@@ -39,13 +21,17 @@ import contextlib
 import dataclasses
 import datetime
 import difflib
+import fcntl
 import io
 import math
 import os
 import random
 import signal
 import sys
+import threading
 import time
+import typing
+import zipfile
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
@@ -59,46 +45,69 @@ import torch.nn as nn  # noqa: E402
 import tyro  # noqa: E402
 
 
-def die(msg: str) -> None:
-    """Bad input: one line on stderr, exit code 2, no traceback."""
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
-
-
-def parse_count(text: str) -> int:
-    """A count written as 500000, 5e5, 1e7 or 1_000_000; anything that is not a whole number is an error."""
-    try:
-        value = float(text.replace("_", ""))
-    except ValueError:
-        raise ValueError(f"{text!r} is not a number") from None
-    if not value.is_integer():
-        raise ValueError(f"{text!r} is not a whole number")
-    return int(value)
-
-
-Count = Annotated[
-    int,
-    tyro.constructors.PrimitiveConstructorSpec(
-        nargs=1,
-        metavar="INT",
-        instance_from_str=lambda a: parse_count(a[0]),
-        is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool),
-        str_from_instance=lambda x: [str(x)],
-    ),
-]
-
-
 @dataclass
-class Args:
-    # Experiment
+class Args:  # Count: an int that also reads 1e7 (defined with the command line, below the banner)
+    # The note's hyperparameters
+    num_steps: Count = 128
+    """T: steps per environment in each rollout"""
+    update_epochs: Count = 4
+    """E: epochs over each rollout"""
+    num_minibatches: Count = 4
+    """minibatches per epoch: M = num_envs * T / num_minibatches"""
+    clip_coef: float = 0.1
+    """epsilon: clip range of the probability ratio (and of the value clip)"""
+    learning_rate: float = 2.5e-4
+    """alpha: Adam learning rate"""
+    gamma: float = 0.99
+    """gamma: discount factor"""
+    gae_lambda: float = 0.95
+    """lambda: GAE parameter"""
+    vf_coef: float = 0.5
+    """c_v: value loss coefficient"""
+    ent_coef: float = 0.01
+    """c_H: entropy bonus coefficient"""
+
+    # Implementation details (CleanRL's) and the note's adaptive-KL-penalty variant
+    anneal_lr: bool = True
+    """anneal the learning rate linearly to 0"""
+    norm_adv: bool = True
+    """standardise the advantages (where: --norm-adv-scope)"""
+    norm_adv_scope: Literal["minibatch", "rollout"] = "minibatch"
+    """minibatch: in each minibatch, (A-mean)/(std+eps) (CleanRL); rollout: once, (A-mean)/sqrt(var+eps) (the note)"""
+    clip_vloss: bool = True
+    """clip the value loss as in the original PPO code"""
+    max_grad_norm: float = 0.5
+    """global gradient norm clip"""
+    target_kl: Optional[float] = None
+    """stop the epochs of an update early once approx_kl exceeds this"""
+    kl_penalty_coef: Optional[float] = None
+    """KL-penalty variant (PPO paper, sec. 4): policy loss -r*A + coef*KL(pi_old||pi), no ratio clip; None: clip"""
+    kl_penalty_target: Optional[float] = None
+    """adaptive KL penalty: the coef (default 1) halves after an update with KL < target/1.5, doubles if > 1.5*target"""
+
+    # Environment (envpool)
+    env_id: str = "Breakout-v5"
+    """id of an envpool Atari task (Breakout-v5, Pong-v5, BeamRider-v5, ...)"""
+    total_timesteps: Count = 10_000_000
+    """total environment steps of the run"""
+    num_envs: Count = 8
+    """number of parallel environments (per process under torchrun)"""
+    num_threads: Count = 0
+    """envpool worker threads (0: envpool's default); per process under torchrun"""
+    sticky_actions: bool = False
+    """repeat the previous action with probability 0.25 (Machado et al. 2018); off: 0"""
+    max_episode_steps: Count = 27_000
+    """truncate a game after this many agent steps (27000 = 108000 frames)"""
+
+    # Run: seeds, devices, logging, checkpoints, evaluation
     exp_name: str = "ppo_atari_envpool"
     """name of this experiment (part of the run name)"""
     seed: Count = 1
     """seed of the experiment (python, numpy, torch and the environments)"""
     torch_deterministic: bool = True
-    """use deterministic torch algorithms"""
-    cuda: bool = False
-    """run the networks on CUDA (pinned host buffers, non-blocking copies)"""
+    """deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only; cuDNN; cuBLAS workspace)"""
+    cuda: bool = dataclasses.field(default_factory=lambda: torch.cuda.is_available())
+    """run the networks on CUDA: the default where torch sees a GPU (as CleanRL's script); --no-cuda forces the CPU"""
     compile: bool = False
     """torch.compile the action sampling and the update step"""
     cudagraphs: bool = False
@@ -130,194 +139,20 @@ class Args:
     runs_dir: str = "runs"
     """directory that holds the runs"""
 
-    # Environment (envpool)
-    env_id: str = "Breakout-v5"
-    """id of an envpool Atari task (Breakout-v5, Pong-v5, BeamRider-v5, ...)"""
-    num_threads: Count = 0
-    """envpool worker threads (0: envpool's default); per process under torchrun"""
-    sticky_actions: bool = False
-    """repeat the previous action with probability 0.25 (Machado et al. 2018); off: 0"""
-    max_episode_steps: Count = 27_000
-    """truncate a game after this many agent steps (27000 = 108000 frames)"""
-
-    # Algorithm
-    total_timesteps: Count = 10_000_000
-    """total environment steps of the run"""
-    learning_rate: float = 2.5e-4
-    """Adam learning rate"""
-    num_envs: Count = 8
-    """number of parallel environments (per process under torchrun)"""
-    num_steps: Count = 128
-    """steps per environment per rollout (T)"""
-    anneal_lr: bool = True
-    """anneal the learning rate linearly to 0"""
-    gamma: float = 0.99
-    """discount factor"""
-    gae_lambda: float = 0.95
-    """lambda of generalized advantage estimation"""
-    num_minibatches: Count = 4
-    """number of minibatches per epoch"""
-    update_epochs: Count = 4
-    """epochs E over each rollout"""
-    norm_adv: bool = True
-    """standardise the advantages (where: --norm-adv-scope)"""
-    norm_adv_scope: Literal["minibatch", "rollout"] = "minibatch"
-    """minibatch: in each minibatch, (A-mean)/(std+eps) (CleanRL); rollout: once, (A-mean)/sqrt(var+eps) (the note)"""
-    clip_coef: float = 0.1
-    """clip range epsilon of the policy ratio"""
-    clip_vloss: bool = True
-    """clip the value loss as in the original PPO code"""
-    ent_coef: float = 0.01
-    """entropy bonus coefficient c_H"""
-    vf_coef: float = 0.5
-    """value loss coefficient c_v"""
-    max_grad_norm: float = 0.5
-    """global gradient norm clip"""
-    target_kl: Optional[float] = None
-    """stop the epochs of an update early once approx_kl exceeds this"""
-    kl_penalty_coef: Optional[float] = None
-    """KL-penalty variant (PPO paper, sec. 4): policy loss -r*A + coef*KL(pi_old||pi), no ratio clip; None: clip"""
-    kl_penalty_target: Optional[float] = None
-    """adaptive KL penalty: the coef (default 1) halves after an update with KL < target/1.5, doubles if > 1.5*target"""
-
-
-BOOL_WORDS = {"true": "", "yes": "", "1": "", "false": "no-", "no": "no-", "0": "no-"}
-
-
-def bool_values(argv: list[str]) -> list[str]:
-    """On/off flags given a value, as CleanRL's argparse scripts took them (`--track True`, `--anneal-lr=false`),
-    become tyro's `--track` / `--no-anneal-lr`; any other value is left for tyro to refuse."""
-    flags = {f.name.replace("_", "-") for f in dataclasses.fields(Args) if f.type in (bool, "bool")}
-    out, i = [], 0
-    while i < len(argv):
-        name, eq, value = argv[i].partition("=")
-        flag = name[2:].replace("_", "-")
-        if name.startswith("--") and flag in flags:
-            if not eq and i + 1 < len(argv) and argv[i + 1].lower() in BOOL_WORDS:
-                eq, value = "=", argv[i + 1]
-                i += 1
-            if eq and value.lower() in BOOL_WORDS:
-                out.append(f"--{BOOL_WORDS[value.lower()]}{flag}")
-                i += 1
-                continue
-        out.append(argv[i])
-        i += 1
-    return out
-
-
-def parse_args(argv: Optional[list[str]] = None) -> Args:
-    """tyro.cli, with its error boxes condensed to one line (exit code 2)."""
-    argv = bool_values(sys.argv[1:] if argv is None else argv)
-    default = None
-    resume = resume_path(argv)
-    if resume is not None:  # the checkpoint's arguments become the defaults; flags given now override them
-        if not os.path.isfile(resume):
-            die(f"--resume: no such file {resume}")
-        saved = load_checkpoint(resume)["args"]
-        default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            args = tyro.cli(Args, args=argv, default=default)
-    except SystemExit as e:
-        if e.code in (0, None):
-            raise
-        # tyro prints a box on a terminal and dashed rules elsewhere: a title, then the message up to a rule line
-        lines = [ln.strip().strip("│╭╮╰╯").strip() for ln in err.getvalue().splitlines()][1:]
-        is_rule = lambda ln: bool(ln) and set(ln) <= set("─-")  # noqa: E731
-        while lines and (not lines[0] or is_rule(lines[0])):
-            lines.pop(0)
-        message = []
-        for ln in lines:
-            if not ln or is_rule(ln):
-                break
-            message.append(ln)
-        die(" ".join(message) or "invalid arguments (see --help)")
-    validate(args)
-    return args
-
-
-def resume_path(argv: list[str]) -> Optional[str]:
-    for i, a in enumerate(argv):
-        if a == "--resume" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--resume="):
-            return a.split("=", 1)[1]
-    return None
-
-
-def validate(args: Args) -> None:
-    for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs",
-                 "max_episode_steps"):
-        if getattr(args, name) <= 0 and not (name == "total_timesteps" and getattr(args, name) == 0):
-            die(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("eval_episodes", "checkpoint_every", "stop_after", "torch_threads", "num_threads"):
-        if getattr(args, name) < 0:
-            die(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    batch = args.num_envs * args.num_steps
-    if batch % args.num_minibatches:
-        die(f"num_envs*num_steps = {batch} is not divisible by --num-minibatches {args.num_minibatches}")
-    if not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1):
-        die("--gamma and --gae-lambda must lie in [0, 1]")
-    for f in dataclasses.fields(Args):  # nan / inf pass the range checks below unnoticed
-        value = getattr(args, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            die(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
-    if args.learning_rate <= 0 or args.clip_coef <= 0 or args.max_grad_norm <= 0:
-        die("--learning-rate, --clip-coef and --max-grad-norm must be positive")
-    if args.ent_coef < 0 or args.vf_coef < 0:
-        die("--ent-coef and --vf-coef must be >= 0")
-    if args.target_kl is not None and args.target_kl <= 0:
-        die(f"--target-kl must be positive, got {args.target_kl}")
-    if args.kl_penalty_coef is not None and args.kl_penalty_coef < 0:
-        die(f"--kl-penalty-coef must be >= 0, got {args.kl_penalty_coef}")
-    if args.kl_penalty_target is not None and args.kl_penalty_target <= 0:
-        die(f"--kl-penalty-target must be positive, got {args.kl_penalty_target}")
-    for flag, asked in (("--eval-deterministic", args.eval_deterministic), ("--capture-video", args.capture_video)):
-        if asked and not args.eval_episodes and int(os.environ.get("RANK", "0")) == 0:
-            print(f"note: {flag} applies to the --eval-episodes games; none asked")
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun: one rollout of every process
-    if args.seed < 0 or args.seed + args.total_timesteps + world * args.num_envs >= 2**31:
-        die(f"--seed {args.seed}: envpool seeds (seed + global step + env index) must lie in [0, 2**31)")
-    for name in ("max_episode_steps", "num_threads", "num_envs"):
-        if getattr(args, name) >= 2**31:
-            die(f"--{name.replace('_', '-')} must be below 2**31, got {getattr(args, name)}")
-    if 0 < args.total_timesteps < batch * world:
-        die(f"--total-timesteps {args.total_timesteps} is less than one rollout (num_envs*num_steps = {batch}"
-            + (f", times {world} processes)" if world > 1 else ")"))
-    if args.cudagraphs and not args.cuda:
-        die("--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
-    if args.cudagraphs and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        die("--cudagraphs is not supported under torchrun (DDP's gradient all-reduce runs outside the graph)")
-    if args.cuda and not torch.cuda.is_available():
-        die("--cuda given (or taken from the checkpoint: --no-cuda resumes on the CPU) but torch finds no CUDA "
-            "device")
-    if args.resume is not None and not os.path.isfile(args.resume):
-        die(f"--resume: no such file {args.resume}")
-    check_env_id(args.env_id)
-
 
 # ---------------------------------------------------------------------------------------------------------
-# Environments
+# Environments: envpool's Atari (all the preprocessing), observations as tensors
 # ---------------------------------------------------------------------------------------------------------
-def atari_env_ids() -> list[str]:
-    """envpool's Atari task ids (those whose spec is AtariEnvSpec)."""
-    import envpool
-    from envpool.registration import registry
-
-    return sorted(e for e in envpool.list_all_envs() if registry.specs[e][1] == "AtariEnvSpec")
-
-
-def check_env_id(env_id: str) -> None:
-    ids = atari_env_ids()
-    if env_id not in ids:
-        close = difflib.get_close_matches(env_id, ids, n=5, cutoff=0.5)
-        hint = f"did you mean {', '.join(close)}?" if close else f"e.g. {', '.join(ids[:5])}, ... ({len(ids)} in all)"
-        die(f"unknown envpool Atari task {env_id!r}; {hint}")
-
-
 def make_envs(args: Args, num_envs: int, seed: int, **extra):
-    """envpool's vectorised Atari env with the preprocessing of the 37 details (all done by envpool)."""
+    """envpool's vectorised Atari env with the preprocessing of the 37 details, all done by envpool (env i is seeded
+    with seed + i). What this script relies on, checked with envpool 1.2.5, env_type="gymnasium":
+    - autoreset is "next step": the step() after a done returns the reset observation, reward 0, and ignores the
+      action. With episodic_life a life loss is such a done too (the reset step then continues the same game;
+      info["elapsed_step"] does not advance). Those reset steps carry no real transition: they are stored (static
+      shapes for compile / CUDA graphs) but masked out of the loss.
+    - the returned `terminated` is True on a life loss (episodic life: GAE treats it as terminal); info["terminated"]
+      is True only when the game is over; `truncated` (max_episode_steps, 27000 agent steps = 108000 frames) ends
+      the game as well. info["reward"] is the unclipped reward, from which the whole-game return is summed."""
     import envpool
 
     return envpool.make(
@@ -335,30 +170,15 @@ def make_envs(args: Args, num_envs: int, seed: int, **extra):
     )
 
 
-class EpisodeStats:
-    """Whole-game episodic return (unclipped) and length across lives, for N envs in envpool's next-step autoreset.
-
-    update() takes one step's info["reward"] (unclipped), the returned terminated/truncated (a life loss counts as
-    terminated) and info["terminated"] (game over). The step right after any done is envpool's reset step: its
-    action is ignored and it is no agent step, so it adds neither reward nor length. A game ends on game_over or
-    truncated. Returns (env index, return, length in agent steps) for every game that ended at this step.
-    """
-
-    def __init__(self, num_envs: int):
-        self.returns = np.zeros(num_envs, dtype=np.float64)
-        self.lengths = np.zeros(num_envs, dtype=np.int64)
-        self.after_done = np.zeros(num_envs, dtype=bool)
-
-    def update(self, reward_raw, terminated, truncated, game_over) -> list[tuple[int, float, int]]:
-        real = ~self.after_done
-        self.returns += np.where(real, np.asarray(reward_raw, dtype=np.float64), 0.0)
-        self.lengths += real
-        ended = np.logical_or(np.asarray(game_over, dtype=bool), truncated)
-        finished = [(int(i), float(self.returns[i]), int(self.lengths[i])) for i in np.nonzero(ended)[0]]
-        self.returns[ended] = 0.0
-        self.lengths[ended] = 0
-        self.after_done = np.logical_or(terminated, truncated)
-        return finished
+def obs_tensor(obs, device: torch.device, staging: Optional[tuple] = None) -> torch.Tensor:
+    """A batch of observations as the Agent takes them: envpool's stacked frames, (N, 4, 84, 84) uint8, on `device`
+    (the Agent scales them). The rollout on CUDA passes staging = (pinned host buffer, device buffer): one
+    non-blocking copy into the same device memory at every step, nothing allocated."""
+    if staging is None:
+        return torch.as_tensor(np.asarray(obs), device=device)
+    host, out = staging
+    host.numpy()[:] = obs  # the previous copy out of `host` has finished: action.cpu() synchronised since
+    return out.copy_(host, non_blocking=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -412,7 +232,7 @@ class Agent(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Pure functions (imported by the tests)
+# The PPO math: pure functions (the tests check each against a plain loop)
 # ---------------------------------------------------------------------------------------------------------
 def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, lam: float):
     """Generalized advantage estimation by the backward recursion of the note.
@@ -475,12 +295,6 @@ def normalize_advantages_rollout(adv: torch.Tensor, mask: torch.Tensor, eps: flo
     return (adv - mean) / torch.sqrt((((adv - mean) ** 2) * mask).sum() / n + eps)
 
 
-def categorical_kl(old_logp: torch.Tensor, new_logp: torch.Tensor) -> torch.Tensor:
-    """KL(pi_old(.|s) || pi(.|s)) of each state, exact: the sum over actions of p_old * (log p_old - log p).
-    (..., A) -> (...)."""
-    return (old_logp.exp() * (old_logp - new_logp)).sum(-1)
-
-
 def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, entropy, mask,
              clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool, kl_coef=None,
              kl=None):
@@ -520,6 +334,12 @@ def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, en
     return loss, stats
 
 
+def categorical_kl(old_logp: torch.Tensor, new_logp: torch.Tensor) -> torch.Tensor:
+    """KL(pi_old(.|s) || pi(.|s)) of each state, exact: the sum over actions of p_old * (log p_old - log p).
+    (..., A) -> (...)."""
+    return (old_logp.exp() * (old_logp - new_logp)).sum(-1)
+
+
 def adapt_kl_coef(coef: float, kl: float, target: float) -> float:
     """The PPO paper's rule for the KL-penalty variant: halve the coefficient when the update moved the policy by
     less than target/1.5, double it above 1.5*target; kept within [1e-6, 1e6] so that it can always come back."""
@@ -528,6 +348,591 @@ def adapt_kl_coef(coef: float, kl: float, target: float) -> float:
     elif kl > target * 1.5:
         coef *= 2
     return min(max(coef, 1e-6), 1e6)
+
+
+class KLPenalty:
+    """The note's adaptive-KL-penalty variant in one place (PPO paper, sec. 4): each minibatch's policy loss is
+    -r*A + beta * KL(pi_old(.|s) || pi(.|s)) instead of the clipped one (loss_terms); after each update the rollout's
+    KL over its real transitions (rollout_kl) halves or doubles beta with --kl-penalty-target (adapt)."""
+
+    def __init__(self, args: Args, device: torch.device):
+        self.target = args.kl_penalty_target
+        self.beta = 1.0 if args.kl_penalty_coef is None else args.kl_penalty_coef  # on the host, for the rule
+        self.coef = torch.tensor(self.beta, device=device)  # in a tensor, which the (compiled) update reads
+
+    def loss_terms(self, old_logp_all: torch.Tensor, logp_all: torch.Tensor) -> tuple:
+        """ppo_loss's kl_coef and kl for one minibatch."""
+        return self.coef, categorical_kl(old_logp_all, logp_all)
+
+    @torch.no_grad()
+    def rollout_kl(self, agent: Agent, b_obs, b_old_logp_all, b_mask, minibatch_size: int) -> torch.Tensor:
+        """KL(pi_old || pi_theta) averaged over the rollout's real transitions after the update: the d of the rule."""
+        total = torch.zeros((), device=b_obs.device)
+        for start in range(0, len(b_obs), minibatch_size):
+            mb = slice(start, start + minibatch_size)
+            logp_all = torch.log_softmax(agent.actor(agent.hidden(b_obs[mb])), -1)
+            total += (categorical_kl(b_old_logp_all[mb], logp_all) * b_mask[mb]).sum()
+        return total / b_mask.sum().clamp(min=1)
+
+    def adapt(self, kl: float) -> None:
+        if self.target is not None:
+            self.beta = adapt_kl_coef(self.beta, kl, self.target)
+            self.coef.fill_(self.beta)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training loop
+# ---------------------------------------------------------------------------------------------------------
+def main(args: Args) -> dict:
+    with Run(args) as run:  # process group, seeds, run directory, logging, signals, checkpoints (all below the banner)
+        device, world = run.device, run.world
+        batch_size = args.num_envs * args.num_steps  # per process; under torchrun the global batch is world times it
+        minibatch_size = batch_size // args.num_minibatches
+        num_iterations = args.total_timesteps // (batch_size * world)
+
+        # envpool seeds env i with seed + i: each process's envs get seeds of their own, a resumed run fresh ones
+        envs = make_envs(args, args.num_envs, args.seed + run.steps_at_start + run.rank * args.num_envs)
+        obs_shape, n_actions = envs.single_observation_space.shape, int(envs.single_action_space.n)  # (4, 84, 84)
+        agent = Agent(n_actions).to(device)
+        if not args.cuda:  # oneDNN's convolutions (backward above all) run ~20% faster on NHWC weights on CPU
+            agent = agent.to(memory_format=torch.channels_last)
+        # lr in a tensor, so that annealing it recompiles nothing; on CPU the fused Adam saves the elementwise passes
+        # over the 1.7M parameters; on CUDA `capturable` keeps the step counters on the GPU and reads the lr there
+        optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
+                                     capturable=args.cuda, fused=True if not args.cuda else None)
+        penalised = args.kl_penalty_coef is not None or args.kl_penalty_target is not None
+        kl_penalty = KLPenalty(args, device) if penalised else None
+        # a fresh start, or the state a checkpoint stopped in: networks, optimizer, RNG (envpool's games start anew)
+        first_iteration, global_step = run.start(envs, agent, optimizer, kl_penalty, num_iterations)
+        train_agent = run.data_parallel(agent)  # the update calls it: under torchrun DDP averages the gradients
+        norm_per_minibatch = args.norm_adv and args.norm_adv_scope == "minibatch"
+
+        def policy(obs):  # the rollout's action sampling
+            action, logprob, _, value, logp_all = agent(obs)
+            return action, logprob, value, logp_all
+
+        def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_mask, mb_old_logp_all):
+            """One gradient step on one minibatch. Under torchrun each process's loss is the mean over its own real
+            transitions and DDP averages the gradients: processes weigh equally (as in CleanRL's multi-GPU PPO),
+            not by their counts of real transitions."""
+            optimizer.zero_grad(set_to_none=False)
+            _, newlogprob, entropy, newvalue, logp_all = train_agent(mb_obs, mb_actions)
+            penalty = kl_penalty.loss_terms(mb_old_logp_all, logp_all) if kl_penalty else ()
+            loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
+                                   mb_mask, args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef,
+                                   norm_per_minibatch, *penalty)
+            loss.backward()
+            stats["grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            optimizer.step()
+            return stats
+
+        policy, update = compile_hot_functions(policy, update, agent, args)  # --compile, --cudagraphs
+
+        # Rollout storage (T, N, ...): observations stay uint8 (4x less memory; the network scales them); rewards,
+        # dones and the steps to bootstrap come from the host: kept there (pinned on CUDA), copied once per rollout.
+        # old_logp_all: log pi_old(.|s) of every action (the KL-penalty variant's KL)
+        obs = torch.zeros((args.num_steps, args.num_envs) + obs_shape, dtype=torch.uint8, device=device)
+        actions = torch.zeros((args.num_steps, args.num_envs), dtype=torch.long, device=device)
+        logprobs, values = (torch.zeros((args.num_steps, args.num_envs), device=device) for _ in range(2))
+        old_logp_all = torch.zeros((args.num_steps, args.num_envs, n_actions), device=device)
+        rewards_h, dones_h, truncs_h = (torch.zeros((args.num_steps, args.num_envs), pin_memory=args.cuda)
+                                        for _ in range(3))
+        # on CUDA the observations of each step go through one pinned host buffer into one device buffer (obs_tensor)
+        staging = (torch.zeros((args.num_envs,) + obs_shape, dtype=torch.uint8, pin_memory=True),
+                   torch.zeros((args.num_envs,) + obs_shape, dtype=torch.uint8, device=device)) if args.cuda else None
+        next_obs_np, info = envs.reset()
+        next_obs, lives = obs_tensor(next_obs_np, device, staging), info["lives"]
+        next_done = np.zeros(args.num_envs, dtype=bool)
+
+        for iteration in range(first_iteration, num_iterations + 1):
+            lr_now = args.learning_rate
+            if args.anneal_lr:  # detail: linear annealing to 0 over the whole run
+                lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+            optimizer.param_groups[0]["lr"].fill_(lr_now)
+
+            # 1. Collect rollout
+            for step in range(args.num_steps):
+                global_step += args.num_envs * world  # environment steps of all processes
+                obs[step], dones_h[step] = next_obs, torch.from_numpy(next_done)
+                with torch.inference_mode():
+                    action, logprob, value, logp_all = policy(obs[step])
+                actions[step], logprobs[step], values[step], old_logp_all[step] = action, logprob, value, logp_all
+
+                next_obs_np, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
+                rewards_h[step] = torch.from_numpy(reward)  # clipped to its sign by envpool (reward_clip)
+                # Truncation is not termination: the steps cut by the time limit, bootstrapped in step 2
+                truncs_h[step] = torch.from_numpy(to_bootstrap(terminations, truncations, lives, infos["lives"],
+                                                               infos["terminated"]))
+                lives = infos["lives"]
+                next_done = np.logical_or(terminations, truncations)  # detail: a life loss is terminal for GAE
+                run.count_games(infos["reward"], terminations, truncations, infos["terminated"], global_step)
+                next_obs = obs_tensor(next_obs_np, device, staging)
+
+            # 2. Compute advantages and returns (GAE)
+            rewards, dones, truncs = (x.to(device, non_blocking=True) for x in (rewards_h, dones_h, truncs_h))
+            with torch.no_grad():
+                next_value = agent.get_value(next_obs)
+                rewards = bootstrap_truncated(rewards, values, next_value, truncs, args.gamma)
+                advantages, returns = compute_gae(rewards, values, dones, next_value,
+                                                  torch.as_tensor(next_done, dtype=torch.float32, device=device),
+                                                  args.gamma, args.gae_lambda)
+            # obs[t] that came with a done is the last frame of a life/game; its step was envpool's reset step (action
+            # ignored, no transition): mask it out of the loss instead of training on it (CleanRL trains on it).
+            mask = 1.0 - dones
+            b_obs, b_old_logp_all = obs.reshape((batch_size,) + obs_shape), old_logp_all.reshape(batch_size, n_actions)
+            b_actions, b_logprobs, b_advantages, b_returns, b_values, b_mask = (
+                x.reshape(-1) for x in (actions, logprobs, advantages, returns, values, mask))
+
+            # 3. Advantage normalisation: by default per minibatch inside ppo_loss (CleanRL's); the note's form,
+            # once over the whole rollout, with --norm-adv-scope rollout (both over the real transitions only)
+            if args.norm_adv and not norm_per_minibatch:
+                b_advantages = normalize_advantages_rollout(b_advantages, b_mask)
+
+            # 4. Optimise policy & value for E epochs
+            update_stats = []
+            for epoch in range(args.update_epochs):
+                b_inds = torch.randperm(batch_size, device=device)  # shuffle, then split into minibatches
+                for start in range(0, batch_size, minibatch_size):
+                    mb = b_inds[start:start + minibatch_size]
+                    stats = update(b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb], b_returns[mb],
+                                   b_values[mb], b_mask[mb], b_old_logp_all[mb])
+                    update_stats.append({k: v.clone() for k, v in stats.items()})  # a CUDA graph reuses its outputs
+                if args.target_kl is not None and run.mean_over_ranks(stats["approx_kl"]) > args.target_kl:
+                    break  # detail: early stop of the epochs
+
+            # 5. Update reference policy: theta_old <- theta, implicitly (the next rollout samples from theta). The
+            # KL-penalty variant measures KL(pi_old || pi_theta) over the rollout and adapts its coefficient to it.
+            rollout_kl = (kl_penalty.rollout_kl(agent, b_obs, b_old_logp_all, b_mask, minibatch_size) if kl_penalty
+                          else None)
+            stats = run.log_iteration(iteration, global_step, lr_now, update_stats, rollout_kl, b_values, b_returns,
+                                      b_mask)
+            if stats is None:  # a non-finite update: the run stops with the last good checkpoint
+                break
+            if kl_penalty:
+                kl_penalty.adapt(stats["kl"])  # the coefficient of the next update
+            if run.end_of_iteration(iteration, global_step):  # checkpoints; --stop-after, signals
+                break
+        run.finish(global_step)  # the final checkpoint, then --eval-episodes
+    return run.result
+
+
+# =========================================================================================================
+# Plumbing: nothing below this line changes what PPO computes. Run context (torchrun, seeds, run directory,
+# logging, signals), checkpoints and resume, evaluation and load_policy, compile helpers, command line.
+# =========================================================================================================
+SCRIPT = "ppo_atari_envpool.py"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class WriteError(Exception):
+    """A file of the run could not be written (disk full, quota, read-only file system): one line, exit 1."""
+
+
+class Run:
+    """What one run owns around the algorithm, from the first line of main() to the last: SIGTERM / SIGINT (honoured
+    at the end of an iteration, after the final checkpoint and during the evaluation), the torchrun process group,
+    seeds, the run directory and its lock, TensorBoard / wandb and the progress line, checkpoints and resume, and
+    the one-line errors of a write that failed."""
+
+    def __init__(self, args: Args):
+        self.args = args
+        self.signals: list[int] = []
+        self.stop_requested = False  # a signal reached this or another process (all-reduced each iteration)
+        self.finished, self.failed = True, False  # failed: a non-finite update (exit 1)
+        self.rank, self.world, self.device = 0, 1, torch.device("cpu")  # until setup() knows them
+        self.ckpt, self.writer, self.wandb, self.envs, self.lock_fd = None, None, False, None, None
+        self.checkpoint_path, self.final_saved = None, False  # final_saved: the trained state is in a checkpoint
+        self.first_iteration, self.steps_at_start = 1, 0  # where this process starts (a checkpoint's, if resumed)
+        self.recent_returns: list[float] = []
+        self.last_stats: dict = {}
+        self.result: dict = {}
+
+    # --- setup and teardown ---------------------------------------------------------------------------------
+    def __enter__(self) -> Run:
+        self.previous = {sig: signal.signal(sig, lambda signum, frame: self.signals.append(signum))
+                         for sig in STOP_SIGNALS}
+        self.previous_hook, threading.excepthook = threading.excepthook, quiet_event_writer_thread
+        self.previous_deterministic = (torch.are_deterministic_algorithms_enabled(),
+                                       torch.is_deterministic_algorithms_warn_only_enabled())
+        try:
+            self.setup()
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def setup(self) -> None:
+        args = self.args
+        if args.cuda and args.torch_deterministic:  # cuBLAS is deterministic with a fixed workspace (before its start)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        self.rank, self.world, self.device = setup_distributed(args)
+        if args.resume:
+            self.ckpt = load_checkpoint(args.resume, args.env_id)
+            check_resume(self.ckpt, args, self.world)
+            self.first_iteration, self.steps_at_start = self.ckpt["iteration"] + 1, self.ckpt["global_step"]
+        self.run_dir = self.make_run_dir()
+        self.run_name = os.path.basename(self.run_dir)
+        if self.ckpt is not None:
+            self.checkpoint_path = os.path.abspath(args.resume)
+        # Seeding
+        random.seed(args.seed + self.rank)
+        np.random.seed(args.seed + self.rank)
+        torch.manual_seed(args.seed + self.rank)
+        torch.backends.cudnn.deterministic = args.torch_deterministic
+        torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
+        # --torch-threads 0: the cores of this node, shared among its processes (torchrun's LOCAL_WORLD_SIZE)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.world > 1 else 1
+        torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) // local_world))
+
+    def make_run_dir(self) -> str:
+        """A new run gets a directory of its own (`<env>__<exp>__<seed>__<time>`, then -2, -3, ... if taken); a resumed
+        run uses its checkpoint's. Rank 0 locks it: a directory that another live process holds is refused."""
+        args, error, run_dir = self.args, None, None
+        if self.rank == 0 and self.ckpt is not None:
+            run_dir = os.path.dirname(os.path.abspath(args.resume))
+        elif self.rank == 0:
+            base = os.path.join(args.runs_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
+            run_dir, n = base, 1
+            try:
+                while not make_new_dir(run_dir):
+                    n += 1
+                    run_dir = f"{base}-{n}"
+            except OSError as e:
+                error = f"cannot create run directory {run_dir}: {e.strerror or e}"
+        if self.rank == 0 and error is None:
+            try:
+                self.lock_fd = lock_run_dir(run_dir)
+            except OSError as e:
+                error = f"cannot write in run directory {run_dir}: {e.strerror or e}"
+            except RunDirBusy as e:
+                error = str(e)
+        run_dir, error = gather_objects((run_dir, error), self.world)[0]
+        if error:
+            die(error)
+        return run_dir
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        clean = exc_type is None
+        try:
+            if self.envs is not None:
+                self.envs.close()
+            if self.writer is not None:
+                self.writer_call("close")
+        except WriteError as e:
+            exc_type, exc = WriteError, e
+        if exc_type is WriteError:
+            kept = (f"the last checkpoint is kept: {self.checkpoint_path}" if self.checkpoint_path
+                    else "no checkpoint was written")
+            print(f"error: {exc} ({kept})", file=sys.stderr)
+            self.failed = True
+        if self.wandb:
+            import wandb
+
+            wandb.finish(exit_code=int(self.failed or not clean))
+        if self.world > 1 and torch.distributed.is_initialized():
+            import torch.distributed as dist
+
+            if clean:
+                dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
+            dist.destroy_process_group()
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # releases the lock
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        threading.excepthook = self.previous_hook
+        torch.use_deterministic_algorithms(self.previous_deterministic[0], warn_only=self.previous_deterministic[1])
+        if self.failed:
+            if self.world > 1:  # as at the end of __main__: skip the teardown where gloo's threads can abort
+                sys.stdout.flush(), sys.stderr.flush()
+                os._exit(1)
+            raise SystemExit(1)
+        return False
+
+    # --- the state a run starts from --------------------------------------------------------------------------
+    def start(self, envs, agent: Agent, optimizer, kl_penalty: Optional[KLPenalty], num_iterations: int):
+        """Networks, optimizer, RNG and the KL coefficient from the checkpoint (if any), then the logs. Returns
+        (first iteration, global step). envpool's emulator state cannot be saved: a resumed run plays new games, so
+        a stopped and resumed run is not identical to an uninterrupted one (the updates that follow see other
+        games); everything else continues where it stopped."""
+        args, ckpt, rank = self.args, self.ckpt, self.rank
+        self.envs, self.agent, self.optimizer, self.kl_penalty = envs, agent, optimizer, kl_penalty
+        self.num_iterations = num_iterations
+        if ckpt is not None:
+            try:
+                agent.load_state_dict(ckpt["model"])
+                load_optimizer_state(optimizer, ckpt["optimizer"], self.device)
+            except (RuntimeError, ValueError, KeyError, TypeError) as e:
+                die(f"checkpoint {args.resume} does not fit this network: {str(e).splitlines()[0]}")
+            set_rng_state((ckpt if rank == 0 else ckpt["other_ranks"][rank - 1])["rng"], self.device)  # this rank's
+            if kl_penalty is not None and args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
+                kl_penalty.beta = ckpt["kl_coef"]  # the adapted value goes on
+                kl_penalty.coef.fill_(kl_penalty.beta)
+        self.open_logs()
+        self.games = EpisodeStats(args.num_envs)
+        if ckpt is not None and rank == 0:
+            print(f"resumed {args.resume} at iteration {ckpt['iteration']}, global step {self.steps_at_start}")
+            saved_total = ckpt["args"].get("total_timesteps", args.total_timesteps)
+            if args.anneal_lr and saved_total != args.total_timesteps:  # not silent: the lr jumps
+                print(f"note: --total-timesteps {args.total_timesteps} differs from the checkpoint's {saved_total}: "
+                      "the learning rate now anneals to 0 at the new total")
+            if args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
+                print(f"note: the adaptive KL-penalty coefficient goes on from the checkpoint's {ckpt['kl_coef']:.3g} "
+                      "(--kl-penalty-coef sets the start of a new run only)")
+        self.final_saved = ckpt is not None and self.first_iteration > num_iterations  # a finished run's checkpoint
+        self.start_time, self.last_print = time.time(), 0.0
+        return self.first_iteration, self.steps_at_start
+
+    def data_parallel(self, agent: Agent) -> nn.Module:
+        if self.world == 1:
+            return agent
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(agent, device_ids=[self.device.index] if self.args.cuda else None)
+
+    # --- logging ----------------------------------------------------------------------------------------------
+    def open_logs(self) -> None:
+        """TensorBoard (and wandb with --track) in the run directory; rank 0 alone logs."""
+        args = self.args
+        if self.rank != 0:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=vars(args), name=self.run_name, dir=self.run_dir, resume="allow", id=self.run_name)
+            self.wandb = True
+        self.writer = SummaryWriter(self.run_dir)
+        if self.ckpt is None:
+            self.writer_call("add_text", "hyperparameters", "|param|value|\n|-|-|\n" +
+                             "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+
+    def writer_call(self, method: str, *a) -> None:
+        """A call of the TensorBoard writer; its background thread's failed write (disk full) surfaces here."""
+        try:
+            getattr(self.writer, method)(*a)
+        except Exception as e:
+            reason = os_error(e)
+            if reason is None:
+                raise
+            self.writer = None  # nothing more goes to it
+            raise WriteError(f"cannot write the TensorBoard events in {self.run_dir}: {reason}") from None
+
+    def log(self, tag: str, value: float, step: int) -> None:
+        if self.writer is not None:
+            self.writer_call("add_scalar", tag, value, step)
+
+    def count_games(self, reward_raw, terminated, truncated, game_over, global_step: int) -> None:
+        """Logs the whole games (all lives, unclipped score) that ended at this step (see EpisodeStats)."""
+        for _, ret, length in self.games.update(reward_raw, terminated, truncated, game_over):
+            self.recent_returns.append(ret)
+            self.log("charts/episodic_return", ret, global_step)
+            self.log("charts/episodic_length", length, global_step)
+
+    def mean_over_ranks(self, x: torch.Tensor) -> float:
+        return float(all_ranks_sum(x, self.world)) / self.world
+
+    def log_iteration(self, iteration: int, global_step: int, lr: float, update_stats: list[dict],
+                      rollout_kl: Optional[torch.Tensor], b_values, b_returns, b_mask) -> Optional[dict]:
+        """One host sync per iteration: the update's statistics averaged over minibatches and processes, whether the
+        parameters went non-finite, and whether a process got a stop signal. Logs them and prints the progress line.
+        None after a non-finite update (exit 1)."""
+        args, world, kl_penalty = self.args, self.world, self.kl_penalty
+        names = list(update_stats[0])
+        sums = [torch.stack([s[k] for s in update_stats]).sum() for k in names]
+        extra = [] if rollout_kl is None else [rollout_kl]
+        params_bad = ~torch.stack([torch.isfinite(p).all() for p in self.agent.parameters()]).all()
+        signal_count = torch.tensor(float(len(self.signals)), device=self.device)
+        *values, bad_params, signals = all_ranks_sum(torch.stack([*sums, *extra, params_bad.float(), signal_count]),
+                                                     world).tolist()
+        stats = {k: v / (len(update_stats) * world) for k, v in zip(names, values)}
+        if extra:
+            stats["kl"] = values[-1] / world
+        if bad_params:
+            stats["parameters"] = float("nan")
+        self.stop_requested = signals > 0
+        bad = [k for k, v in stats.items() if not math.isfinite(v)]
+        if bad:  # stop before a checkpoint of this update
+            if self.rank == 0:  # (every rank sees the same all-reduced statistics)
+                kept = (f"last checkpoint kept: {self.checkpoint_path}" if self.checkpoint_path
+                        else "no checkpoint was written")
+                print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping ({kept})",
+                      file=sys.stderr)
+            self.finished, self.failed = False, True  # no final checkpoint and no evaluation; exit 1 at the end
+            return None
+        mask, values_np, returns_np = torch.stack([b_mask, b_values, b_returns]).cpu().numpy()
+        valid = mask > 0  # envpool's reset steps are no transitions: left out, as from the losses
+        stats["explained_variance"] = explained_variance(values_np[valid], returns_np[valid])
+        rate = (global_step - self.steps_at_start) / (time.time() - self.start_time)  # steps/s of this process
+        self.log("charts/learning_rate", lr, global_step)
+        for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
+                  "explained_variance"):
+            self.log(f"losses/{k}", stats[k], global_step)
+        self.log("charts/SPS", int(rate), global_step)
+        if kl_penalty is not None:
+            self.log("losses/kl", stats["kl"], global_step)
+            self.log("charts/kl_coef", kl_penalty.beta, global_step)  # the coefficient this update used
+        now = time.time()
+        if self.rank == 0 and (now - self.last_print >= 5.0 or iteration == self.num_iterations):
+            self.last_print = now
+            recent = np.mean(self.recent_returns[-20:]) if self.recent_returns else float("nan")
+            steps_left = (self.num_iterations - iteration) * args.num_envs * args.num_steps * world
+            print(f"iter {iteration}/{self.num_iterations}  global_step={global_step}  SPS={int(rate)}  "
+                  f"return(last 20)={recent:.1f}  approx_kl={stats['approx_kl']:.4f}"
+                  + (f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else "")
+                  + f"  eta={eta_text(steps_left / rate if rate > 0 else math.inf)}", flush=True)
+        if args.cudagraphs and iteration == self.first_iteration and self.rank == 0 and cudagraph_skips():
+            print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs says "
+                  "why)", flush=True)
+        self.last_stats = stats
+        return stats
+
+    # --- checkpoints and stops --------------------------------------------------------------------------------
+    def checkpoint(self, iteration: int, global_step: int) -> None:
+        """Called by every rank at the same iteration; rank 0 writes the states of all ranks."""
+        ranks = gather_objects({"rng": rng_state()}, self.world)
+        path = os.path.join(self.run_dir, "checkpoint.pt")
+        if self.rank == 0:
+            save_checkpoint(path, self.agent, self.optimizer, self.args, global_step, iteration, ranks[1:],
+                            self.kl_penalty.beta if self.kl_penalty else None)
+        self.checkpoint_path = path
+
+    def end_of_iteration(self, iteration: int, global_step: int) -> bool:
+        """A checkpoint every --checkpoint-every iterations; True (stop, with a checkpoint) after --stop-after
+        iterations of this process or a signal to any process."""
+        args = self.args
+        stop_now = args.stop_after and iteration - self.first_iteration + 1 >= args.stop_after
+        if (stop_now or self.stop_requested) and iteration < self.num_iterations:
+            self.checkpoint(iteration, global_step)
+            why = (signal.Signals(self.signals[0]).name if self.signals else "a signal to another rank"
+                   if self.stop_requested else f"--stop-after {args.stop_after}")
+            if self.rank == 0:
+                print(f"stopped at iteration {iteration} ({why}); continue with: {self.launcher()} --resume "
+                      f"{self.checkpoint_path}" + (f" (which stops again after {args.stop_after} iterations, the "
+                      "checkpoint's --stop-after; add --stop-after 0 to run to the end)" if args.stop_after else ""),
+                      flush=True)
+            self.finished = False
+            return True
+        if args.checkpoint_every and iteration % args.checkpoint_every == 0:
+            self.checkpoint(iteration, global_step)
+        return False
+
+    def launcher(self) -> str:
+        return f"{f'torchrun --nproc-per-node {self.world}' if self.world > 1 else 'python'} {SCRIPT}"
+
+    def finish(self, global_step: int) -> None:
+        """After the loop: the final checkpoint (with --save-model, or when the run writes checkpoints along the way,
+        so that a --resume of the finished run evaluates instead of training), then --eval-episodes. A signal at the
+        end of the run or during the evaluation stops it with the trained state saved."""
+        args, world, rank = self.args, self.world, self.rank
+        end = max(self.num_iterations, self.first_iteration - 1)
+        self.result = {"global_step": global_step, "run_dir": self.run_dir, "stats": self.last_stats,
+                       "returns": self.recent_returns}
+        if not self.finished:
+            return
+        checkpointed = self.ckpt is not None or args.checkpoint_every or args.stop_after
+        if args.save_model or (checkpointed and not self.final_saved):
+            self.checkpoint(end, global_step)
+            self.final_saved = True
+            if rank == 0:
+                print(f"checkpoint written to {self.checkpoint_path}")
+        # under torchrun every rank plays its share of the evaluation games; rank 0 logs them all
+        share = args.eval_episodes // world + int(rank < args.eval_episodes % world)
+        mine = evaluate(self.agent, args, self.device, share, os.path.join(self.run_dir, "videos"), rank, world,
+                        stop=lambda: bool(self.signals)) if share else []
+        parts = gather_objects((mine, [signal.Signals(s).name for s in self.signals]), world)
+        names = [name for _, sigs in parts for name in sigs]
+        if names:  # a stop at the end of the run: the trained state first
+            if not self.final_saved:
+                self.checkpoint(end, global_step)
+                self.final_saved = True
+            if rank == 0:
+                print(f"stopped at the end of the run ({names[0]}); the trained model is in {self.checkpoint_path}"
+                      + (f"; evaluate it with: {self.launcher()} --resume {self.checkpoint_path} --eval-episodes "
+                         f"{args.eval_episodes}" if args.eval_episodes else ""), flush=True)
+            return
+        if args.eval_episodes:
+            eval_returns = [r for part, _ in parts for r in part]
+            mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
+            self.log("eval/episodic_return", mean, global_step)
+            if rank == 0:
+                print(f"eval: {args.eval_episodes} games{' (deterministic)' if args.eval_deterministic else ''}, "
+                      f"return {mean:.2f} ± {std:.2f}")
+            self.result["eval_returns"] = eval_returns
+
+
+class EpisodeStats:
+    """Whole-game episodic return (unclipped) and length across lives, for N envs in envpool's next-step autoreset.
+
+    update() takes one step's info["reward"] (unclipped), the returned terminated/truncated (a life loss counts as
+    terminated) and info["terminated"] (game over). The step right after any done is envpool's reset step: its
+    action is ignored and it is no agent step, so it adds neither reward nor length. A game ends on game_over or
+    truncated. Returns (env index, return, length in agent steps) for every game that ended at this step.
+    """
+
+    def __init__(self, num_envs: int):
+        self.returns = np.zeros(num_envs, dtype=np.float64)
+        self.lengths = np.zeros(num_envs, dtype=np.int64)
+        self.after_done = np.zeros(num_envs, dtype=bool)
+
+    def update(self, reward_raw, terminated, truncated, game_over) -> list[tuple[int, float, int]]:
+        real = ~self.after_done
+        self.returns += np.where(real, np.asarray(reward_raw, dtype=np.float64), 0.0)
+        self.lengths += real
+        ended = np.logical_or(np.asarray(game_over, dtype=bool), truncated)
+        finished = [(int(i), float(self.returns[i]), int(self.lengths[i])) for i in np.nonzero(ended)[0]]
+        self.returns[ended] = 0.0
+        self.lengths[ended] = 0
+        self.after_done = np.logical_or(terminated, truncated)
+        return finished
+
+
+def quiet_event_writer_thread(hook_args) -> None:
+    """threading.excepthook during a run: TensorBoard's writer thread re-raises a failed write (disk full), which the
+    main thread's next call of the writer reports in one line (Run.writer_call); other threads report as usual."""
+    if type(hook_args.thread).__name__ != "_AsyncWriterThread":
+        sys.__excepthook__(hook_args.exc_type, hook_args.exc_value, hook_args.exc_traceback)
+
+
+class RunDirBusy(Exception):
+    pass
+
+
+def make_new_dir(path: str) -> bool:
+    """Create `path` (and its parents); False if it exists already (another run took the name)."""
+    try:
+        os.makedirs(path)
+        return True
+    except FileExistsError:
+        if os.path.isdir(path):
+            return False
+        raise
+
+
+def lock_run_dir(run_dir: str) -> int:
+    """Hold an exclusive lock on run_dir/.lock for the life of this process (the OS releases it, even after kill -9);
+    RunDirBusy if another live process holds it."""
+    fd = os.open(os.path.join(run_dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise RunDirBusy(f"run directory {run_dir} is in use by another process (pid {pid}): wait for it to end or "
+                         "stop it first") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+
+
+def os_error(e: BaseException) -> Optional[str]:
+    """The reason of a failed write, from the OSError in the exception's chain (torch wraps it in a RuntimeError)."""
+    while e is not None:
+        if isinstance(e, OSError):
+            return e.strerror or str(e)
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
@@ -544,16 +949,61 @@ def eta_text(seconds: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Checkpoints
+# Distributed (torchrun): data parallel, every rank steps its own envs, DDP averages the gradients
 # ---------------------------------------------------------------------------------------------------------
-SCRIPT = "ppo_atari_envpool.py"
+def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
+    """Rank, world size and device. Without torchrun (or with one process) no process group is created. Under
+    torchrun every process steps its own --num-envs envs (envpool seeds offset by rank * num_envs, so no two ranks
+    play the same games) and DistributedDataParallel averages the gradients; rank 0 alone logs and writes the
+    checkpoint, which holds the torch RNG of every rank."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, torch.device("cuda" if args.cuda else "cpu")
+    import torch.distributed as dist
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cpu")
+    if args.cuda:  # one GPU per rank
+        if local_rank >= torch.cuda.device_count():
+            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    # one hour (NCCL's default is 10 minutes): at the end the ranks wait while rank 0 writes its videos and the
+    # checkpoint, and for the longest share of the evaluation games
+    dist.init_process_group("nccl" if args.cuda else "gloo", timeout=datetime.timedelta(hours=1))
+    return dist.get_rank(), world, device
 
 
+def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Sum of x over ranks (a new tensor; x itself with one process)."""
+    if world > 1:
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+def gather_objects(obj, world: int) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank."""
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints and resume: network, optimizer, torch RNG of every rank, iteration and step count (so the lr
+# schedule), the KL-penalty coefficient and the args; not envpool's games (their emulator state cannot be saved)
+# ---------------------------------------------------------------------------------------------------------
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:
     """optimizer.load_state_dict, keeping this run's settings: torch restores the saved ones (capturable, fused,
     foreach, and lr as a tensor on the CPU after map_location), so a checkpoint of a CUDA-graph run would not
     resume on the CPU, nor a CPU one stay free of host syncs on CUDA. Adam's step counters go where this run's
-    settings want them."""
+    settings want them, as copies (the checkpoint read stays as it was read)."""
     own = [{k: g[k] for k in ("capturable", "fused", "foreach", "differentiable") if k in g}
            for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
@@ -567,7 +1017,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: 
                     st[k] = torch.empty_like(p).copy_(v)
             if torch.is_tensor(st.get("step")):
                 on_param = g.get("capturable") or g.get("fused")
-                st["step"] = st["step"].to(p.device if on_param else torch.device("cpu"), torch.float32)
+                st["step"] = st["step"].to(p.device if on_param else torch.device("cpu"), torch.float32, copy=True)
 
 
 def rng_state() -> dict:
@@ -587,7 +1037,8 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step: int, iteration: int,
                     other_ranks: list = (), kl_coef: Optional[float] = None) -> None:
-    """Atomic write (temporary file, then rename): a kill during the save keeps the previous checkpoint.
+    """Atomic write (temporary file, then rename): a kill during the save keeps the previous checkpoint, and a write
+    that fails (disk full) removes its partial file and raises WriteError with the reason.
     Under torchrun `other_ranks` holds the RNG state of ranks 1, 2, ... (the networks are the same).
     kl_coef: the adapted coefficient of the KL-penalty variant (None with the clipped objective)."""
     state = {
@@ -604,39 +1055,129 @@ def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step:
         "kl_coef": kl_coef,
     }
     tmp = f"{path}.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:  # a Python file: torch's error for a failed write then carries the OSError
+            torch.save(state, f)
+        os.replace(tmp, path)
+    except Exception as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        reason = os_error(e)
+        if reason is None:
+            raise
+        raise WriteError(f"cannot write {path}: {reason}") from None
+
+
+CHECKPOINT_KEYS = {"env_id": str, "model": dict, "optimizer": dict, "global_step": int, "iteration": int, "rng": dict,
+                   "args": dict, "world_size": int, "other_ranks": list}
+_read_checkpoints: dict = {}  # the last checkpoint read: parse_args reads it for its flags, main for its states
 
 
 def load_checkpoint(path: str, env_id: Optional[str] = None) -> dict:
+    """Read and check a checkpoint (once per version of the file); whatever is wrong with it is one line, exit 2."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        die(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
-        die(f"{path} is not a {SCRIPT} checkpoint (script={ckpt.get('script') if isinstance(ckpt, dict) else None})")
+        st = os.stat(path)
+    except OSError as e:
+        die(f"cannot read checkpoint {path}: {e.strerror}")
+    key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+    if key not in _read_checkpoints:
+        _read_checkpoints.clear()
+        _read_checkpoints[key] = read_checkpoint(path)
+    ckpt = _read_checkpoints[key]
     if env_id is not None and ckpt["env_id"] != env_id:
         die(f"{path} was trained on {ckpt['env_id']}, not {env_id} (pass --env-id {ckpt['env_id']})")
     return ckpt
 
 
+def read_checkpoint(path: str) -> dict:
+    try:
+        with zipfile.ZipFile(path) as z:  # torch.load does not check the records' CRCs: a flipped bit would load
+            bad = z.testzip()
+        ckpt = None if bad else torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        die(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    if bad:
+        die(f"checkpoint {path} is damaged: its record {bad} fails its CRC check")
+    if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
+        die(f"{path} is not a {SCRIPT} checkpoint (script={ckpt.get('script') if isinstance(ckpt, dict) else None})")
+    damaged = lambda what: die(f"checkpoint {path} is damaged or was edited: {what}")  # noqa: E731
+    for key, kind in CHECKPOINT_KEYS.items():
+        if not isinstance(ckpt.get(key), kind) or isinstance(ckpt.get(key), bool):
+            damaged(f"{key} is {type(ckpt[key]).__name__}, not {kind.__name__}" if key in ckpt else f"no {key}")
+    if not fits(ckpt.get("kl_coef"), Optional[float]):
+        damaged(f"kl_coef is {ckpt['kl_coef']!r}, not a number")
+    hints = typing.get_type_hints(Args, include_extras=True)
+    for name, value in ckpt["args"].items():
+        if name in hints and not fits(value, hints[name]):
+            damaged(f"args.{name} is {value!r}, not {hint_text(hints[name])}")
+    ranks = [ckpt, *ckpt["other_ranks"]]
+    if ckpt["world_size"] != len(ranks):
+        damaged(f"world_size {ckpt['world_size']} with states of {len(ranks)} process(es)")
+    for r, state in enumerate(ranks):
+        rng = state.get("rng") if isinstance(state, dict) else None
+        if not (isinstance(rng, dict) and torch.is_tensor(rng.get("torch"))
+                and rng["torch"].shape == torch.get_rng_state().shape):
+            damaged(f"the RNG state of rank {r} is missing or of the wrong size")
+    return ckpt
+
+
+def fits(value, hint) -> bool:
+    """Whether a value read from a checkpoint has the type of its Args field (int, float, bool, str, Optional,
+    Literal choices)."""
+    origin, parts = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        return fits(value, parts[0])
+    if origin is typing.Union:
+        return any(fits(value, p) for p in parts)
+    if origin is Literal:
+        return value in parts
+    if hint is type(None):
+        return value is None
+    if hint in (int, float):
+        return isinstance(value, (int, float) if hint is float else int) and not isinstance(value, bool)
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def hint_text(hint) -> str:
+    origin, parts = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        return hint_text(parts[0])
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, parts))
+    if origin is typing.Union:
+        return " or ".join(hint_text(p) for p in parts)
+    return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def check_resume(ckpt: dict, args: Args, world: int) -> None:
+    """The iteration count and lr schedule hold for the checkpoint's processes and rollout size."""
+    if ckpt["world_size"] != world:  # iterations, seeds and envs are per process
+        n = ckpt["world_size"]
+        die(f"{args.resume} was written by {n} process(es); resume it with as many: "
+            f"{'python' if n == 1 else f'torchrun --nproc-per-node {n}'} {SCRIPT} --resume {args.resume}")
+    saved = ckpt["args"]
+    if (saved.get("num_envs"), saved.get("num_steps")) != (args.num_envs, args.num_steps):
+        die(f"{args.resume} was written with --num-envs {saved.get('num_envs')} --num-steps {saved.get('num_steps')}; "
+            "its iteration count and learning-rate schedule hold for that rollout: resume with the same")
+
+
 # ---------------------------------------------------------------------------------------------------------
-# Evaluation
+# Evaluation and load_policy
 # ---------------------------------------------------------------------------------------------------------
 def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "",
-             rank: int = 0, world: int = 1) -> list[float]:
+             rank: int = 0, world: int = 1, stop=lambda: False) -> list[float]:
     """Play `episodes` whole games (all lives) with actions sampled from the policy (its most likely ones with
-    --eval-deterministic); return their unclipped scores. With --capture-video each game's RGB frames are written
-    to video_dir/game-<k>.mp4. Under torchrun each rank plays its share of the games with its own seed, and rank 0
-    alone records videos of its share and prints its progress."""
+    --eval-deterministic); return their unclipped scores (fewer once stop() says so). With --capture-video each
+    game's RGB frames are written to video_dir/game-<k>.mp4. Under torchrun each rank plays its share of the games
+    with its own seed, and rank 0 alone records videos of its share and prints its progress."""
     video = args.capture_video and rank == 0
     env = make_envs(args, 1, args.seed + 10_000 + rank, **({"render_mode": "rgb_array"} if video else {}))
     stats = EpisodeStats(1)
     returns, frames = [], []
     obs, _ = env.reset()
-    while len(returns) < episodes:
+    while len(returns) < episodes and not stop():
         with torch.inference_mode():
-            action = agent.act(torch.as_tensor(obs, device=device), args.eval_deterministic)
+            action = agent.act(obs_tensor(obs, device), args.eval_deterministic)
         obs, _, term, trunc, info = env.step(action.cpu().numpy())
         if video:
             frames.append(env.render()[0])
@@ -673,7 +1214,7 @@ def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
 
     @torch.inference_mode()
     def policy(obs):
-        x = torch.as_tensor(np.asarray(obs), device=device)
+        x = obs_tensor(obs, torch.device(device))
         if x.dtype != torch.uint8 or tuple(x.shape[-3:]) != (4, 84, 84) or x.dim() not in (3, 4):
             raise ValueError(f"observations of shape {tuple(x.shape)} and dtype {x.dtype}: expected envpool's stacked "
                              "frames, (4, 84, 84) uint8, or a batch of them")
@@ -685,59 +1226,28 @@ def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Distributed (torchrun): data parallel, every rank steps its own envs, DDP averages the gradients
+# Compile and CUDA-graph helpers
 # ---------------------------------------------------------------------------------------------------------
-def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
-    """Rank, world size and device. Without torchrun (or with one process) no process group is created."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1, torch.device("cuda" if args.cuda else "cpu")
-    import torch.distributed as dist
+def compile_hot_functions(policy, update, agent: Agent, args: Args):
+    """The rollout's action sampling and the minibatch update, as they run: eager; torch.compile'd (--compile; mode
+    reduce-overhead adds CUDA graphs with --cudagraphs); or recorded by dynamo's cudagraphs backend (--cudagraphs
+    alone). The gradients are allocated here, outside any graph's memory pool; the update zeroes them in place."""
+    for p in agent.parameters():
+        p.grad = torch.zeros_like(p)
+        if args.cudagraphs:  # a fixed address, so that the graph of clip + optimizer step may update them in place
+            torch._dynamo.mark_static_address(p.grad)
+    if args.compile:
+        if args.torch_deterministic:  # compiled code draws the same random numbers as eager code
+            import torch._inductor.config as inductor_config
 
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device("cpu")
-    if args.cuda:  # one GPU per rank
-        if local_rank >= torch.cuda.device_count():
-            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    # one hour (NCCL's default is 10 minutes): at the end the ranks wait while rank 0 writes its videos and the
-    # checkpoint, and for the longest share of the evaluation episodes
-    dist.init_process_group("nccl" if args.cuda else "gloo", timeout=datetime.timedelta(hours=1))
-    return dist.get_rank(), world, device
-
-
-def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Sum of x over ranks (a new tensor; x itself with one process)."""
-    if world > 1:
-        import torch.distributed as dist
-
-        x = x.clone()
-        dist.all_reduce(x)
-    return x
+            inductor_config.fallback_random = True
+        mode = "reduce-overhead" if args.cudagraphs else None
+        return torch.compile(policy, mode=mode), torch.compile(update, mode=mode)
+    if args.cudagraphs:  # CUDA graphs without inductor: dynamo's cudagraphs backend records and replays
+        return torch.compile(policy, backend="cudagraphs"), torch.compile(update, backend="cudagraphs")
+    return policy, update
 
 
-class Silent:
-    """Stands in for the tensorboard writer on ranks other than 0: only rank 0 logs."""
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: None
-
-
-def gather_objects(obj, world: int) -> list:
-    """[obj of rank 0, obj of rank 1, ...] on every rank."""
-    if world == 1:
-        return [obj]
-    import torch.distributed as dist
-
-    out = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Training
-# ---------------------------------------------------------------------------------------------------------
 def cudagraph_skips() -> int:
     """How many compiled graphs torch decided to run without CUDA graphs (dynamo's and inductor's count; a graph that
     mutates an input whose address is not fixed is one), so that --cudagraphs never falls back silently."""
@@ -746,360 +1256,177 @@ def cudagraph_skips() -> int:
     return counters["inductor"]["cudagraph_skips"]
 
 
-def main(args: Args) -> dict:
-    rank, world, device = setup_distributed(args)
-    batch_size = args.num_envs * args.num_steps  # per rank; the global batch is world * batch_size
-    minibatch_size = batch_size // args.num_minibatches
-    num_iterations = args.total_timesteps // (batch_size * world)
+# ---------------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------------
+def die(msg: str) -> None:
+    """Bad input: one line on stderr (rank 0's alone under torchrun), exit code 2, no traceback."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
 
-    ckpt = load_checkpoint(args.resume, args.env_id) if args.resume else None
-    if ckpt is not None and ckpt.get("world_size", 1) != world:  # iterations, seeds and envs are per process
-        n = ckpt.get("world_size", 1)
-        die(f"{args.resume} was written by {n} process(es); resume it with as many: "
-            f"{'python' if n == 1 else f'torchrun --nproc-per-node {n}'} {SCRIPT} --resume {args.resume}")
-    if ckpt is not None and (ckpt["args"]["num_envs"], ckpt["args"]["num_steps"]) != (args.num_envs, args.num_steps):
-        die(f"{args.resume} was written with --num-envs {ckpt['args']['num_envs']} --num-steps "
-            f"{ckpt['args']['num_steps']}; its iteration count and learning-rate schedule hold for that rollout: "
-            "resume with the same")
-    if ckpt is not None:
-        run_dir = os.path.dirname(os.path.abspath(args.resume))
-        run_name = os.path.basename(run_dir)
-    else:
-        run_name = gather_objects(f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}", world)[0]
-        run_dir = os.path.join(args.runs_dir, run_name)
+
+def parse_count(text: str) -> int:
+    """A count written as 500000, 5e5, 1e7 or 1_000_000; anything that is not a whole number is an error."""
     try:
-        os.makedirs(run_dir, exist_ok=True)
-    except OSError as e:
-        die(f"cannot create run directory {run_dir}: {e.strerror}")
-    if not os.access(run_dir, os.W_OK):
-        die(f"run directory {run_dir} is not writable")
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
+    if not value.is_integer():
+        raise ValueError(f"{text!r} is not a whole number")
+    return int(value)
 
-    # Seeding
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    # 0: the cores of this node, shared among its ranks (torchrun's LOCAL_WORLD_SIZE; 1 without torchrun)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world > 1 else 1
-    torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) // local_world))
 
-    start_iteration, global_step = 1, 0
-    # KL-penalty variant: beta on the host (the adaptive rule) and in a tensor that the (compiled) update reads
-    penalty = args.kl_penalty_coef is not None or args.kl_penalty_target is not None
-    beta = 1.0 if args.kl_penalty_coef is None else args.kl_penalty_coef
-    if ckpt is not None and args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
-        beta = ckpt["kl_coef"]  # the adapted value goes on
-    kl_coef = torch.tensor(beta, device=device)
-    if ckpt is not None:
-        start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
-    # a resumed run gets fresh env seeds; rank r's envs get seeds of their own (envpool seeds env i with seed + i)
-    envs = make_envs(args, args.num_envs, args.seed + global_step + rank * args.num_envs)
-    obs_shape = envs.single_observation_space.shape  # (4, 84, 84) uint8
-    n_actions = int(envs.single_action_space.n)
-    agent = Agent(n_actions).to(device)
-    if not args.cuda:  # oneDNN's convolutions (backward above all) run ~20% faster on NHWC weights on CPU
-        agent = agent.to(memory_format=torch.channels_last)
-    # lr lives in a tensor so that annealing does not recompile the compiled/captured optimizer step; on CPU the
-    # fused Adam saves the elementwise passes over the 1.7M parameters; on CUDA `capturable` keeps the step counters
-    # on the GPU and reads the tensor lr there (without it, Adam reads lr on the host once per parameter)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
-                                 capturable=args.cuda, fused=True if not args.cuda else None)
-    if ckpt is not None:
-        try:
-            agent.load_state_dict(ckpt["model"])
-            load_optimizer_state(optimizer, ckpt["optimizer"], device)
-        except (RuntimeError, ValueError, KeyError) as e:
-            die(f"checkpoint {args.resume} does not fit this network: {str(e).splitlines()[0]}")
-        own = ckpt if rank == 0 else ckpt["other_ranks"][rank - 1]  # this rank's RNG
-        set_rng_state(own["rng"], device)
-        if rank == 0:
-            print(f"resumed {args.resume} at iteration {ckpt['iteration']}, global step {global_step}")
-            saved_total = ckpt["args"].get("total_timesteps", args.total_timesteps)
-            if args.anneal_lr and saved_total != args.total_timesteps:  # not silent: the lr jumps
-                print(f"note: --total-timesteps {args.total_timesteps} differs from the checkpoint's {saved_total}: "
-                      "the learning rate now anneals to 0 at the new total")
-            if args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
-                print(f"note: the adaptive KL-penalty coefficient goes on from the checkpoint's {beta:.3g} "
-                      "(--kl-penalty-coef sets the start of a new run only)")
-    for p in agent.parameters():  # gradients allocated here, outside any CUDA graph's memory pool; the update
-        p.grad = torch.zeros_like(p)  # zeroes them in place (zero_grad(set_to_none=False))
-        if args.cudagraphs:  # a fixed address, so that the graph of clip + optimizer step may update them in place
-            torch._dynamo.mark_static_address(p.grad)
-    train_agent = agent  # what the update calls: the agent itself, or DDP around it under torchrun
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
+Count = Annotated[
+    int,
+    tyro.constructors.PrimitiveConstructorSpec(
+        nargs=1,
+        metavar="INT",
+        instance_from_str=lambda a: parse_count(a[0]),
+        is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool),
+        str_from_instance=lambda x: [str(x)],
+    ),
+]
+BOOL_WORDS = {"true": "", "yes": "", "1": "", "false": "no-", "no": "no-", "0": "no-"}
 
-        train_agent = DistributedDataParallel(agent, device_ids=[device.index] if args.cuda else None)
 
-    from torch.utils.tensorboard import SummaryWriter
+def bool_values(argv: list[str]) -> list[str]:
+    """On/off flags given a value, as CleanRL's argparse scripts took them (`--track True`, `--anneal-lr=false`),
+    become tyro's `--track` / `--no-anneal-lr`; any other value is left for tyro to refuse."""
+    flags = {f.name.replace("_", "-") for f in dataclasses.fields(Args) if f.type in (bool, "bool")}
+    out, i = [], 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        flag = name[2:].replace("_", "-")
+        if name.startswith("--") and flag in flags:
+            if not eq and i + 1 < len(argv) and argv[i + 1].lower() in BOOL_WORDS:
+                eq, value = "=", argv[i + 1]
+                i += 1
+            if eq and value.lower() in BOOL_WORDS:
+                out.append(f"--{BOOL_WORDS[value.lower()]}{flag}")
+                i += 1
+                continue
+        out.append(argv[i])
+        i += 1
+    return out
 
-    if args.track and rank == 0:
-        import wandb
 
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                   config=vars(args), name=run_name, dir=run_dir, resume="allow", id=run_name)
-    writer = SummaryWriter(run_dir) if rank == 0 else Silent()  # rank 0 alone logs
-    if ckpt is None:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
-                        "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-
-    # The two hot functions: action sampling during the rollout and one minibatch update.
-    norm_per_minibatch = args.norm_adv and args.norm_adv_scope == "minibatch"
-    def policy(obs):
-        action, logprob, _, value, logp_all = agent(obs)
-        return action, logprob, value, logp_all
-
-    def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_mask, mb_old_logp_all=None):
-        optimizer.zero_grad(set_to_none=False)
-        _, newlogprob, entropy, newvalue, logp_all = train_agent(mb_obs, mb_actions)
-        # Under torchrun the loss of each rank is the mean over its own valid (unmasked) steps and DDP averages the
-        # gradients of the ranks: ranks with different numbers of masked steps are weighted equally (as in
-        # CleanRL's multi-GPU PPO), not by their counts of valid steps.
-        loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
-                               mb_mask, args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef,
-                               norm_per_minibatch, kl_coef if penalty else None,
-                               categorical_kl(mb_old_logp_all, logp_all) if penalty else None)
-        loss.backward()
-        stats["grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-        optimizer.step()
-        return stats
-
-    if args.compile:
-        if args.torch_deterministic:  # compiled code draws the same random numbers as eager code
-            import torch._inductor.config as inductor_config
-
-            inductor_config.fallback_random = True
-        policy = torch.compile(policy, mode="reduce-overhead" if args.cudagraphs else None)
-        update = torch.compile(update, mode="reduce-overhead" if args.cudagraphs else None)
-    elif args.cudagraphs:  # CUDA graphs without inductor: dynamo's cudagraphs backend records and replays
-        policy = torch.compile(policy, backend="cudagraphs")
-        update = torch.compile(update, backend="cudagraphs")
-
-    # Rollout storage (T, N, ...): observations stay uint8 (4x less memory; scaled per minibatch in the network).
-    # Rewards and dones are produced on the host: kept there (pinned on CUDA) and copied once per rollout.
-    pin = args.cuda
-    obs = torch.zeros((args.num_steps, args.num_envs) + obs_shape, dtype=torch.uint8, device=device)
-    actions = torch.zeros((args.num_steps, args.num_envs), dtype=torch.long, device=device)
-    logprobs = torch.zeros((args.num_steps, args.num_envs), device=device)
-    values = torch.zeros((args.num_steps, args.num_envs), device=device)
-    # the KL-penalty variant's exact KL needs log pi_old(.|s) of every action in every state
-    old_logp_all = torch.zeros((args.num_steps, args.num_envs, n_actions), device=device) if penalty else None
-    rewards_h = torch.zeros((args.num_steps, args.num_envs), pin_memory=pin)
-    dones_h = torch.zeros((args.num_steps, args.num_envs), pin_memory=pin)
-    truncs_h = torch.zeros((args.num_steps, args.num_envs), pin_memory=pin)
-    obs_h = torch.zeros((args.num_envs,) + obs_shape, dtype=torch.uint8, pin_memory=pin)  # staging for H2D
-    next_obs_d = torch.zeros((args.num_envs,) + obs_shape, dtype=torch.uint8, device=device)
-
-    def to_device(obs_np: np.ndarray) -> torch.Tensor:
-        if not args.cuda:
-            return torch.from_numpy(obs_np)
-        obs_h.numpy()[:] = obs_np  # the previous copy out of obs_h finished: action.cpu() synchronised since
-        return next_obs_d.copy_(obs_h, non_blocking=True)
-
-    next_obs_np, reset_info = envs.reset()
-    next_obs = to_device(next_obs_np)
-    lives = reset_info["lives"]
-    next_done = np.zeros(args.num_envs, dtype=bool)
-    episode_stats = EpisodeStats(args.num_envs)
-    recent_returns: list[float] = []
-    last_stats: dict = {}
-    start_time, last_print = time.time(), 0.0
-    steps_at_start = global_step
-    finished, failed = True, False  # failed: an update went non-finite
-
-    def checkpoint(path: str, iteration: int) -> None:
-        """Called by every rank at the same iteration; rank 0 writes the states of all ranks."""
-        ranks = gather_objects({"rng": rng_state()}, world)
-        if rank == 0:
-            save_checkpoint(path, agent, optimizer, args, global_step, iteration, ranks[1:], beta if penalty else None)
-
-    # SIGTERM / SIGINT: finish the current iteration, write a checkpoint, say how to resume, exit cleanly.
-    stop_signal: list[int] = []
-    previous_handlers = {sig: signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
-                         for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    for iteration in range(start_iteration, num_iterations + 1):
-        lr_now = args.learning_rate
-        if args.anneal_lr:  # detail: linear annealing to 0 over the whole run
-            lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
-        optimizer.param_groups[0]["lr"].fill_(lr_now)
-
-        # Collect rollout
-        for step in range(args.num_steps):
-            global_step += args.num_envs * world  # environment steps of all ranks
-            obs[step] = next_obs
-            dones_h[step] = torch.from_numpy(next_done)
-            with torch.inference_mode():
-                action, logprob, value, logp_all = policy(obs[step])
-            values[step] = value
-            actions[step] = action
-            logprobs[step] = logprob
-            if penalty:
-                old_logp_all[step] = logp_all
-
-            next_obs_np, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
-            rewards_h[step] = torch.from_numpy(reward)  # clipped to its sign by envpool (reward_clip)
-            truncs_h[step] = torch.from_numpy(to_bootstrap(terminations, truncations, lives, infos["lives"],
-                                                           infos["terminated"]))
-            lives = infos["lives"]
-            next_done = np.logical_or(terminations, truncations)  # detail: a life loss is terminal for GAE
-            for i, ret, length in episode_stats.update(infos["reward"], terminations, truncations,
-                                                       infos["terminated"]):
-                recent_returns.append(ret)
-                writer.add_scalar("charts/episodic_return", ret, global_step)
-                writer.add_scalar("charts/episodic_length", length, global_step)
-            next_obs = to_device(next_obs_np)
-
-        # Compute advantages and returns (GAE)
-        rewards = rewards_h.to(device, non_blocking=True)
-        dones = dones_h.to(device, non_blocking=True)
-        truncs = truncs_h.to(device, non_blocking=True)
-        with torch.no_grad():
-            next_value = agent.get_value(next_obs)
-            rewards = bootstrap_truncated(rewards, values, next_value, truncs, args.gamma)
-            advantages, returns = compute_gae(rewards, values, dones,
-                                              next_value, torch.as_tensor(next_done, dtype=torch.float32,
-                                                                          device=device),
-                                              args.gamma, args.gae_lambda)
-        # obs[t] that came with a done is the last frame of a life/game; its step was envpool's reset step (action
-        # ignored, no transition): mask it out of the loss instead of training on it (CleanRL trains on it).
-        mask = 1.0 - dones
-
-        b_obs = obs.reshape((batch_size,) + obs_shape)
-        b_logprobs, b_actions, b_mask = logprobs.reshape(-1), actions.reshape(-1), mask.reshape(-1)
-        b_advantages, b_returns, b_values = advantages.reshape(-1), returns.reshape(-1), values.reshape(-1)
-        b_old_logp_all = old_logp_all.reshape(batch_size, n_actions) if penalty else None
-        if args.norm_adv and not norm_per_minibatch:  # the note's form (the default is per minibatch, in ppo_loss)
-            b_advantages = normalize_advantages_rollout(b_advantages, b_mask)
-
-        # Optimise policy & value for E epochs
-        stats_sum, n_updates = None, 0
-        for epoch in range(args.update_epochs):
-            b_inds = torch.randperm(batch_size, device=device)
-            for start in range(0, batch_size, minibatch_size):
-                mb = b_inds[start:start + minibatch_size]
-                stats = update(b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb], b_returns[mb],
-                               b_values[mb], b_mask[mb], b_old_logp_all[mb] if penalty else None)
-                stats = {k: v.clone() for k, v in stats.items()}
-                stats_sum = stats if stats_sum is None else {k: stats_sum[k] + v for k, v in stats.items()}
-                n_updates += 1
-            if args.target_kl is not None and float(all_ranks_sum(stats["approx_kl"], world)) / world > args.target_kl:
+def parse_args(argv: Optional[list[str]] = None) -> Args:
+    """tyro.cli, with its error boxes condensed to one line (exit code 2)."""
+    argv = bool_values(sys.argv[1:] if argv is None else argv)
+    default, gpu_gone = None, False
+    resume = resume_path(argv)
+    if resume is not None:  # the checkpoint's arguments become the defaults; flags given now override them
+        if not os.path.isfile(resume):
+            die(f"--resume: no such file {resume}")
+        saved = load_checkpoint(resume)["args"]
+        default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
+        if default.cuda and not torch.cuda.is_available():  # written on a GPU, resumed where there is none
+            default.cuda, default.cudagraphs, gpu_gone = False, False, True  # (--cuda by name is refused below)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = tyro.cli(Args, args=argv, default=default)
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise
+        # tyro prints a box on a terminal and dashed rules elsewhere: a title, then the message up to a rule line
+        lines = [ln.strip().strip("│╭╮╰╯").strip() for ln in err.getvalue().splitlines()][1:]
+        is_rule = lambda ln: bool(ln) and set(ln) <= set("─-")  # noqa: E731
+        while lines and (not lines[0] or is_rule(lines[0])):
+            lines.pop(0)
+        message = []
+        for ln in lines:
+            if not ln or is_rule(ln):
                 break
-        # Update reference policy: theta_old <- theta happens implicitly, the next rollout samples from theta.
-        # KL(pi_old || pi_theta) of the whole rollout after the update: the d of the adaptive KL-penalty rule
-        if penalty:
-            with torch.no_grad():
-                kl_sum = torch.zeros((), device=device)
-                for start in range(0, batch_size, minibatch_size):
-                    mb = slice(start, start + minibatch_size)
-                    logp_all = agent(b_obs[mb], b_actions[mb])[4]
-                    kl_sum += (categorical_kl(b_old_logp_all[mb], logp_all) * b_mask[mb]).sum()
-            # one value: the mean over updates below gives it back
-            stats_sum["kl"] = kl_sum / b_mask.sum().clamp(min=1) * n_updates
+            message.append(ln)
+        die(" ".join(message) or "invalid arguments (see --help)")
+    if gpu_gone and not args.cuda and int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: {resume} was written on a GPU and torch finds none here: the run resumes on the CPU")
+    validate(args)
+    return args
 
-        # one host sync: the statistics averaged over updates (and ranks), whether the parameters went non-finite,
-        # and whether any rank got a stop signal
-        params_bad = ~torch.stack([torch.isfinite(p).all() for p in agent.parameters()]).all()
-        summed = all_ranks_sum(torch.stack([*stats_sum.values(), params_bad.float(),
-                                            torch.tensor(float(len(stop_signal)), device=device)]), world)
-        *means, bad_params, signals = summed.tolist()
-        last_stats = {k: v / (n_updates * world) for k, v in zip(stats_sum, means)}
-        if bad_params:
-            last_stats["parameters"] = float("nan")
-        if not all(np.isfinite(v) for v in last_stats.values()):  # stop before a checkpoint of this update
-            bad = [k for k, v in last_stats.items() if not np.isfinite(v)]
-            if rank == 0:  # (every rank sees the same all-reduced statistics)
-                print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping (last checkpoint kept)",
-                      file=sys.stderr)
-            finished, failed = False, True  # no final checkpoint and no evaluation; exit 1 after the clean-up
-            break
-        mask_np, values_np, returns_np = torch.stack([b_mask, b_values, b_returns]).cpu().numpy()
-        valid = mask_np > 0  # envpool's reset steps are no transitions: left out, as from the losses
-        last_stats["explained_variance"] = explained_variance(values_np[valid], returns_np[valid])
-        rate = (global_step - steps_at_start) / (time.time() - start_time)  # steps/s of this process
-        sps = int(rate)
-        writer.add_scalar("charts/learning_rate", lr_now, global_step)
-        for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
-                  "explained_variance"):
-            writer.add_scalar(f"losses/{k}", last_stats[k], global_step)
-        writer.add_scalar("charts/SPS", sps, global_step)
-        if penalty:
-            writer.add_scalar("losses/kl", last_stats["kl"], global_step)
-            writer.add_scalar("charts/kl_coef", beta, global_step)  # the coefficient this update used
 
-        now = time.time()
-        if rank == 0 and (now - last_print >= 5.0 or iteration == num_iterations):
-            last_print = now
-            recent = np.mean(recent_returns[-20:]) if recent_returns else float("nan")
-            steps_left = (num_iterations - iteration) * batch_size * world
-            print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={sps}  "
-                  f"return(last 20)={recent:.1f}  approx_kl={last_stats['approx_kl']:.4f}"
-                  + (f"  kl={last_stats['kl']:.4f} kl_coef={beta:.3g}" if penalty else "")
-                  + f"  eta={eta_text(steps_left / rate if rate > 0 else math.inf)}", flush=True)
-        if args.cudagraphs and iteration == start_iteration and rank == 0 and cudagraph_skips():
-            print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs says "
-                  "why)", flush=True)
-        if args.kl_penalty_target is not None:  # the coefficient of the next update
-            beta = adapt_kl_coef(beta, last_stats["kl"], args.kl_penalty_target)
-            kl_coef.fill_(beta)
+def resume_path(argv: list[str]) -> Optional[str]:
+    for i, a in enumerate(argv):
+        if a == "--resume" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--resume="):
+            return a.split("=", 1)[1]
+    return None
 
-        ckpt_path = os.path.join(run_dir, "checkpoint.pt")
-        stop_now = args.stop_after and iteration - start_iteration + 1 >= args.stop_after
-        if (stop_now or signals) and iteration < num_iterations:  # signals: summed over ranks, so all stop together
-            checkpoint(ckpt_path, iteration)
-            why = (signal.Signals(stop_signal[0]).name if stop_signal else "a signal to another rank" if signals
-                   else f"--stop-after {args.stop_after}")
-            if rank == 0:
-                launcher = f"torchrun --nproc-per-node {world}" if world > 1 else "python"
-                print(f"stopped at iteration {iteration} ({why}); continue with: {launcher} {SCRIPT} --resume "
-                      f"{ckpt_path}" + (f" (which stops again after {args.stop_after} iterations, the checkpoint's "
-                       "--stop-after; add --stop-after 0 to run to the end)" if args.stop_after else ""), flush=True)
-            finished = False
-            break
-        if args.checkpoint_every and iteration % args.checkpoint_every == 0:
-            checkpoint(ckpt_path, iteration)
-    checkpointed = ckpt is not None or args.checkpoint_every or args.stop_after  # a checkpoint.pt along the way
-    if finished and (args.save_model or (checkpointed and start_iteration <= num_iterations)):
-        # brought up to the end of the run, so that a --resume of the finished run evaluates instead of training
-        path = os.path.join(run_dir, "checkpoint.pt")
-        checkpoint(path, max(num_iterations, start_iteration - 1))
-        if rank == 0:
-            print(f"checkpoint written to {path}")
-    for sig, handler in previous_handlers.items():
-        signal.signal(sig, handler)
-    envs.close()
 
-    result = {"global_step": global_step, "run_dir": run_dir, "stats": last_stats, "returns": recent_returns}
-    if args.eval_episodes and finished:  # under torchrun every rank plays its share; rank 0 logs them all
-        share = args.eval_episodes // world + int(rank < args.eval_episodes % world)
-        mine = evaluate(agent, args, device, share, os.path.join(run_dir, "videos"), rank, world) if share else []
-        eval_returns = [r for part in gather_objects(mine, world) for r in part]
-        mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
-        writer.add_scalar("eval/episodic_return", mean, global_step)
-        if rank == 0:
-            print(f"eval: {args.eval_episodes} games{' (deterministic)' if args.eval_deterministic else ''}, "
-                  f"return {mean:.2f} ± {std:.2f}")
-        result["eval_returns"] = eval_returns
-    writer.close()
-    if args.track and rank == 0:
-        import wandb
+def validate(args: Args) -> None:
+    for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs",
+                 "max_episode_steps"):
+        if getattr(args, name) <= 0 and not (name == "total_timesteps" and getattr(args, name) == 0):
+            die(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("eval_episodes", "checkpoint_every", "stop_after", "torch_threads", "num_threads"):
+        if getattr(args, name) < 0:
+            die(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    batch = args.num_envs * args.num_steps
+    if batch % args.num_minibatches:
+        die(f"num_envs*num_steps = {batch} is not divisible by --num-minibatches {args.num_minibatches}")
+    if not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1):
+        die("--gamma and --gae-lambda must lie in [0, 1]")
+    for f in dataclasses.fields(Args):  # nan / inf pass the range checks below unnoticed
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            die(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
+    if args.learning_rate <= 0 or args.clip_coef <= 0 or args.max_grad_norm <= 0:
+        die("--learning-rate, --clip-coef and --max-grad-norm must be positive")
+    if args.ent_coef < 0 or args.vf_coef < 0:
+        die("--ent-coef and --vf-coef must be >= 0")
+    if args.target_kl is not None and args.target_kl <= 0:
+        die(f"--target-kl must be positive, got {args.target_kl}")
+    if args.kl_penalty_coef is not None and args.kl_penalty_coef < 0:
+        die(f"--kl-penalty-coef must be >= 0, got {args.kl_penalty_coef}")
+    if args.kl_penalty_target is not None and args.kl_penalty_target <= 0:
+        die(f"--kl-penalty-target must be positive, got {args.kl_penalty_target}")
+    for flag, asked in (("--eval-deterministic", args.eval_deterministic), ("--capture-video", args.capture_video)):
+        if asked and not args.eval_episodes and int(os.environ.get("RANK", "0")) == 0:
+            print(f"note: {flag} applies to the --eval-episodes games; none asked")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun: one rollout of every process
+    if args.seed < 0 or args.seed + args.total_timesteps + world * args.num_envs >= 2**31:
+        die(f"--seed {args.seed}: envpool seeds (seed + global step + env index) must lie in [0, 2**31)")
+    for name in ("max_episode_steps", "num_threads", "num_envs"):
+        if getattr(args, name) >= 2**31:
+            die(f"--{name.replace('_', '-')} must be below 2**31, got {getattr(args, name)}")
+    if 0 < args.total_timesteps < batch * world:
+        die(f"--total-timesteps {args.total_timesteps} is less than one rollout (num_envs*num_steps = {batch}"
+            + (f", times {world} processes)" if world > 1 else ")"))
+    if args.cudagraphs and not args.cuda:
+        die("--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
+    if args.cudagraphs and world > 1:
+        die("--cudagraphs is not supported under torchrun (DDP's gradient all-reduce runs outside the graph)")
+    if args.cuda and not torch.cuda.is_available():
+        die("--cuda given but torch finds no CUDA device (without the flag the script uses the GPU if there is one)")
+    if args.resume is not None and not os.path.isfile(args.resume):
+        die(f"--resume: no such file {args.resume}")
+    check_env_id(args.env_id)
 
-        wandb.finish(exit_code=int(failed))
-    if world > 1:
-        import torch.distributed as dist
 
-        dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
-        dist.destroy_process_group()
-    if failed:
-        if world > 1:  # as at the end of __main__: skip the teardown where gloo's threads can abort
-            sys.stdout.flush(), sys.stderr.flush()
-            os._exit(1)
-        sys.exit(1)
-    return result
+def atari_env_ids() -> list[str]:
+    """envpool's Atari task ids (those whose spec is AtariEnvSpec)."""
+    import envpool
+    from envpool.registration import registry
+
+    return sorted(e for e in envpool.list_all_envs() if registry.specs[e][1] == "AtariEnvSpec")
+
+
+def check_env_id(env_id: str) -> None:
+    ids = atari_env_ids()
+    if env_id not in ids:
+        close = difflib.get_close_matches(env_id, ids, n=5, cutoff=0.5)
+        hint = f"did you mean {', '.join(close)}?" if close else f"e.g. {', '.join(ids[:5])}, ... ({len(ids)} in all)"
+        die(f"unknown envpool Atari task {env_id!r}; {hint}")
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    args = parse_args()
+    for sig in STOP_SIGNALS:  # main() restores this at its end: a late signal then cannot break a clean exit
+        signal.signal(sig, signal.SIG_IGN)  # (SIG_IGN: the interpreter's teardown resets Python-level handlers)
+    main(args)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Everything is written and the process group destroyed. Skip the interpreter's teardown, where gloo's
         # threads now and then abort a finished run ("terminate called without an active exception", exit -6).

@@ -1,6 +1,7 @@
-"""What the tests of more than one script share: slow, obviously correct references (plain Python floats) and a
-helper that runs a script the way a user does."""
+"""What the tests of more than one script share: slow, obviously correct references (plain Python floats), a helper
+that runs a script the way a user does, and a file that fills as a full disk does."""
 
+import errno
 import os
 import signal
 import subprocess
@@ -39,3 +40,19 @@ def ctrl_c_after_first_iteration(argv: list, cwd) -> tuple:
     os.killpg(p.pid, signal.SIGINT)
     out, err = p.communicate(timeout=120)
     return p.returncode, out, err
+
+
+class FullDisk:
+    """A file that takes `room` bytes, then fails as a full disk does."""
+
+    def __init__(self, f, room):
+        self.f, self.room = f, room
+
+    def write(self, b):
+        if len(b) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(b)
+        return self.f.write(b)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)

@@ -74,7 +74,7 @@ def test_ppo_trains_stops_and_resumes_under_torchrun(tmp_path):
     assert len(glob.glob(str(tmp_path / "*" / "events.out.tfevents.*"))) == 2  # rank 0's, one per process run
 
 
-@pytest.mark.parametrize("script", ["ppo.py", "ppo_continuous.py"])
+@pytest.mark.parametrize("script", ["ppo.py", "ppo_continuous.py", "ppo_atari_envpool.py"])
 def test_bad_input_under_torchrun_is_said_once(tmp_path, script):
     """Every rank finds the bad input before the process group exists; rank 0 alone says it (the launcher then
     reports the workers' failure and exits 1, which is torchrun's own rule)."""

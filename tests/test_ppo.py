@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/shared.py
 import ppo  # noqa: E402
-from shared import ctrl_c_after_first_iteration, reference_gae  # noqa: E402  (tests/shared.py)
+from shared import FullDisk, ctrl_c_after_first_iteration, reference_gae  # noqa: E402  (tests/shared.py)
 
 
 def run_script(*argv, cwd=None, timeout=240):
@@ -862,22 +862,6 @@ def test_a_run_directory_held_by_a_live_process_is_refused(tmp_path, capsys):
         assert f"run directory {first['run_dir']} is in use by another process (pid 4242)" in err
         assert os.stat(ckpt).st_mtime_ns == before
     assert ppo.main(ppo.parse_args(["--resume", ckpt]))["global_step"] == 256  # free again: it resumes
-
-
-class FullDisk:
-    """A file that takes `room` bytes, then fails as a full disk does."""
-
-    def __init__(self, f, room):
-        self.f, self.room = f, room
-
-    def write(self, b):
-        if len(b) > self.room:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self.room -= len(b)
-        return self.f.write(b)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
 
 
 @pytest.mark.parametrize("good_saves", [0, 1])
