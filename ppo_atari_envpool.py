@@ -1070,20 +1070,21 @@ def save_checkpoint(path: str, agent: Agent, optimizer, args: Args, global_step:
 
 CHECKPOINT_KEYS = {"env_id": str, "model": dict, "optimizer": dict, "global_step": int, "iteration": int, "rng": dict,
                    "args": dict, "world_size": int, "other_ranks": list}
-_read_checkpoints: dict = {}  # the last checkpoint read: parse_args reads it for its flags, main for its states
+_read_checkpoints: dict = {}  # parse_args reads a checkpoint for its flags and keeps it here for main's states
 
 
-def load_checkpoint(path: str, env_id: Optional[str] = None) -> dict:
-    """Read and check a checkpoint (once per version of the file); whatever is wrong with it is one line, exit 2."""
+def load_checkpoint(path: str, env_id: Optional[str] = None, keep: bool = False) -> dict:
+    """Read and check a checkpoint; whatever is wrong with it is one line, exit 2. keep: hold it for the next call
+    (parse_args for main), which takes it over: the optimizer's state shares its tensors and training changes them."""
     try:
         st = os.stat(path)
     except OSError as e:
         die(f"cannot read checkpoint {path}: {e.strerror}")
     key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
-    if key not in _read_checkpoints:
-        _read_checkpoints.clear()
-        _read_checkpoints[key] = read_checkpoint(path)
-    ckpt = _read_checkpoints[key]
+    ckpt = _read_checkpoints.pop(key, None) or read_checkpoint(path)
+    _read_checkpoints.clear()
+    if keep:
+        _read_checkpoints[key] = ckpt
     if env_id is not None and ckpt["env_id"] != env_id:
         die(f"{path} was trained on {ckpt['env_id']}, not {env_id} (pass --env-id {ckpt['env_id']})")
     return ckpt
@@ -1319,7 +1320,7 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
     if resume is not None:  # the checkpoint's arguments become the defaults; flags given now override them
         if not os.path.isfile(resume):
             die(f"--resume: no such file {resume}")
-        saved = load_checkpoint(resume)["args"]
+        saved = load_checkpoint(resume, keep=True)["args"]
         default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
         if default.cuda and not torch.cuda.is_available():  # written on a GPU, resumed where there is none
             default.cuda, default.cudagraphs, gpu_gone = False, False, True  # (--cuda by name is refused below)

@@ -1271,20 +1271,21 @@ CHECKPOINT_KEYS = {"env_id": str, "model": dict, "optimizer": dict, "global_step
                    "args": dict, "obs_rms": dict, "return_rms": dict, "rollout": dict, "world_size": int,
                    "other_ranks": list}
 ROLLOUT_KEYS = ("envs", "next_obs", "next_done", "ep_return", "ep_length", "reward_ret")
-_read_checkpoints: dict = {}  # the last checkpoint read: parse_args reads it for its flags, main for its states
+_read_checkpoints: dict = {}  # parse_args reads a checkpoint for its flags and keeps it here for main's states
 
 
-def load_checkpoint(path: str, env_id: Optional[str] = None) -> dict:
-    """Read and check a checkpoint (once per version of the file); whatever is wrong with it is one line, exit 2."""
+def load_checkpoint(path: str, env_id: Optional[str] = None, keep: bool = False) -> dict:
+    """Read and check a checkpoint; whatever is wrong with it is one line, exit 2. keep: hold it for the next call
+    (parse_args for main), which takes it over: the optimizer's state shares its tensors and training changes them."""
     try:
         st = os.stat(path)
     except OSError as e:
         die(f"cannot read checkpoint {path}: {e.strerror}")
     key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
-    if key not in _read_checkpoints:
-        _read_checkpoints.clear()
-        _read_checkpoints[key] = read_checkpoint(path)
-    ckpt = _read_checkpoints[key]
+    ckpt = _read_checkpoints.pop(key, None) or read_checkpoint(path)
+    _read_checkpoints.clear()
+    if keep:
+        _read_checkpoints[key] = ckpt
     if env_id is not None and ckpt["env_id"] != env_id:
         die(f"{path} was trained on {ckpt['env_id']}, not {env_id} (pass --env-id {ckpt['env_id']})")
     return ckpt
@@ -1321,7 +1322,7 @@ def read_checkpoint(path: str) -> dict:
     if ckpt["world_size"] != len(ranks):
         damaged(f"world_size {ckpt['world_size']} with states of {len(ranks)} process(es)")
     for r, state in enumerate(ranks):
-        rng, rollout = state.get("rng"), state.get("rollout")
+        rng, rollout = (state.get("rng"), state.get("rollout")) if isinstance(state, dict) else (None, None)
         if not (isinstance(rng, dict) and torch.is_tensor(rng.get("torch"))
                 and rng["torch"].shape == torch.get_rng_state().shape):
             damaged(f"the RNG state of rank {r} is missing or of the wrong size")
@@ -1566,7 +1567,7 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
     if resume is not None:  # the checkpoint's arguments become the defaults; flags given now override them
         if not os.path.isfile(resume):
             die(f"--resume: no such file {resume}")
-        saved = load_checkpoint(resume)["args"]
+        saved = load_checkpoint(resume, keep=True)["args"]
         default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
     err = io.StringIO()
     try:

@@ -830,8 +830,11 @@ def test_a_second_signal_right_after_the_stop_keeps_the_exit_clean(tmp_path):
     while "stopped at iteration" not in line:
         line = p.stdout.readline()
         assert line, p.stderr.read()
-    time.sleep(0.02)  # the teardown has begun
-    p.send_signal(signal.SIGTERM)
+    time.sleep(0.02)  # the teardown has begun; signals keep coming until the process is gone
+    deadline = time.time() + 60
+    while p.poll() is None and time.time() < deadline:
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.02)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, (p.returncode, err)
 
@@ -927,6 +930,7 @@ def edit_checkpoint(tmp_path, edit):
     (lambda s: s["rollout"].pop("envs"), "rollout state of rank 0 lacks"),
     (lambda s: s["rng"].update(torch=torch.zeros(7, dtype=torch.uint8)), "RNG state of rank 0"),
     (lambda s: s.update(kl_coef="big"), "kl_coef is 'big'"),
+    (lambda s: s.update(other_ranks=["rank 1"], world_size=2), "RNG state of rank 1"),
 ])
 def test_an_edited_checkpoint_is_one_line_exit_2(tmp_path, capsys, edit, needle):
     path = edit_checkpoint(tmp_path, edit)
@@ -962,3 +966,17 @@ def test_the_nan_stop_says_when_no_checkpoint_exists(tmp_path, monkeypatch, caps
         ppo.main(small_args(tmp_path))
     err = capsys.readouterr().err
     assert e.value.code == 1 and "at iteration 1; stopping (no checkpoint was written)" in err, err
+
+
+def test_a_checkpoint_is_read_once_and_not_kept_after_main_took_it(tmp_path, monkeypatch):
+    """parse_args reads it for the flags, main takes it over; it is not kept after that (the optimizer's state shares
+    its tensors, and training changes them)."""
+    first = ppo.main(small_args(tmp_path, total_timesteps=256, save_model=True))  # a finished run: nothing rewrites it
+    ckpt = os.path.join(first["run_dir"], "checkpoint.pt")
+    reads, real = [], ppo.read_checkpoint
+    monkeypatch.setattr(ppo, "read_checkpoint", lambda path: reads.append(path) or real(path))
+    args = ppo.parse_args(["--resume", ckpt])
+    ppo.main(args)
+    assert len(reads) == 1
+    ppo.main(args)
+    assert len(reads) == 2
