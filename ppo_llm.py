@@ -1,9 +1,10 @@
 """PPO for causal language models (RLHF / RL with verifiable rewards), every algorithm option of verl, ROLL, RLinf.
 
-    python ppo_llm.py                                   # offline, CPU, minutes: tiny Llama learns to sort digits
+    python ppo_llm.py                                   # offline, minutes on a CPU: tiny Llama learns to sort digits
     python ppo_llm.py --adv-estimator grpo --critic none --use-kl-loss --kl-loss-type low_var_kl
     python ppo_llm.py --adv-type gae --gae-lambda 0.95 --pg-clip 0.2    # verl / ROLL / RLinf option names work too
-    python ppo_llm.py --model-name-or-path DIR --dataset prompts.jsonl --reward-model-path RM_DIR --cuda
+    python ppo_llm.py --model-name-or-path DIR --dataset prompts.jsonl --reward-model-path RM_DIR  # GPU if any
+    python ppo_llm.py --model-name-or-path DIR --dataset gsm8k.parquet --reward-fn math --lora-rank 32 --eval-n 8
     python ppo_llm.py --resume runs/<run>/checkpoint.pt
     torchrun --nproc-per-node 2 ppo_llm.py              # FSDP2 (--strategy ddp: DDP); batch sizes are global
 
@@ -12,7 +13,7 @@ until a third to a half of its answers are right, then PPO on the rule "response
 episode, a token an action. Outline: Args -> task and tokenizer -> models -> generation and scoring -> reward ->
 advantages -> losses -> update -> main(), whose loop is the note's steps (shared/seeds/ppo_note.md; formulas as verl's
 core_algos.py). The PPO part ends with main(); below its banner: run context, torchrun / FSDP2, checkpoints,
-evaluation, compile helper, command line.
+evaluation, local models, reward files, LoRA (peft), data files (datasets), command line.
 """
 
 from __future__ import annotations
@@ -1357,7 +1358,8 @@ def main(args: Args) -> dict:
 
 # =========================================================================================================
 # Plumbing: nothing below this line changes what PPO computes. Run context (torchrun, logging, signals, ...),
-# checkpoints and exact resume, evaluation, compile helper, local models, command line.
+# checkpoints and exact resume, evaluation, compile helper, local models, --reward-fn files, LoRA adapters (peft),
+# data files (datasets), command line.
 # =========================================================================================================
 def die(msg: str) -> None:
     """Bad input: one line on stderr (under torchrun from rank 0 alone), exit code 2, no traceback."""
