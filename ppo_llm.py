@@ -466,12 +466,12 @@ def build_critic(args: Args, policy, ckpt: Optional[dict], device):
     critic = value_head = None
     saved = None if ckpt is None else os.path.join(os.path.dirname(os.path.abspath(args.resume)),
                                                    ckpt["model"]["critic"])
-    if args.critic == "separate" and args.critic_lora:  # the policy's first trunk + LoRA adapters (or the saved ones)
-        critic = with_lora(make_critic(policy), args, "TOKEN_CLS", saved)
-    elif args.critic == "separate":
-        critic = make_critic(policy) if ckpt is None else load_pretrained(
-            "a critic", saved, AutoModelForTokenClassification.from_pretrained, args.trust_remote_code)
-    if critic is not None:
+    if args.critic == "separate":
+        if args.critic_lora:  # the policy's trunk as PPO starts (on resume: ref/) + new or saved LoRA adapters
+            critic = with_lora(make_critic(policy), args, "TOKEN_CLS", saved)
+        else:
+            critic = make_critic(policy) if ckpt is None else load_pretrained(
+                "a critic", saved, AutoModelForTokenClassification.from_pretrained, args.trust_remote_code)
         critic = disable_dropout(critic).to(device)
     elif args.critic == "shared":
         value_head = nn.Linear(policy.config.hidden_size, 1).to(device)
@@ -641,7 +641,7 @@ def rule_reward(response: str, answer: Optional[str]) -> float:
 
 
 def boxed_content(text: str) -> Optional[str]:
-    """The content of the last \boxed{...} in text, its braces balanced (\boxed{\frac{1}{2}} -> \frac{1}{2}); None
+    r"""The content of the last \boxed{...} in text, its braces balanced (\boxed{\frac{1}{2}} -> \frac{1}{2}); None
     without one or when it is not closed."""
     start = text.rfind("\\boxed{")
     if start < 0:
@@ -658,7 +658,7 @@ NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+") 
 
 
 def math_number(text: str) -> Optional[fractions.Fraction]:
-    """A final answer as an exact number: "1,234" "$5" "-3.50" "42." "7/8" "\frac{1}{2}" "-\dfrac{3}{4}" (a plain
+    r"""A final answer as an exact number: "1,234" "$5" "-3.50" "42." "7/8" "\frac{1}{2}" "-\dfrac{3}{4}" (a plain
     number over a plain number); None for anything else ("x+1", "\sqrt{2}", "1e5")."""
     s = text.strip()
     for junk in ("\\$", "$", "\\,", "\\!", ",", " "):  # currency and thousands separators, LaTeX's among them
@@ -676,7 +676,7 @@ def math_number(text: str) -> Optional[fractions.Fraction]:
 
 
 def math_reward(response: str, answer: Optional[str]) -> float:
-    """GSM8K / MATH rule: 1 if the response's final answer equals the reference's, else 0. The reference is the text
+    r"""GSM8K / MATH rule: 1 if the response's final answer equals the reference's, else 0. The reference is the text
     after the last "####" (GSM8K), else the content of its last \boxed{} (a MATH solution), else all of it; the
     response's answer is the content of its last \boxed{}, else its last number. Equal as exact numbers (math_number:
     "1,234" = "1234.0", "\frac{1}{2}" = "0.5") where both are numbers, else as stripped strings."""
@@ -1329,7 +1329,7 @@ def main(args: Args) -> dict:
                 "perf/train_tokens_per_s": n_tok * args.ppo_epochs / max(t_train, 1e-9),
                 **{f"rollout/{k}_mean": all_gather_cat(v, world).mean().item() for k, v in parts.items()},
                 **{f"losses/{k}": v for k, v in stats.items()}}
-            if has_answers:  # (accuracy is exact match: none for a reward model's prompts without answers)
+            if has_answers:  # (accuracy is the rule's: none for a reward model's prompts without answers)
                 metrics["rollout/accuracy"] = correct.mean().item()
                 tracker.setdefault("rollout", []).append([iteration, metrics["rollout/accuracy"]])
             run.log_iteration(iteration, global_step, metrics)  # TensorBoard, charts/SPS, the progress line
@@ -2097,8 +2097,8 @@ def reference_policy(args: Args, policy, ref, ckpt: Optional[dict], device):
                                                    ckpt["model"]["policy"])
     policy = disable_dropout(with_lora(policy, args, "CAUSAL_LM", saved)).to(device)
     trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    print(f"LoRA: rank {args.lora_rank}, alpha {args.lora_alpha:g}, {trained / 1e6:.3f}M trained parameters "
-          f"({lora_targets(args) if isinstance(lora_targets(args), str) else ', '.join(lora_targets(args))})")
+    print(f"LoRA: rank {args.lora_rank}, alpha {args.lora_alpha:g} on {args.lora_target_modules}: "
+          f"{trained / 1e6:.3f}M trained parameters")
     return policy, AdaptersOff(policy)
 
 
@@ -2161,7 +2161,7 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
         with open(path, encoding="utf-8-sig") as f:
             return f"line {[n for n, line in enumerate(f, 1) if line.strip()][i]}"
     table, rows = read_rows(path, flag), []
-    if table and column(table[0], prompt_key) is None and all(column(r, prompt_key) is None for r in table):
+    if table and all(column(r, prompt_key) is None for r in table):
         die(f"{flag} {path}: no column {prompt_key!r} (--prompt-key); its columns: {', '.join(table[0])}")
     for i, row in enumerate(table):
         prompt, answer = column(row, prompt_key), column(row, answer_key)
