@@ -1731,6 +1731,14 @@ def test_a_reward_function_that_fails_stops_the_run_naming_the_prompt(tmp_path, 
     assert P.load_checkpoint(str(tmp_path / "runs" / run / "checkpoint.pt"))["iteration"] == 1
 
 
+def test_a_reward_function_that_fails_in_the_first_evaluation_stops_before_training(tmp_path, capsys):
+    fn = write_reward_fn(tmp_path / "r.py", "return {'score': 1}")  # (a dict, as some frameworks' functions return)
+    err = one_line_exit(capsys, 1, lambda a: P.main(P.parse_args(a)), [*TINY, "--runs-dir", str(tmp_path / "runs"),
+                                                                       "--reward-fn", fn])
+    assert "returned {'score': 1}, not a finite number, on the prompt" in err, err
+    assert err.endswith("stopping (no checkpoint was written)") and os.listdir(tmp_path / "runs") == []
+
+
 def write_parquet(path, rows):
     import pyarrow as pa
     import pyarrow.parquet as pq
