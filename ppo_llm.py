@@ -411,13 +411,13 @@ def build_policy(args: Args, ckpt: Optional[dict], device):
     def causal_lm(path):
         return load_pretrained("a causal LM", path, AutoModelForCausalLM.from_pretrained, args.trust_remote_code,
                                dtype=torch.float32)
-    ref, saved = None, os.path.dirname(os.path.abspath(args.resume or "."))
+    ref = None
     if ckpt is not None:
-        tok = load_tokenizer(os.path.join(saved, ckpt["model"]["policy"]), args.trust_remote_code)
+        tok = load_tokenizer(saved_model_dir(args, ckpt, "policy"), args.trust_remote_code)
         if args.lora_rank:
-            policy = causal_lm(os.path.join(saved, ckpt["model"]["ref"]))
+            policy = causal_lm(saved_model_dir(args, ckpt, "ref"))
         else:
-            policy, ref = (causal_lm(os.path.join(saved, ckpt["model"][m])) for m in ("policy", "ref"))
+            policy, ref = (causal_lm(saved_model_dir(args, ckpt, m)) for m in ("policy", "ref"))
     elif args.model_name_or_path:
         tok = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
         policy = causal_lm(args.model_name_or_path)
@@ -463,9 +463,7 @@ def build_critic(args: Args, policy, ckpt: Optional[dict], device):
     the checkpoint's. Returns (critic, value_head), None where the choice has none."""
     from transformers import AutoModelForTokenClassification
 
-    critic = value_head = None
-    saved = None if ckpt is None else os.path.join(os.path.dirname(os.path.abspath(args.resume)),
-                                                   ckpt["model"]["critic"])
+    critic, value_head, saved = None, None, saved_model_dir(args, ckpt, "critic")
     if args.critic == "separate":
         if args.critic_lora:  # the policy's trunk as PPO starts (on resume: ref/) + new or saved LoRA adapters
             critic = with_lora(make_critic(policy), args, "TOKEN_CLS", saved)
@@ -1846,6 +1844,11 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
     return path
 
 
+def saved_model_dir(args: Args, ckpt: Optional[dict], name: str) -> Optional[str]:
+    """The save_pretrained directory of the checkpoint's model `name` (policy, ref, critic); None without one."""
+    return None if ckpt is None else os.path.join(os.path.dirname(os.path.abspath(args.resume)), ckpt["model"][name])
+
+
 _READ: dict = {}  # the last checkpoint read: parse_args reads it for the saved arguments, main() gets the same dict
 
 
@@ -2093,9 +2096,7 @@ def reference_policy(args: Args, policy, ref, ckpt: Optional[dict], device):
     if not args.lora_rank:
         return policy, disable_dropout(copy.deepcopy(policy) if ref is None else ref).to(device).eval().requires_grad_(
             False)
-    saved = None if ckpt is None else os.path.join(os.path.dirname(os.path.abspath(args.resume)),
-                                                   ckpt["model"]["policy"])
-    policy = disable_dropout(with_lora(policy, args, "CAUSAL_LM", saved)).to(device)
+    policy = disable_dropout(with_lora(policy, args, "CAUSAL_LM", saved_model_dir(args, ckpt, "policy"))).to(device)
     trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     print(f"LoRA: rank {args.lora_rank}, alpha {args.lora_alpha:g} on {args.lora_target_modules}: "
           f"{trained / 1e6:.3f}M trained parameters")
