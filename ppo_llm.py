@@ -1,9 +1,10 @@
 """PPO for causal language models (RLHF / RL with verifiable rewards), every algorithm option of verl, ROLL, RLinf.
 
-    python ppo_llm.py                                   # offline, CPU, minutes: tiny Llama learns to sort digits
+    python ppo_llm.py                                   # offline, minutes on a CPU: tiny Llama learns to sort digits
     python ppo_llm.py --adv-estimator grpo --critic none --use-kl-loss --kl-loss-type low_var_kl
     python ppo_llm.py --adv-type gae --gae-lambda 0.95 --pg-clip 0.2    # verl / ROLL / RLinf option names work too
-    python ppo_llm.py --model-name-or-path DIR --dataset prompts.jsonl --reward-model-path RM_DIR --cuda
+    python ppo_llm.py --model-name-or-path DIR --dataset prompts.jsonl --reward-model-path RM_DIR  # GPU if any
+    python ppo_llm.py --model-name-or-path DIR --dataset gsm8k.parquet --reward-fn math --lora-rank 32 --eval-n 8
     python ppo_llm.py --resume runs/<run>/checkpoint.pt
     torchrun --nproc-per-node 2 ppo_llm.py              # FSDP2 (--strategy ddp: DDP); batch sizes are global
 
@@ -12,7 +13,7 @@ until a third to a half of its answers are right, then PPO on the rule "response
 episode, a token an action. Outline: Args -> task and tokenizer -> models -> generation and scoring -> reward ->
 advantages -> losses -> update -> main(), whose loop is the note's steps (shared/seeds/ppo_note.md; formulas as verl's
 core_algos.py). The PPO part ends with main(); below its banner: run context, torchrun / FSDP2, checkpoints,
-evaluation, compile helper, command line.
+evaluation, local models, reward files, LoRA (peft), data files (datasets), command line.
 """
 
 from __future__ import annotations
@@ -21,19 +22,23 @@ import contextlib
 import copy
 import dataclasses
 import fcntl
+import fractions
 import io
 import itertools
 import json
 import math
+import numbers
 import os
 import random
 import re
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import typing
+import warnings
 import zipfile
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
@@ -73,7 +78,12 @@ class Args:
     logprob_forward_micro_batch_size: Annotated[Optional[Count], alias("--log-prob-micro-batch-size-per-gpu")] = None
     """responses per no-grad scoring forward (RLinf; None: --micro-batch-size, so the first ratio is exactly 1)"""
 
-    # Reward: normalisation and clipping of the scores (ROLL), missing-EOS penalty
+    # Reward: the rule (verl custom_reward_function, TRL reward_funcs), normalisation and clipping of the scores
+    # (ROLL), missing-EOS penalty
+    reward_fn: Annotated[Optional[str], alias("--reward-funcs")] = None
+    """rule reward: exact (response == answer), math (GSM8K / MATH final answer: docs/ppo_llm.md) or FILE.py:NAME, a
+    function NAME(prompt, response, answer) -> float; None: exact, and with --reward-model-path the model alone
+    (given with it: their sum, as TRL)"""
     reward_norm: Literal["none", "batch", "group", "running", "null"] = "none"
     """normalise scores over the batch, the prompt's group, or running statistics (ROLL; null: none)"""
     reward_shift: bool = False
@@ -183,11 +193,24 @@ class Args:
     reward_model_path: Optional[str] = None
     """local sequence-classification reward model, num_labels=1 (default: rule-based reward, response == answer)"""
     dataset: Annotated[Optional[str], alias("--train-files", "--data.train-files")] = None
-    """JSONL file of {"prompt": ..., "answer": ...} (default: synthetic digit sorting)"""
+    """.jsonl, .json or .parquet file of prompts (+ answers), read by Hugging Face datasets (default: digit sorting)"""
     eval_dataset: Annotated[Optional[str], alias("--val-files", "--data.val-files")] = None
-    """held-out JSONL {"prompt", "answer"} rows to evaluate on (verl data.val_files; default: first --dataset rows)"""
+    """held-out rows with answers to evaluate on, same formats (verl data.val_files; default: first --dataset rows)"""
+    prompt_key: Annotated[str, alias("--data.prompt-key")] = "prompt"
+    """column of the prompt: a string, or a list of chat messages {"role", "content"} (then the chat template)"""
+    answer_key: str = "answer"
+    """column of the answer; a dotted path reaches into nested columns (verl's parquet: reward_model.ground_truth)"""
     apply_chat_template: bool = False
     """each prompt as a user turn in the tokenizer's chat template (instruct models); off: plain text (+ BOS)"""
+    lora_rank: Count = 0
+    """train LoRA adapters of this rank on the policy through peft (0: every parameter); the reference is the same
+    model with its adapters off, no second copy"""
+    lora_alpha: float = 16.0
+    """LoRA scaling alpha (the update is alpha / rank * B A)"""
+    lora_target_modules: Annotated[str, alias("--target-modules")] = "all-linear"
+    """modules that get adapters: all-linear (every linear layer but the output) or names, comma-separated"""
+    critic_lora: bool = False
+    """--critic separate: LoRA adapters (and its value head in full) on the critic too (off: a full model)"""
     sft_steps: Count = 60
     """warm-start: supervised steps on the task's answers before PPO (0: none); few, so the model is partly right"""
     sft_lr: float = 2.5e-4
@@ -200,6 +223,10 @@ class Args:
     """held-out prompts scored greedily and sampled (0: off)"""
     eval_every: Count = 15
     """evaluate every N iterations (and before/after training)"""
+    eval_n: Count = 0
+    """also sample n responses per held-out prompt at --eval-temperature: eval/pass@1 and eval/pass@k (0: off)"""
+    eval_temperature: float = 1.0
+    """sampling temperature of the --eval-n samples (top-p / top-k as the rollout's)"""
 
     # Run: seed, device and precision, speed paths, logging, checkpoints
     exp_name: str = "ppo_llm"
@@ -208,8 +235,8 @@ class Args:
     """seed of the experiment (python and torch: tasks, sampling, shuffling, initialisation)"""
     torch_deterministic: bool = True
     """use deterministic torch algorithms"""
-    cuda: bool = False
-    """run on CUDA (with bf16 autocast unless --precision fp32)"""
+    cuda: bool = dataclasses.field(default_factory=lambda: torch.cuda.is_available())
+    """run on CUDA, with bf16 autocast unless --precision fp32: the default where torch sees a GPU (--no-cuda: CPU)"""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """bf16 autocast with fp32 master weights, or fp32 throughout; auto: bf16 with --cuda, fp32 on the CPU"""
     compile: bool = False
@@ -270,13 +297,14 @@ def make_problems(count: int, gen: torch.Generator, exclude=frozenset(), distinc
     return rows
 
 
-def prompt_token_ids(tok, prompt: str, chat: bool = False) -> list[int]:
+def prompt_token_ids(tok, prompt, chat: bool = False) -> list[int]:
     """A prompt's token ids with the tokenizer's own special tokens (BOS where its model expects one; a trailing EOS
-    some tokenizers add is dropped: the response follows). chat (--apply-chat-template): the prompt as one user
-    message in the tokenizer's chat template, ending with the assistant's turn."""
-    if chat:
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                       tokenize=False)
+    some tokenizers add is dropped: the response follows). A prompt that is a list of chat messages (verl's data),
+    or any prompt with chat (--apply-chat-template, as one user message), goes through the tokenizer's chat
+    template, ending with the assistant's turn."""
+    if chat or not isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tok.encode(text, add_special_tokens=False)  # (the template writes BOS itself where it wants one)
     ids = tok.encode(prompt)
     return ids[:-1] if len(ids) > 1 and ids[-1] == tok.eos_token_id else ids
@@ -287,49 +315,22 @@ def encode_batch(tok, rows: list[dict], prompt_length: int, chat: bool = False):
                     prompt_length)
 
 
-def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: str = "--dataset") -> list[dict]:
-    try:
-        with open(path, encoding="utf-8-sig") as f:  # (-sig: a byte-order mark, as some editors write, is no data)
-            lines = f.readlines()
-    except (OSError, UnicodeDecodeError) as e:
-        die(f"{flag} {path}: cannot read it as UTF-8 text ({e})")
-    rows = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise ValueError
-        except ValueError:  # json.JSONDecodeError is a ValueError
-            die(f"{flag} {path} line {i}: expected a JSON object with a string 'prompt'")
-        if not row["prompt"]:
-            die(f"{flag} {path} line {i}: empty prompt")
-        rows.append({"prompt": row["prompt"], "answer": None if row.get("answer") is None else str(row["answer"])})
-    if not rows:
-        die(f"{flag} {path}: empty (no JSON rows)")
-    kept = [r for r in rows if len(prompt_token_ids(tok, r["prompt"], chat)) <= prompt_length]
-    if len(kept) < len(rows):
-        print(f"note: dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than --prompt-length {prompt_length}")
-    if not kept:
-        die(f"{flag} {path}: no prompt fits --prompt-length {prompt_length}")
-    return kept
-
-
 def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
     """(sample_rows(k): k training rows drawn with gen, held-out rows with answers (a whole share for every rank),
     whether every training row has an answer): --dataset / --eval-dataset, or the synthetic task."""
     def n_tokens(prompt):
         return len(prompt_token_ids(tok, prompt, args.apply_chat_template))
+    keys = {"prompt_key": args.prompt_key, "answer_key": args.answer_key}
     if args.dataset is not None:
-        data = load_dataset(args.dataset, tok, args.prompt_length, args.apply_chat_template)
+        data = load_dataset(args.dataset, tok, args.prompt_length, args.apply_chat_template, **keys)
 
         def sample_rows(k):
             return [data[i] for i in torch.randint(0, len(data), (k,), generator=gen).tolist()]
         eval_rows = [r for r in data if r["answer"] is not None][:args.eval_prompts]
         has_answers = all(r["answer"] is not None for r in data)
-        if args.reward_model_path is None and not has_answers:
-            die(f"--dataset {args.dataset}: rows without 'answer' need --reward-model-path")
+        if args.reward_model_path is None and not has_answers and (args.reward_fn or "exact") in REWARD_RULES:
+            die(f"--dataset {args.dataset}: rows without {args.answer_key!r} need --reward-model-path (or a "
+                "--reward-fn FILE.py:NAME that needs no answer)")
     else:
         eval_rows = make_problems(args.eval_prompts, torch.Generator().manual_seed(10_000 + args.seed), distinct=True)
         held_out = frozenset(r["prompt"] for r in eval_rows)
@@ -351,14 +352,16 @@ def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
         has_answers = True
     if args.eval_dataset is not None:
         eval_rows = load_dataset(args.eval_dataset, tok, args.prompt_length, args.apply_chat_template,
-                                 "--eval-dataset")
+                                 "--eval-dataset", **keys)
         if any(r["answer"] is None for r in eval_rows):
-            die(f"--eval-dataset {args.eval_dataset}: every row needs an 'answer' (accuracy is exact match)")
+            die(f"--eval-dataset {args.eval_dataset}: every row needs {args.answer_key!r} (accuracy is the "
+                "--reward-fn rule's)")
         eval_rows = eval_rows[:args.eval_prompts]
     elif args.dataset is not None and args.eval_prompts:
         print("note: evaluating on the first --eval-prompts rows of --dataset, which training also samples; "
               "--eval-dataset FILE holds prompts out" if eval_rows else "note: no evaluation: no row of --dataset "
-              "has an 'answer' (accuracy is exact match); --eval-dataset FILE with answers adds one")
+              f"has an {args.answer_key!r} (accuracy is the --reward-fn rule's); --eval-dataset FILE with answers "
+              "adds one")
     return sample_rows, eval_rows[:len(eval_rows) - len(eval_rows) % world], has_answers
 
 
@@ -401,16 +404,20 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 
 def build_policy(args: Args, ckpt: Optional[dict], device):
     """Tokenizer, policy, its stop tokens and (on resume) the frozen reference: from the checkpoint's directories,
-    --model-name-or-path, or the tiny Llama built here."""
+    --model-name-or-path, or the tiny Llama built here. With --lora-rank the policy is the base model alone (the
+    reference; on resume the checkpoint's ref/), its adapters come in reference_policy."""
     from transformers import AutoModelForCausalLM
 
     def causal_lm(path):
         return load_pretrained("a causal LM", path, AutoModelForCausalLM.from_pretrained, args.trust_remote_code,
                                dtype=torch.float32)
-    ref, saved = None, os.path.dirname(os.path.abspath(args.resume or "."))
+    ref = None
     if ckpt is not None:
-        tok = load_tokenizer(os.path.join(saved, ckpt["model"]["policy"]), args.trust_remote_code)
-        policy, ref = (causal_lm(os.path.join(saved, ckpt["model"][m])) for m in ("policy", "ref"))
+        tok = load_tokenizer(saved_model_dir(args, ckpt, "policy"), args.trust_remote_code)
+        if args.lora_rank:
+            policy = causal_lm(saved_model_dir(args, ckpt, "ref"))
+        else:
+            policy, ref = (causal_lm(saved_model_dir(args, ckpt, m)) for m in ("policy", "ref"))
     elif args.model_name_or_path:
         tok = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
         policy = causal_lm(args.model_name_or_path)
@@ -426,6 +433,7 @@ def build_policy(args: Args, ckpt: Optional[dict], device):
     if args.apply_chat_template and not tok.chat_template:
         die(f"--apply-chat-template: the tokenizer of {args.model_name_or_path or 'the built-in model'} has no chat "
             "template")
+    check_lora_targets(args, policy)
     policy = disable_dropout(policy).to(device)
     print(f"policy: {type(policy).__name__}, {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters")
     return tok, policy, ref, stops
@@ -455,11 +463,13 @@ def build_critic(args: Args, policy, ckpt: Optional[dict], device):
     the checkpoint's. Returns (critic, value_head), None where the choice has none."""
     from transformers import AutoModelForTokenClassification
 
-    critic = value_head = None
+    critic, value_head, saved = None, None, saved_model_dir(args, ckpt, "critic")
     if args.critic == "separate":
-        critic = make_critic(policy) if ckpt is None else load_pretrained(
-            "a critic", os.path.join(os.path.dirname(os.path.abspath(args.resume)), ckpt["model"]["critic"]),
-            AutoModelForTokenClassification.from_pretrained, args.trust_remote_code)
+        if args.critic_lora:  # the policy's trunk as PPO starts (on resume: ref/) + new or saved LoRA adapters
+            critic = with_lora(make_critic(policy), args, "TOKEN_CLS", saved)
+        else:
+            critic = make_critic(policy) if ckpt is None else load_pretrained(
+                "a critic", saved, AutoModelForTokenClassification.from_pretrained, args.trust_remote_code)
         critic = disable_dropout(critic).to(device)
     elif args.critic == "shared":
         value_head = nn.Linear(policy.config.hidden_size, 1).to(device)
@@ -628,16 +638,101 @@ def rule_reward(response: str, answer: Optional[str]) -> float:
     return float(answer is not None and response.strip() == answer.strip())
 
 
-def reward_model_inputs(rm_tok, prompts: list[str], responses: list[str], chat: bool = False) -> dict:
+def boxed_content(text: str) -> Optional[str]:
+    r"""The content of the last \boxed{...} in text, its braces balanced (\boxed{\frac{1}{2}} -> \frac{1}{2}); None
+    without one or when it is not closed."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 1, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i]
+    return None
+
+
+NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")  # 1,234.5  -3  .5  7/8
+
+
+def math_number(text: str) -> Optional[fractions.Fraction]:
+    r"""A final answer as an exact number: "1,234" "$5" "-3.50" "42." "7/8" "\frac{1}{2}" "-\dfrac{3}{4}" (a plain
+    number over a plain number); None for anything else ("x+1", "\sqrt{2}", "1e5")."""
+    s = text.strip()
+    for junk in ("\\$", "$", "\\,", "\\!", ",", " "):  # currency and thousands separators, LaTeX's among them
+        s = s.replace(junk, "")
+    s = s.rstrip(".")  # "42." at the end of a sentence
+    frac = re.fullmatch(r"(-?)\\[dt]?frac\{(-?\d+(?:\.\d+)?)\}\{(-?\d+(?:\.\d+)?)\}", s)
+    if frac:
+        s = f"{frac[1]}{frac[2]}/{frac[3]}"
+    if not re.fullmatch(r"-?(?:\d+(?:\.\d+)?|\.\d+)(?:/-?\d+(?:\.\d+)?)?", s):
+        return None
+    num, _, den = s.partition("/")
+    if den and fractions.Fraction(den) == 0:
+        return None
+    return fractions.Fraction(num) / (fractions.Fraction(den) if den else 1)
+
+
+def math_reward(response: str, answer: Optional[str]) -> float:
+    r"""GSM8K / MATH rule: 1 if the response's final answer equals the reference's, else 0. The reference is the text
+    after the last "####" (GSM8K), else the content of its last \boxed{} (a MATH solution), else all of it; the
+    response's answer is the content of its last \boxed{}, else its last number. Equal as exact numbers (math_number:
+    "1,234" = "1234.0", "\frac{1}{2}" = "0.5") where both are numbers, else as stripped strings."""
+    if answer is None:
+        return 0.0
+    ref = answer.rpartition("####")[2] if "####" in answer else boxed_content(answer) or answer
+    got = boxed_content(response)
+    if got is None:
+        numbers = NUMBER.findall(response)
+        got = numbers[-1] if numbers else None
+    if got is None:
+        return 0.0
+    a, b = math_number(got), math_number(ref)
+    return float(a == b if a is not None and b is not None else got.strip() == ref.strip())
+
+
+REWARD_RULES = {"exact": lambda prompt, response, answer: rule_reward(response, answer),
+                "math": lambda prompt, response, answer: math_reward(response, answer)}
+
+
+def rule_scores(fn, rows: list[dict], texts: list[str], name: str) -> tuple[torch.Tensor, Optional[str]]:
+    """fn(prompt, response, answer) of each response (rows[i] holds the prompt and answer of texts[i]). A function
+    that raises, or returns anything but a finite number, gives (zeros, why, naming the prompt): the run stops."""
+    scores = []
+    for row, text in zip(rows, texts):
+        try:
+            value = fn(row["prompt"], text, row["answer"])
+        except Exception as e:  # noqa: BLE001 - the user's function: whatever it raises stops the run in one line
+            return torch.zeros(len(rows)), f"--reward-fn {name} raised {reason(e)} on the prompt {row['prompt']!r:.80}"
+        if not (isinstance(value, numbers.Real) or torch.is_tensor(value) and value.numel() == 1) \
+                or not math.isfinite(float(value)):
+            return torch.zeros(len(rows)), (f"--reward-fn {name} returned {value!r:.40}, not a finite number, on the "
+                                            f"prompt {row['prompt']!r:.80}")
+        scores.append(float(value))
+    return torch.tensor(scores), None
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of the Codex paper (Chen et al. 2021): of n samples c are correct; the chance that k drawn
+    without replacement hold a correct one, 1 - C(n-c, k) / C(n, k), as the product 1 - prod_{i=n-c+1}^{n} (1 - k/i)
+    (no binomial of a large n is formed)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def reward_model_inputs(rm_tok, prompts: list, responses: list[str], chat: bool = False) -> dict:
     """Prompt + response for the reward model, right-padded (it scores the last real token): as a user / assistant
-    exchange in its chat template with --apply-chat-template when it has one, else the plain text with its own
-    special tokens."""
-    templated = bool(chat and rm_tok.chat_template)
+    exchange in its chat template with --apply-chat-template or chat-message prompts when it has one, else the plain
+    text (a chat prompt's message contents, one a line) with its own special tokens."""
+    def messages(p):
+        return [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
+    templated = bool((chat or any(not isinstance(p, str) for p in prompts)) and rm_tok.chat_template)
     if templated:  # (the template writes its special tokens itself)
-        texts = [rm_tok.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": r}],
-                                            tokenize=False) for p, r in zip(prompts, responses)]
+        texts = [rm_tok.apply_chat_template([*messages(p), {"role": "assistant", "content": r}], tokenize=False)
+                 for p, r in zip(prompts, responses)]
     else:
-        texts = [p + r for p, r in zip(prompts, responses)]
+        texts = ["\n".join(m["content"] for m in messages(p)) + r for p, r in zip(prompts, responses)]
     return rm_tok(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=not templated)
 
 
@@ -658,6 +753,19 @@ def reward_model_scores(rm, rm_tok, prompts: list[str], responses: list[str], ch
         else:
             logits = rm(input_ids=ids, attention_mask=mask).logits
     return logits[:, 0].float().cpu()
+
+
+def sequence_scores(rule: torch.Tensor, rm, rm_tok, rows: list[dict], texts: list[str], args: Args, device="cpu",
+                    autocast=contextlib.nullcontext) -> tuple[torch.Tensor, dict]:
+    """Each response's score: the rule's (rule_scores); the reward model's; or, with --reward-fn given beside
+    --reward-model-path, their sum (TRL's convention). Returns (scores, the parts of a sum by name, to log)."""
+    if rm is None:
+        return rule, {}
+    rm_scores = reward_model_scores(rm, rm_tok, [r["prompt"] for r in rows], texts, args.apply_chat_template, device,
+                                    autocast)
+    if args.reward_fn is None:
+        return rm_scores, {}
+    return rule + rm_scores, {"rule_reward": rule, "rm_score": rm_scores}
 
 
 class RunningMoments:
@@ -1053,10 +1161,12 @@ def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, 
 def build_optimizers(args: Args, policy, critic, value_head):
     """AdamW for the actor and one for the critic (the separate model, or the shared value head); the learning rate
     rises linearly over --lr-warmup-steps optimizer steps, then stays."""
-    optimizers = [torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)]
+    def trained(m):  # (with LoRA the adapters, and a LoRA critic's value head)
+        return [p for p in m.parameters() if p.requires_grad]
+    optimizers = [torch.optim.AdamW(trained(policy), lr=args.lr, weight_decay=args.weight_decay)]
     for m in (critic, value_head):
         if m is not None:
-            optimizers.append(torch.optim.AdamW(m.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay))
+            optimizers.append(torch.optim.AdamW(trained(m), lr=args.critic_lr, weight_decay=args.weight_decay))
     warm = max(args.lr_warmup_steps, 1)
     return optimizers, [torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / warm)) for o in optimizers]
 
@@ -1110,6 +1220,7 @@ def main(args: Args) -> dict:
         tok, policy, ref, stops = build_policy(args, ckpt, device)
         sample_rows, eval_rows, has_answers = build_task(args, tok, gen, world)
         rm, rm_tok = load_reward_model(args, tok, device)
+        reward_fn = load_reward_fn(args.reward_fn)  # exact, math or the user's FILE.py:NAME, imported once
         run.check_stop()
         run.open_dir()
         if ckpt is None and args.sft_steps > 0 and has_answers:
@@ -1117,8 +1228,10 @@ def main(args: Args) -> dict:
             warm_start(policy, tok, sample_rows, args, device, autocast, run.stop_requested)
             run.check_stop()
             print(f"warm-start done in {time.time() - t0:.1f}s")
-        ref = disable_dropout(copy.deepcopy(policy) if ref is None else ref).to(device).eval().requires_grad_(False)
         critic, value_head = build_critic(args, policy, ckpt, device)
+        # the frozen KL reference: a copy of the policy as PPO starts, or (--lora-rank) the policy's base model, with
+        # the LoRA adapters that are trained put on the policy here
+        policy, ref = reference_policy(args, policy, ref, ckpt, device)
         train_policy, train_critic, train_value_head, all_done = prepare_models(args, policy, critic, value_head, ref,
                                                                                 device, world)
 
@@ -1161,13 +1274,14 @@ def main(args: Args) -> dict:
             maskf = response_mask_from(resp, stops).float()
             values = values * maskf if values is not None else torch.zeros_like(old_logp)
 
-            # Reward: each response's score (rule or reward model; the missing-EOS penalty), the KL to the reference
+            # Reward: each response's score (the rule, the reward model or their sum; the missing-EOS penalty), the
+            # KL to the reference. A response is correct when the rule gives it 1 or more (exact, math: 1 or 0)
             texts = decode_responses(tok, resp, stops)
             eos = is_stop(resp, stops).any(-1)
-            correct = torch.tensor([rule_reward(t, r["answer"]) for t, r in zip(texts, rows)])
-            raw = correct.clone() if rm is None else reward_model_scores(
-                rm, rm_tok, [r["prompt"] for r in rows], texts, args.apply_chat_template, device, autocast)
-            raw = raw - args.missing_eos_penalty * (~eos).float()
+            rule, problem = rule_scores(reward_fn, rows, texts, args.reward_fn or "exact")
+            run.fail_if(problem)  # (the user's function raised or gave no number: one line naming the prompt)
+            raw, parts = sequence_scores(rule, rm, rm_tok, rows, texts, args, device, autocast)
+            raw, correct = raw - args.missing_eos_penalty * (~eos).float(), (rule >= 1).float()
             kld = (kl_full if kl_full is not None else kl_penalty(old_logp, ref_logp, args.kl_penalty)) * maskf
 
             # Scores normalised and put on the last token, minus the KL penalty, then
@@ -1211,8 +1325,9 @@ def main(args: Args) -> dict:
                 "charts/learning_rate": schedulers[0].get_last_lr()[0],
                 "perf/gen_tokens_per_s": n_tok / max(t_gen, 1e-9),
                 "perf/train_tokens_per_s": n_tok * args.ppo_epochs / max(t_train, 1e-9),
+                **{f"rollout/{k}_mean": all_gather_cat(v, world).mean().item() for k, v in parts.items()},
                 **{f"losses/{k}": v for k, v in stats.items()}}
-            if has_answers:  # (accuracy is exact match: none for a reward model's prompts without answers)
+            if has_answers:  # (accuracy is the rule's: none for a reward model's prompts without answers)
                 metrics["rollout/accuracy"] = correct.mean().item()
                 tracker.setdefault("rollout", []).append([iteration, metrics["rollout/accuracy"]])
             run.log_iteration(iteration, global_step, metrics)  # TensorBoard, charts/SPS, the progress line
@@ -1241,7 +1356,8 @@ def main(args: Args) -> dict:
 
 # =========================================================================================================
 # Plumbing: nothing below this line changes what PPO computes. Run context (torchrun, logging, signals, ...),
-# checkpoints and exact resume, evaluation, compile helper, local models, command line.
+# checkpoints and exact resume, evaluation, compile helper, local models, --reward-fn files, LoRA adapters (peft),
+# data files (datasets), command line.
 # =========================================================================================================
 def die(msg: str) -> None:
     """Bad input: one line on stderr (under torchrun from rank 0 alone), exit code 2, no traceback."""
@@ -1465,10 +1581,12 @@ class Run:
                           self.stop_requested)
             self.eval_stopped = ev is None
             if ev is not None:
+                self.fail_if(ev.pop("problem"))
                 self.log({f"eval/{k}": v for k, v in ev.items()}, step)
                 tracker["curve"].append([iteration, ev["accuracy_greedy"], ev["accuracy_sampled"]])
                 print(f"eval iter {iteration}: accuracy greedy {ev['accuracy_greedy']:.3f}  sampled "
-                      f"{ev['accuracy_sampled']:.3f}")
+                      f"{ev['accuracy_sampled']:.3f}" + "".join(f"  {k} {v:.3f}" for k, v in ev.items()
+                                                                 if k.startswith("pass@")))
 
     def stopped(self, iteration: int, signalled) -> None:
         why = self.why if signalled or self.eval_stopped else f"--stop-after {self.args.stop_after}"
@@ -1482,6 +1600,14 @@ class Run:
         if self.rank == 0:
             print(f"error: {message}; stopping ({kept})", file=sys.stderr)
         raise SystemExit(1)
+
+    def fail_if(self, problem: Optional[str]) -> None:
+        """fail(problem) if any rank has one (None: none), with the first such rank's words (every rank calls it at
+        the same point: one all-reduce under torchrun, and a gather only when something failed)."""
+        if self.world > 1 and all_ranks_sum(torch.tensor([float(problem is not None)]), self.world).item() > 0:
+            problem = next(p for p in gather_objects(problem, self.world) if p is not None)
+        if problem is not None:
+            self.fail(problem)
 
 
 def eta_text(seconds: float) -> str:
@@ -1570,8 +1696,6 @@ def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, 
     for p in model.parameters():  # the same start on every rank, whatever each rank's warm-start did
         dist.broadcast(p.data, 0)
     if strategy == "fsdp2":
-        import warnings
-
         from torch.distributed.fsdp import fully_shard
 
         # HF heads return views; this script never modifies a model output in place, which is what FSDP2 warns about
@@ -1658,11 +1782,14 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
     directory, is replaced in one rename (the commit point); older checkpoint-* directories are removed after.
     A kill at any moment leaves a checkpoint.pt whose models are complete; a write the file system refuses removes
     what this save wrote and raises WriteError on every rank. Under torchrun every rank calls it (FSDP2 shards are
-    gathered into full tensors) and rank 0 writes."""
+    gathered into full tensors) and rank 0 writes. With LoRA (ref is AdaptersOff) policy/ (and a LoRA critic/)
+    holds the adapters (peft's save_pretrained) and ref/ the base model they go on."""
     sub, path = f"checkpoint-{iteration}", os.path.join(run_dir, "checkpoint.pt")
     write_ref = gather_objects(not os.path.isdir(os.path.join(run_dir, "ref")), world)[0]  # written once
-    sd = {name: full_state(m.state_dict()) for name, m in (("policy", policy), ("critic", critic), ("ref", ref))
-          if m is not None and (name != "ref" or write_ref)}
+    sd = {name: full_state(m.state_dict()) for name, m in (("policy", policy), ("critic", critic)) if m is not None}
+    lora = isinstance(ref, AdaptersOff)
+    if write_ref:
+        sd["ref"] = base_weights(policy) if lora else full_state(ref.state_dict())
     optim_states = [full_state(o.state_dict()) for o in optimizers]
     value_head_state = full_state(value_head.state_dict()) if value_head is not None else {}
     dev_states = gather_objects(gen_dev.get_state() if gen_dev is not None and gen_dev is not gen else None, world)
@@ -1681,7 +1808,8 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
             made.append(os.path.join(run_dir, sub))
             if write_ref:
                 target = os.path.join(run_dir, "ref")
-                ref.save_pretrained(os.path.join(run_dir, "ref.tmp"), state_dict=sd["ref"])
+                (policy.get_base_model() if lora else ref).save_pretrained(os.path.join(run_dir, "ref.tmp"),
+                                                                           state_dict=sd["ref"])
                 os.rename(os.path.join(run_dir, "ref.tmp"), target)
                 made.append(target)
             state = {
@@ -1714,6 +1842,11 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
     if failed is not None:
         raise WriteError(*failed, checkpoint=True)
     return path
+
+
+def saved_model_dir(args: Args, ckpt: Optional[dict], name: str) -> Optional[str]:
+    """The save_pretrained directory of the checkpoint's model `name` (policy, ref, critic); None without one."""
+    return None if ckpt is None else os.path.join(os.path.dirname(os.path.abspath(args.resume)), ckpt["model"][name])
 
 
 _READ: dict = {}  # the last checkpoint read: parse_args reads it for the saved arguments, main() gets the same dict
@@ -1760,7 +1893,8 @@ def state_problem(ckpt: dict, run_dir: str) -> Optional[str]:
         if not torch.is_tensor(want) and not fits(holder[name], want):
             return f"{key} is {holder[name]!r:.40}, not {type_text(want)}"
         for d in [ckpt["model"][m] for m in ("policy", "ref", "critic")] if key == "model.critic" else []:
-            if d and not os.path.isfile(os.path.join(run_dir, d, "config.json")):
+            if d and not any(os.path.isfile(os.path.join(run_dir, d, f))
+                             for f in ("config.json", "adapter_config.json")):  # (LoRA: adapters)
                 return f"model directory {d}/ next to it is missing"
     hints = typing.get_type_hints(Args, include_extras=True)
     for f in dataclasses.fields(Args):  # every saved argument of its field's type (then validate() as given)
@@ -1832,30 +1966,225 @@ def restore_trainer_state(ckpt: dict, args: Args, optimizers, schedulers, gen, g
     return ckpt["iteration"] + 1, ckpt["global_step"], {"curve": [], **ckpt["tracker"]}
 
 
-# --- Evaluation: held-out accuracy, greedy and sampled -----------------------------------------------------------
+# --- Evaluation: held-out accuracy, greedy and sampled; pass@k of --eval-n samples ---------------------------------
 @torch.no_grad()
 def evaluate(policy, tok, rows: list[dict], args: Args, gen, device, rank: int = 0, world: int = 1,
              all_done=None, stop=None) -> Optional[dict]:
-    """Accuracy on held-out prompts: greedy, and sampled with the rollout's temperature / top-p / top-k. Under
-    torchrun each rank scores an equal share of the rows (len(rows) // world each) and the counts are summed.
-    stop() -> bool is asked before each chunk of prompts (a signal came: None)."""
+    """Accuracy on held-out prompts: greedy, and sampled once with the rollout's temperature / top-p / top-k; with
+    --eval-n n, n samples per prompt at --eval-temperature give pass@1 (their mean) and pass@k for k = 2, 4, ..., n
+    (pass_at_k). A response is correct when the --reward-fn rule gives it 1 or more. Under torchrun each rank scores
+    an equal share of the rows (len(rows) // world each) and the sums are added. stop() -> bool is asked before each
+    chunk of prompts (a signal came: None). "problem": why the rule failed (the user's function), else None."""
     per_rank = len(rows) // world
     mine = rows[rank * per_rank:(rank + 1) * per_rank]
-    res, chunk_size = {}, args.rollout_micro_batch_size or 256
-    stops = stop_token_ids(tok, policy)
-    for name, greedy in (("greedy", True), ("sampled", False)):
-        correct = 0.0
-        for s in range(0, len(mine), chunk_size):
+    chunk_size, stops, rule = args.rollout_micro_batch_size or 256, stop_token_ids(tok, policy), load_reward_fn(
+        args.reward_fn)
+    problems = []
+
+    def correct(rows, greedy: bool, temperature: float) -> Optional[list[bool]]:  # None: a signal came
+        right = []
+        for s in range(0, len(rows), chunk_size):
             if stop is not None and stop():
                 return None
-            chunk = mine[s:s + chunk_size]
+            chunk = rows[s:s + chunk_size]
             ids, mask = encode_batch(tok, chunk, args.prompt_length, args.apply_chat_template)
             resp = generate(policy, ids.to(device), mask.to(device), args.response_length, stops, tok.pad_token_id,
-                            args.temperature, args.top_p, args.top_k, gen, greedy, all_done, use_bf16(args)).cpu()
-            texts = decode_responses(tok, resp, stops)
-            correct += sum(rule_reward(t, r["answer"]) for t, r in zip(texts, chunk))
-        res[f"accuracy_{name}"] = float(all_ranks_sum(torch.tensor([correct]), world)) / (per_rank * world)
-    return res
+                            temperature, args.top_p, args.top_k, gen, greedy, all_done, use_bf16(args)).cpu()
+            scores, problem = rule_scores(rule, chunk, decode_responses(tok, resp, stops), args.reward_fn or "exact")
+            problems.append(problem)
+            right += (scores >= 1).tolist()
+        return right
+
+    sums, n = {}, args.eval_n
+    for name, greedy in (("greedy", True), ("sampled", False)):
+        right = correct(mine, greedy, args.temperature)
+        if right is None:
+            return None
+        sums[f"accuracy_{name}"] = sum(right)
+    if n:
+        right = correct([r for r in mine for _ in range(n)], False, args.eval_temperature)
+        if right is None:
+            return None
+        counts = [sum(right[i * n:(i + 1) * n]) for i in range(len(mine))]  # correct samples of each prompt
+        for k in sorted({n, *(2**i for i in range(n.bit_length()))}):
+            sums[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in counts)
+    totals = all_ranks_sum(torch.tensor(list(sums.values()), dtype=torch.float64), world).tolist()
+    return {**{k: v / (per_rank * world) for k, v in zip(sums, totals)},
+            "problem": next((p for p in problems if p is not None), None)}
+
+
+# --- Reward functions: --reward-fn FILE.py:NAME, imported once -----------------------------------------------------
+_REWARD_FNS: dict = {}  # FILE.py:NAME -> its function: imported once per process (main and evaluate ask for it)
+
+
+def load_reward_fn(spec: Optional[str]):
+    """The rule of --reward-fn: exact (the default), math, or the function NAME(prompt, response, answer) -> float of
+    FILE.py (verl's custom_reward_function.path / .name, TRL's reward_funcs). A file that does not import or has no
+    such function is one line, exit 2 (main asks before anything is written)."""
+    spec = spec or "exact"
+    if spec in REWARD_RULES:
+        return REWARD_RULES[spec]
+    if spec not in _REWARD_FNS:
+        import importlib.util
+
+        path, _, name = spec.rpartition(":")
+        try:
+            module_spec = importlib.util.spec_from_file_location(f"reward_fn_{len(_REWARD_FNS)}", path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001 - the user's file: whatever stops it from importing is bad input
+            die(f"--reward-fn {spec}: cannot import {path}: {reason(e)}")
+        if not callable(getattr(module, name, None)):
+            die(f"--reward-fn {spec}: {path} has no function {name!r}")
+        _REWARD_FNS[spec] = getattr(module, name)
+    return _REWARD_FNS[spec]
+
+
+# --- LoRA through peft: adapters on the policy (and the critic), the reference = the policy with them off -----------
+def lora_targets(args: Args):
+    return "all-linear" if args.lora_target_modules == "all-linear" else [
+        t.strip() for t in args.lora_target_modules.split(",") if t.strip()]
+
+
+def check_lora_targets(args: Args, model) -> None:
+    """Before anything is written: each name of --lora-target-modules ends the name of one of the model's modules."""
+    targets = lora_targets(args)
+    if not args.lora_rank or targets == "all-linear":
+        return
+    names = [n for n, _ in model.named_modules()]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        die(f"--lora-target-modules: no module {', '.join(missing)} in the policy (its linear layers: "
+            f"{', '.join(linear)})")
+
+
+def with_lora(model, args: Args, task_type: str, saved: Optional[str] = None):
+    """peft LoRA adapters on model (rank, alpha, target modules; dropout 0): new ones (B = 0, so the model computes
+    what it did), or those saved in the directory `saved`, trainable. A critic (TOKEN_CLS) trains its value head in
+    full (peft's modules_to_save) and keeps it out of the adapters' targets."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    head = ["classifier", "score"] if task_type == "TOKEN_CLS" else None
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                        target_modules=lora_targets(args), exclude_modules=head, task_type=task_type)
+    with warnings.catch_warnings():  # (peft asks transformers' deprecated is_gradient_checkpointing)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        if saved is None:
+            return get_peft_model(model, config)
+        return load_pretrained("LoRA adapters", saved, lambda path, trust_remote_code: PeftModel.from_pretrained(
+            model, path, is_trainable=True), args.trust_remote_code)
+
+
+class AdaptersOff(nn.Module):
+    """--lora-rank's reference policy: each forward is the policy's with its LoRA adapters switched off, i.e. its base
+    model. It holds no parameters of its own (the policy is not a submodule): no second copy in memory."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.__dict__["policy"] = policy
+
+    def forward(self, *args, **kwargs):
+        with self.policy.disable_adapter():
+            return self.policy(*args, **kwargs)
+
+
+def reference_policy(args: Args, policy, ref, ckpt: Optional[dict], device):
+    """(policy, frozen reference). Without --lora-rank: the reference is a copy of the policy as PPO starts (on
+    resume the checkpoint's ref/). With it: LoRA adapters go on the policy (new, or the checkpoint's) and the
+    reference is the policy with them off (AdaptersOff)."""
+    if not args.lora_rank:
+        return policy, disable_dropout(copy.deepcopy(policy) if ref is None else ref).to(device).eval().requires_grad_(
+            False)
+    policy = disable_dropout(with_lora(policy, args, "CAUSAL_LM", saved_model_dir(args, ckpt, "policy"))).to(device)
+    trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    print(f"LoRA: rank {args.lora_rank}, alpha {args.lora_alpha:g} on {args.lora_target_modules}: "
+          f"{trained / 1e6:.3f}M trained parameters")
+    return policy, AdaptersOff(policy)
+
+
+def base_weights(policy) -> dict:
+    """The state dict of a LoRA policy's base model, as the model had it before peft put the adapters in (what
+    save_pretrained writes to ref/, loadable without peft)."""
+    return {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v
+            for k, v in policy.state_dict().items() if "lora_" not in k}
+
+
+# --- Data files: .jsonl, .json, .parquet through Hugging Face datasets; prompt and answer columns ------------------
+DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension -> datasets' builder
+
+
+def read_rows(path: str, flag: str) -> list[dict]:
+    """Every row of a local data file, read by Hugging Face datasets (offline; its cache in a temporary directory,
+    removed: nothing is left in ~/.cache). A UTF-8 byte-order mark is allowed; a file it cannot read is one line,
+    exit 2."""
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        os.environ.setdefault(var, "1")
+    import datasets
+
+    kind, verbosity = DATA_FORMATS[os.path.splitext(path)[1].lower()], datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # (its log of a failed read: the one line below)
+    try:
+        with tempfile.TemporaryDirectory(prefix="ppo_llm_data_") as cache:
+            return datasets.load_dataset(kind, data_files=path, split="train", cache_dir=cache, keep_in_memory=True,
+                                         **({"encoding": "utf-8-sig"} if kind == "json" else {})).to_list()
+    except Exception as e:  # noqa: BLE001 - whatever the reader raises, the file is bad input
+        chain = [e]
+        while (chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 20:
+            chain.append(chain[-1].__cause__ or chain[-1].__context__)
+        if any(isinstance(x, UnicodeDecodeError) for x in chain):
+            die(f"{flag} {path}: cannot read it as UTF-8 text ({reason(chain[-1])})")
+        with open(path, "rb") as f:
+            if kind == "json" and not f.read().removeprefix(b"\xef\xbb\xbf").strip():
+                die(f"{flag} {path}: empty (no rows)")
+        die(f"{flag} {path}: cannot read it as {kind} ({reason(chain[-1])})")
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
+def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: str = "--dataset",
+                 prompt_key: str = "prompt", answer_key: str = "answer") -> list[dict]:
+    """Rows {"prompt", "answer"} of a data file: the prompt (text, or a list of chat messages {"role", "content"}
+    for the tokenizer's chat template) from column prompt_key, the answer (as text; None where missing) from
+    answer_key, a dotted path reaching into nested columns (reward_model.ground_truth). Prompts longer than
+    prompt_length tokens are dropped with a note."""
+    def column(row, key):
+        if key in row:
+            return row[key]
+        for part in key.split("."):
+            row = row.get(part) if isinstance(row, dict) else None
+        return row
+
+    def where(i):  # a .jsonl row by its line (the reader skips blank lines), others by their number
+        if not path.lower().endswith(".jsonl"):
+            return f"row {i + 1}"
+        with open(path, encoding="utf-8-sig") as f:
+            return f"line {[n for n, line in enumerate(f, 1) if line.strip()][i]}"
+    table, rows = read_rows(path, flag), []
+    if table and all(column(r, prompt_key) is None for r in table):
+        die(f"{flag} {path}: no column {prompt_key!r} (--prompt-key); its columns: {', '.join(table[0])}")
+    for i, row in enumerate(table):
+        prompt, answer = column(row, prompt_key), column(row, answer_key)
+        if isinstance(prompt, list) and prompt and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in prompt):
+            if not tok.chat_template:
+                die(f"{flag} {path}: its prompts are chat messages, but the policy's tokenizer has no chat template")
+        elif not isinstance(prompt, str):
+            die(f"{flag} {path} {where(i)}: {prompt_key!r} is {prompt!r:.40}, neither text nor a list of chat "
+                "messages {'role', 'content'}")
+        elif not prompt:
+            die(f"{flag} {path} {where(i)}: empty prompt")
+        rows.append({"prompt": prompt, "answer": None if answer is None else str(answer)})
+    if not rows:
+        die(f"{flag} {path}: empty (no rows)")
+    kept = [r for r in rows if len(prompt_token_ids(tok, r["prompt"], chat)) <= prompt_length]
+    if len(kept) < len(rows):
+        print(f"note: dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than --prompt-length {prompt_length}")
+    if not kept:
+        die(f"{flag} {path}: no prompt fits --prompt-length {prompt_length}")
+    return kept
 
 
 # --- Local models: loaded, with the checks that turn a model that cannot work here into one line (exit 2) ----------
@@ -2001,12 +2330,14 @@ def given_fields(argv: list[str]) -> set[str]:
 def parse_args(argv: Optional[list[str]] = None) -> Args:
     """tyro.cli, with its error boxes condensed to one line (exit code 2)."""
     argv = bool_values(sys.argv[1:] if argv is None else argv)
-    default = None
+    default, gpu_gone = None, False
     resume = resume_path(argv)
     if resume is not None:  # the checkpoint's arguments become the defaults; flags given now override them
         saved = load_checkpoint(resume)["args"]
         default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
         default.resume = resume
+        if default.cuda and not torch.cuda.is_available():  # written on a GPU, resumed where there is none
+            default.cuda, gpu_gone = False, True  # (--cuda by name is refused in validate)
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
@@ -2028,6 +2359,13 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
     rank = int(os.environ.get("RANK", "0"))  # under torchrun rank 0 alone prints the notes
     with contextlib.redirect_stdout(io.StringIO()) if rank > 0 else contextlib.nullcontext():
         resolve_implied(args, given_fields(argv))
+        if gpu_gone and not args.cuda:
+            print(f"note: {resume} was written on a GPU and torch finds none here: the run resumes on the CPU")
+    for name in ("lora_rank", "lora_alpha", "lora_target_modules", "critic_lora") if resume is not None else ():
+        was = saved.get(name, getattr(Args, name))  # (the saved adapters are of that shape)
+        if getattr(args, name) != was:
+            die(f"--{name.replace('_', '-')} {getattr(args, name)}: the checkpoint's is {was}; it cannot change on "
+                "resume")
     validate(args)
     return args
 
@@ -2108,7 +2446,7 @@ def validate(args: Args) -> None:
         if not getattr(args, name) > 0:
             die(f"{flag(name)} must be positive, got {getattr(args, name)}")
     for name in ("checkpoint_every", "stop_after", "sft_steps", "top_k", "critic_warmup", "lr_warmup_steps",
-                 "eval_prompts", "init_kl_coef", "kl_loss_coef", "vf_coef", "weight_decay"):
+                 "eval_prompts", "init_kl_coef", "kl_loss_coef", "vf_coef", "weight_decay", "eval_n", "lora_rank"):
         if getattr(args, name) < 0:
             die(f"{flag(name)} must be >= 0, got {getattr(args, name)}")
     for name in ("reward_clip", "advantage_clip", "value_clip", "huber_delta", "rollout_micro_batch_size",
@@ -2159,8 +2497,24 @@ def validate(args: Args) -> None:
     if args.dataset is None and args.eval_prompts > 10_000:
         die(f"--eval-prompts {args.eval_prompts}: the synthetic task holds out at most 10000 of its 100000 prompts")
     if args.cuda and not torch.cuda.is_available():
-        die("--cuda given (or taken from the checkpoint: --no-cuda resumes on the CPU) but torch finds no CUDA "
-            "device")
+        die("--cuda given but torch finds no CUDA device (without the flag the script uses the GPU if there is one)")
+    if args.reward_fn is not None and args.reward_fn not in REWARD_RULES:
+        path, _, name = args.reward_fn.rpartition(":")
+        if not path.endswith(".py") or not name.isidentifier():
+            die(f"--reward-fn {args.reward_fn!r}: choose exact, math or FILE.py:NAME (the function NAME(prompt, "
+                "response, answer) -> float in FILE.py)")
+        if not os.path.isfile(path):
+            die(f"--reward-fn {args.reward_fn}: no such file {path}")
+    for name in ("dataset", "eval_dataset"):
+        if getattr(args, name) is not None and os.path.splitext(getattr(args, name))[1].lower() not in DATA_FORMATS:
+            die(f"{flag(name)} {getattr(args, name)}: not a .jsonl, .json or .parquet file")
+    if args.eval_temperature <= 0 or args.lora_alpha <= 0:
+        die("--eval-temperature and --lora-alpha must be > 0")
+    if args.critic_lora and (args.critic != "separate" or not args.lora_rank):
+        die("--critic-lora puts LoRA adapters on the separate critic: it needs --critic separate and --lora-rank")
+    if args.lora_rank and world > 1:
+        die("--lora-rank is not supported under torchrun yet (FSDP2 / DDP of a model whose adapters alone train is "
+            "not tested here); run it in one process")
 
 
 def responses_per_minibatch(args: Args) -> int:

@@ -654,7 +654,9 @@ def readme_option_rows():
         names = []
         for cell in cells[:3]:
             for name in re.findall(r"`([a-z_.]+)`", cell):
-                if name in ("critic.optim.lr", "model.path", "reward_model.model.path"):  # the documented exceptions
+                if name in ("critic.optim.lr", "model.path", "reward_model.model.path", "custom_reward_function.path",
+                            "custom_reward_function.name", "rollout.val_kwargs.n",
+                            "rollout.val_kwargs.temperature"):  # the documented exceptions
                     continue
                 keep_prefix = name.startswith(("kl_ctrl.", "algorithm.kl_ctrl.", "data.train_batch_size"))
                 names.append(name.removeprefix("algorithm.") if keep_prefix else name.split(".")[-1])
@@ -1626,3 +1628,329 @@ def test_bad_input_under_torchrun_is_printed_by_rank_0_alone(monkeypatch, capsys
     with pytest.raises(SystemExit):
         P.parse_args(["--n", "1.5"])
     assert "whole number" in capsys.readouterr().err
+
+
+# ----- real verifiable-reward tasks (issue #27): reward functions, data files, pass@k, LoRA, GPU by default ---------
+MATH_CASES = [  # (response, reference answer, reward): the GSM8K / MATH rule
+    ("so the total is 1234", "Natalia sold 48 + 24 = 72 clips.\n#### 1,234", 1.0),  # GSM8K: after ####, commas
+    ("The answer is 1,234.", "#### 1234", 1.0),  # the response's last number, its comma and the period
+    ("#### 1,234", "1234", 1.0),
+    ("-5 degrees, so -5", "-5", 1.0), ("it drops by 5", "-5", 0.0),  # negative numbers
+    ("I cannot tell", "7", 0.0), ("", "7", 0.0),  # no number at all
+    ("3.50 each", "3.5", 1.0), ("7.0", "7", 1.0), ("about 0.333", "1/3", 0.0),  # decimals
+    ("costs $18", "$18.00", 1.0), ("\\boxed{\\$18}", "18", 1.0),  # dollars
+    ("x = 42.", "42", 1.0), ("\\boxed{42.}", "42", 1.0),  # a trailing period
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0), ("\\boxed{-\\dfrac{3}{4}}", "-0.75", 1.0), ("1/2", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\frac{1}{0}}", "0", 0.0),  # fractions of plain numbers are numbers; /0 is none
+    ("first \\boxed{3} then \\boxed{4}", "4", 1.0), ("\\boxed{3} and 4 later", "3", 1.0),  # the last \boxed{} wins
+    ("\\boxed{\\sqrt{\\frac{1}{2}}}", "\\sqrt{\\frac{1}{2}}", 1.0), ("\\boxed{2^{10}}", "1024", 0.0),  # nested braces
+    ("\\boxed{x+1", "1", 1.0),  # an unclosed \boxed{: its last number
+    ("\\boxed{ x+1 }", "x+1", 1.0), ("\\boxed{x + 1}", "x+1", 0.0),  # strings: stripped, not normalised
+    ("The solution gives 5", "so it is \\boxed{5}", 1.0),  # a MATH solution as the reference: its \boxed{}
+    ("12", None, 0.0),  # no reference answer
+]
+
+
+@pytest.mark.parametrize("response,answer,want", MATH_CASES)
+def test_math_reward_table(response, answer, want):
+    assert P.math_reward(response, answer) == want
+
+
+def test_math_number_and_boxed_content():
+    from fractions import Fraction
+
+    assert [P.math_number(s) for s in ("1,234", " $5 ", "-3.50", "42.", "7/8", "\\frac{1}{2}", "-\\tfrac{3}{4}",
+                                       ".5", "x+1", "1e5", "nan", "\\sqrt{2}")] == [
+        1234, 5, Fraction(-7, 2), 42, Fraction(7, 8), Fraction(1, 2), Fraction(-3, 4), Fraction(1, 2), None, None,
+        None, None]
+    assert P.boxed_content("a \\boxed{\\frac{1}{2}} b") == "\\frac{1}{2}" and P.boxed_content("\\boxed{{x}") is None
+
+
+def test_pass_at_k_against_a_count_over_all_k_subsets():
+    import itertools
+
+    for n in range(1, 8):
+        for c in range(n + 1):
+            samples = [1] * c + [0] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(range(n), k))
+                brute = sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+                assert P.pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12), (n, c, k)
+    assert P.pass_at_k(200, 3, 1) == pytest.approx(3 / 200)  # pass@1: the fraction correct
+    assert 0 < P.pass_at_k(2000, 1, 10) < 1  # large n: no binomial overflows
+
+
+def write_reward_fn(path, body):
+    path.write_text("import math\nCALLS = []\n\n\ndef score(prompt, response, answer):\n    CALLS.append(1)\n"
+                    + "".join(f"    {line}\n" for line in body.splitlines()))
+    return f"{path}:score"
+
+
+def test_a_user_reward_function_is_used_and_summed_with_a_reward_model(tmp_path, monkeypatch):
+    fn = write_reward_fn(tmp_path / "r.py", "return 1.0 if prompt.endswith('=') and answer else 0.0")
+    logged = {}
+    monkeypatch.setattr(P.Run, "log", lambda self, scalars, step: logged.update(scalars))
+    res = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path / "a"), "--reward-fn", fn]))
+    assert res["metrics"]["rollout/reward_mean"] == 1.0 and res["metrics"]["rollout/accuracy"] == 1.0
+    assert logged["eval/accuracy_greedy"] == 1.0 and "rollout/rule_reward_mean" not in logged
+    rm = gpt2_reward_model(tmp_path / "rm")
+    one = [*TINY, "--num-iterations", "1", "--reward-model-path", str(rm)]  # (the same responses in both runs)
+    res = P.main(P.parse_args([*one, "--runs-dir", str(tmp_path / "b"), "--reward-funcs", fn]))
+    m = res["metrics"]
+    assert m["rollout/rule_reward_mean"] == 1.0 and m["rollout/rm_score_mean"] != 0.0
+    assert m["rollout/reward_mean"] == pytest.approx(1.0 + m["rollout/rm_score_mean"], abs=1e-6)
+    alone = P.main(P.parse_args([*one, "--runs-dir", str(tmp_path / "c")]))
+    assert "rollout/rule_reward_mean" not in alone["metrics"]  # without --reward-fn: the reward model's score alone
+    assert alone["metrics"]["rollout/reward_mean"] == pytest.approx(m["rollout/rm_score_mean"], abs=1e-6)
+
+
+def test_a_reward_function_that_cannot_be_imported_is_exit_2_before_anything_is_written(tmp_path, capsys):
+    (tmp_path / "broken.py").write_text("import no_such_module_here\n")
+    fn = write_reward_fn(tmp_path / "r.py", "return 1.0")
+    runs = tmp_path / "runs"
+    for spec, needle, call in [
+            (str(tmp_path / "none.py:score"), "no such file", P.parse_args),
+            ("exactly", "choose exact, math or FILE.py:NAME", P.parse_args),
+            (fn.replace(":score", ":scor"), "has no function 'scor'", None),
+            (f"{tmp_path / 'broken.py'}:score", "cannot import", None)]:
+        argv = [*TINY, "--runs-dir", str(runs), "--reward-fn", spec]
+        err = one_line_exit(capsys, 2, call or (lambda a: P.main(P.parse_args(a))), argv)
+        assert needle in err and not runs.exists(), err
+
+
+@pytest.mark.parametrize("body,needle", [("raise ValueError('no verdict')", "raised ValueError: no verdict"),
+                                         ("return float('nan')", "returned nan, not a finite number"),
+                                         ("return 'yes'", "returned 'yes', not a finite number")])
+def test_a_reward_function_that_fails_stops_the_run_naming_the_prompt(tmp_path, capsys, body, needle):
+    fn = write_reward_fn(tmp_path / "r.py", f"if len(CALLS) > 24:\n    {body}\nreturn 0.0")  # 16 evaluated, 8 in iteration 1
+    err = one_line_exit(capsys, 1, lambda a: P.main(P.parse_args(a)), [
+        *TINY, "--runs-dir", str(tmp_path / "runs"), "--reward-fn", fn, "--checkpoint-every", "1"])
+    (run,) = os.listdir(tmp_path / "runs")
+    assert needle in err and re.search(r"on the prompt '\d{5}='", err), err
+    assert err.endswith(f"stopping (last checkpoint kept: {tmp_path / 'runs' / run / 'checkpoint.pt'})"), err
+    assert P.load_checkpoint(str(tmp_path / "runs" / run / "checkpoint.pt"))["iteration"] == 1
+
+
+def test_a_reward_function_that_fails_in_the_first_evaluation_stops_before_training(tmp_path, capsys):
+    fn = write_reward_fn(tmp_path / "r.py", "return {'score': 1}")  # (a dict, as some frameworks' functions return)
+    err = one_line_exit(capsys, 1, lambda a: P.main(P.parse_args(a)), [*TINY, "--runs-dir", str(tmp_path / "runs"),
+                                                                       "--reward-fn", fn])
+    assert "returned {'score': 1}, not a finite number, on the prompt" in err, err
+    assert err.endswith("stopping (no checkpoint was written)") and os.listdir(tmp_path / "runs") == []
+
+
+def write_parquet(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def verl_rows(problems):
+    """Rows in verl's parquet layout (its GSM8K preprocessing): chat-message prompts, reward_model.ground_truth."""
+    return [{"data_source": "openai/gsm8k", "ability": "math", "extra_info": {"index": i},
+             "prompt": [{"role": "user", "content": r["prompt"]}],
+             "reward_model": {"style": "rule", "ground_truth": r["answer"]}} for i, r in enumerate(problems)]
+
+
+def test_data_files_through_datasets_keys_and_formats(tmp_path, capsys):
+    tok = P.build_char_tokenizer()
+    problems = P.make_problems(6, torch.Generator().manual_seed(0))
+    want = [(r["prompt"], r["answer"]) for r in problems]
+    (tmp_path / "d.json").write_text(json.dumps([{"q": r["prompt"], "a": int(r["answer"])} for r in problems]))
+    rows = P.load_dataset(str(tmp_path / "d.json"), tok, 16, prompt_key="q", answer_key="a")
+    assert [(r["prompt"], r["answer"]) for r in rows] == [(p, str(int(a))) for p, a in want]
+    write_parquet(tmp_path / "v.parquet", verl_rows(problems))
+    tok.chat_template = CHAT
+    rows = P.load_dataset(str(tmp_path / "v.parquet"), tok, 24, answer_key="reward_model.ground_truth")
+    assert [r["answer"] for r in rows] == [a for _, a in want]
+    assert rows[0]["prompt"] == [{"role": "user", "content": want[0][0]}]
+    assert P.prompt_token_ids(tok, rows[0]["prompt"]) == P.prompt_token_ids(tok, want[0][0], chat=True)
+    enc = P.reward_model_inputs(tok, [rows[0]["prompt"]], ["13"])  # a reward model reads the exchange in its template
+    assert tok.decode(enc["input_ids"][0]) == f"<bos><user>{want[0][0]}<assistant>13"
+    # the same file, but the tokenizer has no chat template; a missing prompt column; a JSONL row by its line
+    (tmp_path / "b.jsonl").write_text('{"prompt": "1="}\n\n\n{"question": "3="}\n')  # (blank lines are skipped)
+    (tmp_path / "x.jsonl").write_text('{"prompt": "1="}\nnot json\n')
+    for path, needle in [
+            (tmp_path / "v.parquet", "its prompts are chat messages, but the policy's tokenizer has no chat template"),
+            (tmp_path / "d.json", "no column 'prompt' (--prompt-key); its columns: q, a"),
+            (write_rows(tmp_path / "g.jsonl", [{"prompt": "1="}, {"prompt": ""}]), "g.jsonl line 2: empty prompt"),
+            (tmp_path / "b.jsonl", "b.jsonl line 4: 'prompt' is None, neither text nor a list of chat messages"),
+            (tmp_path / "x.jsonl", "x.jsonl: cannot read it as json (")]:
+        err = one_line_exit(capsys, 2, P.load_dataset, str(path), P.build_char_tokenizer(), 24, False, "--dataset")
+        assert needle in err, err
+    (tmp_path / "d.csv").write_text("prompt,answer\n1=,1\n")
+    err = one_line_exit(capsys, 2, P.parse_args, ["--dataset", str(tmp_path / "d.csv")])
+    assert "d.csv: not a .jsonl, .json or .parquet file" in err
+
+
+def test_data_files_leave_no_cache_behind(tmp_path, monkeypatch):
+    import tempfile
+
+    import datasets
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    os.makedirs(tmp_path / "tmp")
+    cache = datasets.config.HF_DATASETS_CACHE
+    before = sorted(os.listdir(cache)) if os.path.isdir(cache) else []
+    rows = P.load_dataset(str(write_rows(tmp_path / "d.jsonl", P.make_problems(4, torch.Generator()))),
+                          P.build_char_tokenizer(), 16)
+    assert len(rows) == 4 and os.listdir(tmp_path / "tmp") == []
+    assert (sorted(os.listdir(cache)) if os.path.isdir(cache) else []) == before
+
+
+def test_verl_parquet_with_chat_prompts_math_reward_and_pass_at_k(tmp_path, monkeypatch):
+    tok = P.build_char_tokenizer()
+    tok.chat_template = CHAT
+    P.build_tiny_model(tok, 3, *SMALL).save_pretrained(tmp_path / "lm")
+    tok.save_pretrained(tmp_path / "lm")
+    train = write_parquet(tmp_path / "train.parquet", verl_rows(P.make_problems(16, torch.Generator().manual_seed(0))))
+    held = P.make_problems(4, torch.Generator().manual_seed(1))
+    test = write_parquet(tmp_path / "test.parquet", verl_rows(held))
+    logged, prompts, encode = {}, [], P.encode_batch
+
+    def spy(tok, rows, length, chat=False):
+        ids, mask = encode(tok, rows, length, chat)
+        prompts.extend(tok.decode(i[m.bool()]) for i, m in zip(ids, mask))
+        return ids, mask
+    monkeypatch.setattr(P, "encode_batch", spy)
+    monkeypatch.setattr(P.Run, "log", lambda self, scalars, step: logged.update(scalars))
+    res = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path / "runs"), "--model-name-or-path",
+                               str(tmp_path / "lm"), "--train-files", str(train), "--val-files", str(test),
+                               "--answer-key", "reward_model.ground_truth", "--reward-fn", "math",
+                               "--prompt-length", "24", "--eval-n", "4", "--eval-temperature", "1.5"]))
+    assert len(res["curve"]) == 2 and all(math.isfinite(v) for v in res["stats"].values())
+    assert prompts and all(p.startswith("<bos><user>") and p.endswith("=<assistant>") for p in prompts), prompts[:3]
+    assert {"eval/pass@1", "eval/pass@2", "eval/pass@4", "eval/accuracy_greedy"} <= set(logged)
+    assert 0 <= logged["eval/pass@1"] <= logged["eval/pass@2"] <= logged["eval/pass@4"] <= 1
+    assert res["run_dir"].startswith(str(tmp_path / "runs" / "train__"))
+
+
+def test_eval_n_samples_each_prompt_n_times_at_the_eval_temperature(tmp_path, monkeypatch):
+    calls, real = [], P.generate
+
+    def spy(model, prompt_ids, *a, **k):
+        call = inspect.signature(real).bind(model, prompt_ids, *a, **k)
+        calls.append((prompt_ids.shape[0], call.arguments.get("temperature"), call.arguments.get("greedy", False)))
+        return real(model, prompt_ids, *a, **k)
+    monkeypatch.setattr(P, "generate", spy)
+    fn = write_reward_fn(tmp_path / "r.py", "return float(len(CALLS) % 3 == 0)")  # a third of the samples right
+    res = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--num-iterations", "1", "--eval-n", "3",
+                               "--eval-temperature", "0.7", "--reward-fn", fn]))
+    evals = [c for c in calls if c[1] == 0.7]
+    assert evals and all(size == 8 * 3 and not greedy for size, _, greedy in evals)  # 8 prompts x 3 samples
+    assert res["curve"] and len(evals) == 2  # before and after training
+
+
+# ----- LoRA --------------------------------------------------------------------------------------------------------
+def test_lora_reference_is_the_base_model_without_a_copy():
+    tok = P.build_char_tokenizer()
+    base = P.build_tiny_model(tok, 0, 64, 1)
+    policy = P.with_lora(P.build_tiny_model(tok, 0, 64, 1), P.Args(lora_rank=4), "CAUSAL_LM")
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.normal_(generator=torch.Generator().manual_seed(0))
+    ref = P.AdaptersOff(policy)
+    ids, mask = P.left_pad([tok.encode("98765="), tok.encode("12=")], tok.pad_token_id, 8)
+    resp = torch.tensor([[20, 21, 1, 0], [22, 1, 0, 0]])
+    ids, attn = torch.cat([ids, resp], 1), torch.cat([mask, P.response_mask_from(resp, 1)], 1)
+    with torch.no_grad():
+        logp = {name: P.model_forward(m, ids, attn, 4, 0.7)["logp"] for name, m in
+                (("base", base), ("ref", ref), ("policy", policy))}
+    assert torch.equal(logp["ref"], logp["base"]) and not torch.allclose(logp["policy"], logp["base"], atol=1e-3)
+    assert list(ref.parameters()) == [] and ref.state_dict() == {}  # no second copy
+    trained = [n for n, p in policy.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)
+    base_sd = P.base_weights(policy)
+    assert base_sd.keys() == base.state_dict().keys()
+    assert all(torch.equal(v, base.state_dict()[k]) for k, v in base_sd.items())
+
+
+LORA_CASES = [("gae", ["--critic-lora"]), ("gae", ["--critic", "shared"]), ("grpo", []), ("rloo", []),
+              ("reinforce", []), ("reinforce_plus_plus", []), ("reinforce_plus_plus_baseline", [])]
+
+
+@pytest.mark.parametrize("estimator,extra", LORA_CASES)
+def test_lora_ratio_one_reference_equals_base_and_exact_resume(tmp_path, monkeypatch, estimator, extra):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    firsts, scored, update, score = [], [], P.ppo_update, P.score_responses
+
+    def spy_update(*a, **k):
+        mean, first = update(*a, **k)
+        firsts.append((first.get("approx_kl"), first.get("clipfrac"), mean.get("approx_kl")))
+        return mean, first
+
+    def spy_score(policy, ref, critic, value_head, ids, attn, args, *a, **k):
+        out = score(policy, ref, critic, value_head, ids, attn, args, *a, **k)
+        scored.append((ref, ids, attn, out[0], out[1]))
+        return out
+    monkeypatch.setattr(P, "ppo_update", spy_update)
+    monkeypatch.setattr(P, "score_responses", spy_score)
+    fn = write_reward_fn(tmp_path / "r.py", "return len(response) / 8")  # (scores that differ: advantages that do)
+    argv = [*TINY, "--lora-rank", "4", "--adv-estimator", estimator, "--lr", "2e-3", "--save-model", "--reward-fn",
+            fn, *extra]
+    if estimator != "gae":
+        argv += ["--critic", "none"]
+    full = P.main(P.parse_args([*argv, "--runs-dir", str(tmp_path / "a")]))
+    part = P.main(P.parse_args([*argv, "--runs-dir", str(tmp_path / "b"), "--stop-after", "1"]))
+    resumed = P.main(P.parse_args(["--resume", part["checkpoint"]]))
+    # ratio exactly 1 on the first minibatch of every iteration; later minibatches see the adapters move
+    assert len(firsts) == 4 and all(kl == 0.0 and clip == 0.0 for kl, clip, _ in firsts), firsts
+    assert all(mean > 0 for _, _, mean in firsts), firsts
+    # the reference's log-probs are the base model's (ref/ of the run, loaded without peft); the policy's are not
+    base = AutoModelForCausalLM.from_pretrained(os.path.join(full["run_dir"], "ref"))
+    for ref, ids, attn, old_logp, ref_logp in scored:
+        assert isinstance(ref, P.AdaptersOff)
+        with torch.no_grad():
+            want = torch.cat([P.model_forward(base, ids[s:s + 2], attn[s:s + 2], 8, 1.0)["logp"]
+                              for s in range(0, len(ids), 2)])
+        assert torch.equal(ref_logp, want)
+    assert not torch.allclose(scored[1][3], scored[1][4], atol=1e-4)  # iteration 2: the adapters have moved
+    # stopped after one iteration and resumed == uninterrupted: adapters (and a LoRA critic's) bit for bit
+    for sub in ("policy", "critic") if "--critic-lora" in extra else ("policy",):
+        a, b = (load_file(os.path.join(r["run_dir"], "checkpoint-2", sub, "adapter_model.safetensors"))
+                for r in (full, resumed))
+        assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a), sub
+    a, b = (load_file(os.path.join(r["run_dir"], "ref", "model.safetensors")) for r in (full, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the base, the same
+
+
+def test_lora_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
+    for argv, needle in [(["--critic-lora"], "needs --critic separate and --lora-rank"),
+                         (["--lora-rank", "4", "--critic", "shared", "--critic-lora"], "needs --critic separate"),
+                         (["--lora-alpha", "0"], "--lora-alpha must be > 0"),
+                         (["--lora-rank", "-1"], "--lora-rank must be >= 0")]:
+        assert needle in one_line_exit(capsys, 2, P.parse_args, argv)
+    err = one_line_exit(capsys, 2, lambda a: P.main(P.parse_args(a)), [
+        *TINY, "--runs-dir", str(tmp_path / "r"), "--lora-rank", "4", "--lora-target-modules", "q_proj,qkv"])
+    assert "no module qkv in the policy (its linear layers: down_proj, gate_proj, k_proj, " in err
+    assert not (tmp_path / "r").exists()
+    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1", "--lora-rank", "4"]))
+    err = one_line_exit(capsys, 2, P.parse_args, ["--resume", part["checkpoint"], "--lora-rank", "8"])
+    assert "--lora-rank 8: the checkpoint's is 4; it cannot change on resume" in err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "not supported under torchrun" in one_line_exit(capsys, 2, P.parse_args, ["--lora-rank", "4"])
+
+
+# ----- GPU by default --------------------------------------------------------------------------------------------
+def test_cuda_is_the_default_where_torch_sees_a_gpu(tmp_path, monkeypatch, capsys):
+    assert not P.parse_args([]).cuda  # (no GPU here)
+    assert "--cuda given but torch finds no CUDA device" in one_line_exit(capsys, 2, P.parse_args, ["--cuda"])
+    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1"]))
+    state = torch.load(part["checkpoint"], weights_only=True)
+    state["args"]["cuda"] = True  # as written on a GPU
+    torch.save(state, part["checkpoint"])
+    capsys.readouterr()
+    args = P.parse_args(["--resume", part["checkpoint"]])
+    assert not args.cuda and f"note: {part['checkpoint']} was written on a GPU and torch finds none here: the run " \
+                             "resumes on the CPU" in capsys.readouterr().out
+    assert "--cuda given" in one_line_exit(capsys, 2, P.parse_args, ["--resume", part["checkpoint"], "--cuda"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert P.parse_args([]).cuda and P.parse_args([]).precision == "auto" and P.use_bf16(P.parse_args([]))
+    assert not P.parse_args(["--no-cuda"]).cuda and not P.Args(cuda=False).cuda
+    args = P.parse_args(["--resume", part["checkpoint"]])
+    assert args.cuda and "written on a GPU" not in capsys.readouterr().out  # a GPU here: it resumes on it
