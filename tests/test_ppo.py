@@ -6,6 +6,7 @@ import math
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -885,7 +886,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, mon
     assert f"error: cannot write {ckpt}: No space left on device" in err
     assert not os.path.exists(ckpt + ".tmp")  # the partial file is gone
     if good_saves:
-        assert f"(the last checkpoint is kept: {ckpt})" in err
+        assert f"(last checkpoint kept: {ckpt})" in err
         assert torch.load(ckpt, weights_only=True)["iteration"] == 1
     else:
         assert "(no checkpoint was written)" in err and not os.path.exists(ckpt)
@@ -949,7 +950,8 @@ def test_a_flipped_bit_in_a_stored_weight_is_found(tmp_path, capsys):
     data = bytearray(open(path, "rb").read())
     with zipfile.ZipFile(path) as z:
         info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)  # the record's bytes
+    name_len, extra_len = struct.unpack("<HH", bytes(data[info.header_offset + 26:info.header_offset + 30]))
+    start = info.header_offset + 30 + name_len + extra_len  # the record's bytes (after its local header)
     data[start + info.file_size // 2] ^= 0x01
     open(path, "wb").write(bytes(data))
     assert torch.load(path, weights_only=True)["iteration"] == 1  # torch itself loads it silently
@@ -980,3 +982,124 @@ def test_a_checkpoint_is_read_once_and_not_kept_after_main_took_it(tmp_path, mon
     assert len(reads) == 1
     ppo.main(args)
     assert len(reads) == 2
+
+
+def test_a_dead_env_worker_ends_the_run_in_one_line_instead_of_hanging(tmp_path):
+    """An async worker killed (the OOM killer, say): the main process must not wait on it forever at the exit."""
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "ppo.py"), "--total-timesteps", "1e7", "--vector-mode",
+                          "async", "--num-envs", "2", "--runs-dir", str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    assert p.stdout.readline().startswith("iter 1/"), p.stderr.read()
+    workers = [int(c) for c in open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()]
+    os.kill(workers[0], signal.SIGKILL)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 1 and "Traceback" not in err, err
+    assert "error: an environment worker process died" in err and err.count("error:") == 1, err
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda s: s["rng"].update(torch=s["rng"]["torch"].float()), "RNG state"),
+    (lambda s: s["rng"].update(torch=torch.zeros_like(s["rng"]["torch"])), "mt19937"),
+    (lambda s: s["rollout"].update(next_obs=torch.zeros(3, 4)), "expected (2, 4)"),
+    (lambda s: s["rollout"].update(ep_return=[0.0, 0.0]), "expected (2,)"),
+    (lambda s: s["rollout"].update(envs="abc"), "does not fit this run"),
+    (lambda s: [st.pop("exp_avg_sq") for st in s["optimizer"]["state"].values()], "moments do not fit"),
+    (lambda s: [st.update(exp_avg=torch.zeros(1)) for st in s["optimizer"]["state"].values()], "moments do not fit"),
+    (lambda s: s.update(kl_coef=-1.0), "kl_coef is -1.0, not a positive number"),
+    (lambda s: s.update(iteration=-3), "iteration is -3"),
+])
+def test_a_checkpoint_whose_states_do_not_load_is_one_line_exit_2(tmp_path, capsys, edit, needle):
+    path = edit_checkpoint(tmp_path, edit)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        ppo.main(ppo.parse_args(["--resume", path]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and needle in err and "Traceback" not in err, err
+
+
+def test_a_checkpoint_rewritten_between_reading_and_locking_is_refused(tmp_path, monkeypatch, capsys):
+    """A requeued job read checkpoint k; before it took the lock, the old job wrote k+1 and ended: resuming k would
+    overwrite k+1."""
+    first = ppo.main(small_args(tmp_path, total_timesteps=512, stop_after=1))
+    ckpt = os.path.join(first["run_dir"], "checkpoint.pt")
+    real = ppo.lock_run_dir
+
+    def old_job_writes_first(run_dir):
+        torch.save(torch.load(ckpt, weights_only=True), ckpt)  # (stands for the old job's next checkpoint)
+        return real(run_dir)
+
+    monkeypatch.setattr(ppo, "lock_run_dir", old_job_writes_first)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        ppo.main(ppo.parse_args(["--resume", ckpt]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "was rewritten by another process while this one started" in err, err
+
+
+def test_more_local_processes_than_gpus_is_one_line_error(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        ppo.parse_args(["--cuda"])
+    assert e.value.code == 2 and "--cuda with 2 processes on this machine but 1 GPU(s)" in capsys.readouterr().err
+
+
+def test_a_full_disk_under_the_evaluation_videos_saves_the_model_and_is_one_line(tmp_path, monkeypatch, capsys):
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ppo, "evaluate", full)
+    with pytest.raises(SystemExit) as e:
+        ppo.main(small_args(tmp_path, eval_episodes=2))
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1, err
+    assert "cannot write the evaluation videos in" in err and "No space left on device" in err
+    (ckpt,) = glob.glob(str(tmp_path / "CartPole-v1__t__*" / "checkpoint.pt"))
+    assert torch.load(ckpt, weights_only=True)["iteration"] == 8  # the trained state, saved first
+
+
+def test_the_checkpoint_of_a_stop_during_the_evaluation_has_the_rng_of_the_trained_run(tmp_path, monkeypatch):
+    full = ppo.main(small_args(tmp_path / "full", save_model=True))
+    real = ppo.evaluate
+
+    def draw_then_signal(*a, **k):  # the evaluation draws random numbers, then a signal comes
+        torch.rand(100)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    monkeypatch.setattr(ppo, "evaluate", draw_then_signal)
+    stopped = ppo.main(small_args(tmp_path / "stopped", eval_episodes=3))
+    a, b = (torch.load(os.path.join(r["run_dir"], "checkpoint.pt"), weights_only=True) for r in (full, stopped))
+    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]) and a["iteration"] == b["iteration"] == 8
+
+
+def test_a_forked_child_does_not_hold_the_run_directory_lock(tmp_path):
+    import multiprocessing
+
+    fd = ppo.lock_run_dir(str(tmp_path))
+    try:
+        ctx = multiprocessing.get_context("fork")
+        child = ctx.Process(target=lambda: os._exit(0 if fd not in ppo.LOCK_FDS else 3))
+        child.start()
+        child.join()
+        assert child.exitcode == 0
+    finally:
+        ppo.release_lock(fd)
+    assert fd not in ppo.LOCK_FDS
+
+
+def test_async_workers_ignore_the_signals_meant_for_the_main_process():
+    import gymnasium as gym
+
+    class ReportsHandlers(gym.Env):  # says, from its worker process, what SIGINT and SIGTERM do there
+        observation_space, action_space = gym.spaces.Box(-1, 1, (1,)), gym.spaces.Discrete(2)
+
+        def handlers(self):
+            return signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+
+    envs = gym.vector.AsyncVectorEnv([ppo.leave_signals_to_main(ReportsHandlers)] * 2)
+    try:
+        assert envs.call("handlers") == ((signal.SIG_IGN, signal.SIG_IGN),) * 2
+    finally:
+        envs.close()
