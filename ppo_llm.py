@@ -235,8 +235,9 @@ class Args:
     """seed of the experiment (python and torch: tasks, sampling, shuffling, initialisation)"""
     torch_deterministic: bool = True
     """use deterministic torch algorithms"""
-    cuda: bool = dataclasses.field(default_factory=lambda: torch.cuda.is_available())
-    """run on CUDA, with bf16 autocast unless --precision fp32: the default where torch sees a GPU (--no-cuda: CPU)"""
+    cuda: bool = dataclasses.field(default_factory=lambda: gpu_for_each_process())
+    """run on CUDA, with bf16 autocast unless --precision fp32: the default where torch sees a GPU for each process of
+    this machine (--no-cuda: CPU)"""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """bf16 autocast with fp32 master weights, or fp32 throughout; auto: bf16 with --cuda, fp32 on the CPU"""
     compile: bool = False
@@ -1359,9 +1360,10 @@ def main(args: Args) -> dict:
 # checkpoints and exact resume, evaluation, compile helper, local models, --reward-fn files, LoRA adapters (peft),
 # data files (datasets), command line.
 # =========================================================================================================
-def die(msg: str) -> None:
-    """Bad input: one line on stderr (under torchrun from rank 0 alone), exit code 2, no traceback."""
-    if int(os.environ.get("RANK", "0")) == 0:
+def die(msg: str, alone: bool = False) -> None:
+    """Bad input: one line on stderr (under torchrun from rank 0 alone, as every rank finds the same), exit code 2, no
+    traceback. alone: what this rank alone can see (its own GPU): it prints the line, whatever its rank."""
+    if alone or int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
 
@@ -1624,6 +1626,12 @@ def use_bf16(args: Args) -> bool:
     return args.precision == "bf16" or (args.precision == "auto" and args.cuda)
 
 
+def gpu_for_each_process() -> bool:
+    """--cuda's default: whether torch sees a GPU for each process on this machine (torchrun's LOCAL_WORLD_SIZE; one
+    without torchrun). With fewer GPUs than processes the default is the CPU."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
     """Rank, world size and device. Without torchrun (or with one process) no process group is created."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -1635,7 +1643,7 @@ def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
     device = torch.device("cpu")
     if args.cuda:  # one GPU per rank
         if local_rank >= torch.cuda.device_count():
-            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)", alone=True)
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if args.cuda else "gloo")
@@ -2336,7 +2344,7 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
         saved = load_checkpoint(resume)["args"]
         default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
         default.resume = resume
-        if default.cuda and not torch.cuda.is_available():  # written on a GPU, resumed where there is none
+        if default.cuda and not gpu_for_each_process():  # written on a GPU, resumed where there is none (enough)
             default.cuda, gpu_gone = False, True  # (--cuda by name is refused in validate)
     err = io.StringIO()
     try:
@@ -2360,7 +2368,9 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
     with contextlib.redirect_stdout(io.StringIO()) if rank > 0 else contextlib.nullcontext():
         resolve_implied(args, given_fields(argv))
         if gpu_gone and not args.cuda:
-            print(f"note: {resume} was written on a GPU and torch finds none here: the run resumes on the CPU")
+            found = (f"{torch.cuda.device_count()} for {os.environ.get('LOCAL_WORLD_SIZE')} processes"
+                     if torch.cuda.is_available() else "none")
+            print(f"note: {resume} was written on a GPU and torch finds {found} here: the run resumes on the CPU")
     for name in ("lora_rank", "lora_alpha", "lora_target_modules", "critic_lora") if resume is not None else ():
         was = saved.get(name, getattr(Args, name))  # (the saved adapters are of that shape)
         if getattr(args, name) != was:
@@ -2498,6 +2508,10 @@ def validate(args: Args) -> None:
         die(f"--eval-prompts {args.eval_prompts}: the synthetic task holds out at most 10000 of its 100000 prompts")
     if args.cuda and not torch.cuda.is_available():
         die("--cuda given but torch finds no CUDA device (without the flag the script uses the GPU if there is one)")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if args.cuda and world > 1 and torch.cuda.device_count() < local_world:
+        die(f"--cuda: {local_world} processes on this machine, {torch.cuda.device_count()} GPU(s): one GPU each "
+            "(--no-cuda runs them on the CPU)")
     if args.reward_fn is not None and args.reward_fn not in REWARD_RULES:
         path, _, name = args.reward_fn.rpartition(":")
         if not path.endswith(".py") or not name.isidentifier():

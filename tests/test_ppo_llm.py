@@ -22,7 +22,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 SMALL = (128, 2)  # hidden size, layers: a 0.34M model for the tests (the default is 2M)
 TINY = ["--sft-steps", "5", "--eval-prompts", "8", "--rollout-batch-size", "4", "--n", "2",
         "--ppo-mini-batch-size", "2", "--micro-batch-size", "2", "--num-iterations", "2", "--no-save-model",
-        "--tiny-hidden-size", "128", "--tiny-num-layers", "2", "--torch-threads", "1"]
+        "--tiny-hidden-size", "128", "--tiny-num-layers", "2", "--torch-threads", "1", "--no-cuda"]  # (GPU hosts too)
 
 
 def hand_batch(seed=0, B=6, T=5):
@@ -286,7 +286,7 @@ def test_reward_clip_also_clips_token_rewards_after_the_kl_penalty():
     maskf = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     kld = torch.tensor([[20.0, 0.5, -30.0], [1.0, -1.0, 7.0]]) * maskf
     args = P.parse_args(["--adv-estimator", "reinforce_plus_plus", "--critic", "none", "--reward-clip", "2",
-                         "--init-kl-coef", "0.1", "--gamma", "1"])
+                         "--init-kl-coef", "0.1", "--gamma", "1", "--no-cuda"])
     ctrl = P.FixedKLController(args.init_kl_coef)
     _, ret, scores, _ = P.rewards_and_advantages(raw, maskf, torch.zeros_like(maskf), kld, args, ctrl,
                                                    P.RunningMoments())
@@ -442,7 +442,7 @@ def acc_setup(tiny):
     critic = P.make_critic(m)
     torch.nn.init.normal_([x for x in critic.modules() if isinstance(x, torch.nn.Linear)][-1].weight, std=0.1)
     base = P.Args(rollout_batch_size=4, n=2, ppo_mini_batch_size=4, use_kl_loss=True, entropy_coeff=0.01,
-                  micro_batch_size=8)
+                  micro_batch_size=8, cuda=False)
     return m, critic, base, make_update_batch(tok, m, base, critic)
 
 
@@ -494,7 +494,7 @@ def test_full_kl_loss_recomputes_the_reference_per_micro_batch(acc_setup):
 def test_first_minibatch_ratio_is_exactly_one(tiny_copy):
     tok, m = tiny_copy
     args = P.Args(rollout_batch_size=8, n=2, ppo_mini_batch_size=2, micro_batch_size=2, critic="none",
-                  adv_estimator="grpo", ppo_epochs=2)
+                  adv_estimator="grpo", ppo_epochs=2, cuda=False)
     batch = make_update_batch(tok, m, args)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -508,7 +508,7 @@ def test_first_minibatch_ratio_with_another_logprob_forward_size_is_one_up_to_ro
     may differ from the update's in the last bits; the first ratio is then 1 to within float rounding."""
     tok, m = tiny_copy
     args = P.Args(rollout_batch_size=8, n=2, ppo_mini_batch_size=2, micro_batch_size=2, critic="none",
-                  adv_estimator="grpo", ppo_epochs=1)
+                  adv_estimator="grpo", ppo_epochs=1, cuda=False)
     batch = make_update_batch(tok, m, args, forward_chunk=16)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -519,7 +519,8 @@ def test_first_minibatch_ratio_with_another_logprob_forward_size_is_one_up_to_ro
 @pytest.mark.parametrize("critic", ["separate", "shared"])
 def test_critic_warmup_leaves_the_actor_and_its_lr_warmup_alone(tiny_copy, critic):
     tok, m = tiny_copy
-    args = P.Args(rollout_batch_size=4, n=2, ppo_mini_batch_size=2, micro_batch_size=4, critic=critic)
+    args = P.Args(rollout_batch_size=4, n=2, ppo_mini_batch_size=2, micro_batch_size=4, critic=critic,
+                  cuda=False)
     model = P.make_critic(m) if critic == "separate" else torch.nn.Linear(m.config.hidden_size, 1)
     batch = make_update_batch(tok, m, args)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2), torch.optim.AdamW(model.parameters(), lr=1e-2)]
@@ -740,7 +741,8 @@ def test_notes_of_implied_options_are_printed_by_rank_0_alone(monkeypatch, capsy
 
 
 def test_a_resumed_grpo_run_keeps_its_whitening():
-    args = P.Args(adv_estimator="grpo", critic="none", resume="run/checkpoint.pt")  # saved with --whiten-advantages
+    # saved with --whiten-advantages
+    args = P.Args(adv_estimator="grpo", critic="none", resume="run/checkpoint.pt", cuda=False)
     P.resolve_implied(args, set())
     assert args.whiten_advantages
 
@@ -1847,7 +1849,7 @@ def test_eval_n_samples_each_prompt_n_times_at_the_eval_temperature(tmp_path, mo
 def test_lora_reference_is_the_base_model_without_a_copy():
     tok = P.build_char_tokenizer()
     base = P.build_tiny_model(tok, 0, 64, 1)
-    policy = P.with_lora(P.build_tiny_model(tok, 0, 64, 1), P.Args(lora_rank=4), "CAUSAL_LM")
+    policy = P.with_lora(P.build_tiny_model(tok, 0, 64, 1), P.Args(lora_rank=4, cuda=False), "CAUSAL_LM")
     with torch.no_grad():
         for n, p in policy.named_parameters():
             if "lora_B" in n:
@@ -1938,6 +1940,8 @@ def test_lora_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
 
 # ----- GPU by default --------------------------------------------------------------------------------------------
 def test_cuda_is_the_default_where_torch_sees_a_gpu(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (as here, on a GPU host too)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert not P.parse_args([]).cuda  # (no GPU here)
     assert "--cuda given but torch finds no CUDA device" in one_line_exit(capsys, 2, P.parse_args, ["--cuda"])
     part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1"]))
@@ -1950,7 +1954,28 @@ def test_cuda_is_the_default_where_torch_sees_a_gpu(tmp_path, monkeypatch, capsy
                              "resumes on the CPU" in capsys.readouterr().out
     assert "--cuda given" in one_line_exit(capsys, 2, P.parse_args, ["--resume", part["checkpoint"], "--cuda"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert P.parse_args([]).cuda and P.parse_args([]).precision == "auto" and P.use_bf16(P.parse_args([]))
     assert not P.parse_args(["--no-cuda"]).cuda and not P.Args(cuda=False).cuda
     args = P.parse_args(["--resume", part["checkpoint"]])
     assert args.cuda and "written on a GPU" not in capsys.readouterr().out  # a GPU here: it resumes on it
+
+
+def test_under_torchrun_the_gpu_is_the_default_only_with_a_gpu_for_each_process(monkeypatch, capsys):
+    """torchrun --nproc-per-node 2 on a machine with one GPU: the default is the CPU; --cuda is one line (rank 0's),
+    and a rank that finds no GPU of its own says so itself (die() would print on rank 0 alone: no line at all)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for var, value in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(var, value)
+    assert not P.parse_args([]).cuda and not P.Args().cuda
+    assert "--cuda: 2 processes on this machine, 1 GPU(s): one GPU each" in one_line_exit(capsys, 2, P.parse_args,
+                                                                                          ["--cuda"])
+    monkeypatch.setenv("RANK", "1"), monkeypatch.setenv("LOCAL_RANK", "1")  # (sees one GPU, as another rank might)
+    err = one_line_exit(capsys, 2, P.setup_distributed, P.Args(cuda=True))
+    assert err == "error: local rank 1 has no GPU (1 visible)"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert P.parse_args([]).cuda
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1"), monkeypatch.setenv("WORLD_SIZE", "1")  # (no torchrun: 1 GPU will do)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert P.parse_args([]).cuda
