@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import fcntl
 import fractions
+import hashlib
 import io
 import itertools
 import json
@@ -1789,7 +1790,8 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
     """Atomic: the models go to a new checkpoint-<iteration>/ directory, then checkpoint.pt, which names that
     directory, is replaced in one rename (the commit point); older checkpoint-* directories are removed after.
     A kill at any moment leaves a checkpoint.pt whose models are complete; a write the file system refuses removes
-    what this save wrote and raises WriteError on every rank. Under torchrun every rank calls it (FSDP2 shards are
+    what this save wrote and raises WriteError on every rank. checkpoint.pt holds the sha256 of every file of the
+    model directories (load_checkpoint compares). Under torchrun every rank calls it (FSDP2 shards are
     gathered into full tensors) and rank 0 writes. With LoRA (ref is AdaptersOff) policy/ (and a LoRA critic/)
     holds the adapters (peft's save_pretrained) and ref/ the base model they go on."""
     sub, path = f"checkpoint-{iteration}", os.path.join(run_dir, "checkpoint.pt")
@@ -1829,7 +1831,8 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
                 # gen: tasks and shuffles (the same on every rank); gen_dev: token sampling on CUDA / torchrun, per rank
                 "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state(), "gen_dev": dev_states},
                 "args": dataclasses.asdict(args), "kl_coef": kl_ctrl.value, "reward_running": running.state_dict(),
-                "tracker": tracker, "format": CHECKPOINT_FORMAT}
+                "tracker": tracker, "format": CHECKPOINT_FORMAT,
+                "files": model_file_digests(run_dir, [sub, "ref"])}  # (the models' files, as written)
             target = path
             with open(path + ".tmp", "wb") as f:  # (into a file object: a refused write raises from its OSError)
                 torch.save(state, f)
@@ -1862,7 +1865,7 @@ _READ: dict = {}  # the last checkpoint read: parse_args reads it for the saved 
 
 def load_checkpoint(path: str) -> dict:
     """checkpoint.pt, read once per process and checked before anything uses it: the CRCs of its zip records
-    (torch.load skips them), its model directories, its keys and their types, its saved arguments' types."""
+    (torch.load skips them), its model directories and the sha256 of their files, its entries (state_problem)."""
     if not os.path.isfile(path):
         die(f"--resume: no such file {path}")
     key = (os.path.abspath(path), os.stat(path).st_mtime_ns, os.stat(path).st_size)
@@ -1881,29 +1884,48 @@ def load_checkpoint(path: str) -> dict:
         problem = state_problem(ckpt, os.path.dirname(path))
         if problem:
             die(f"checkpoint {path}: {problem}")
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # (the files are read once per machine; its rank 0 says it)
+            problem = damaged_file(ckpt, os.path.dirname(path))
+            if problem:
+                die(f"checkpoint {path}: {problem}", alone=True)
         _READ.update(key=key, ckpt=ckpt)
     return _READ["ckpt"]
 
 
 def state_problem(ckpt: dict, run_dir: str) -> Optional[str]:
-    """What is missing or of another type in a checkpoint's trainer state (an edited file, say), or None."""
-    rng = torch.get_rng_state()
-    for key, want in [("model", dict), ("model.policy", str), ("model.ref", str), ("model.critic", str),
-                      ("model.value_head", dict), ("optimizer", list), ("scheduler", list), ("global_step", int),
-                      ("iteration", int), ("rng", dict), ("rng.torch", rng), ("rng.gen", rng), ("args", dict),
-                      ("kl_coef", float), ("reward_running", dict), ("tracker", dict)]:
-        parent, _, name = key.rpartition(".")
-        holder = ckpt[parent] if parent else ckpt  # (a dict: checked before its keys)
-        if name not in holder:
-            return f"no {key!r}"
-        if torch.is_tensor(want) and not (torch.is_tensor(holder[name]) and holder[name].shape == want.shape):
-            return f"{key} is not a tensor of {want.numel()} bytes"
-        if not torch.is_tensor(want) and not fits(holder[name], want):
-            return f"{key} is {holder[name]!r:.40}, not {type_text(want)}"
-        for d in [ckpt["model"][m] for m in ("policy", "ref", "critic")] if key == "model.critic" else []:
-            if d and not any(os.path.isfile(os.path.join(run_dir, d, f))
-                             for f in ("config.json", "adapter_config.json")):  # (LoRA: adapters)
-                return f"model directory {d}/ next to it is missing"
+    """What is missing, of another type or out of range in a checkpoint's trainer state (an edited file, say), or
+    None: its model directories next to it, every entry against the layout save_checkpoint writes (schema_problem),
+    one optimizer and one scheduler state per trained model, counts and statistics in range, its saved arguments of
+    their fields' types."""
+    model = ckpt["model"] if isinstance(ckpt.get("model"), dict) else {}
+    for d in (model.get(m) for m in ("policy", "ref", "critic")):
+        if isinstance(d, str) and d and not any(os.path.isfile(os.path.join(run_dir, d, f))
+                                                for f in ("config.json", "adapter_config.json")):  # (LoRA: adapters)
+            return f"model directory {d}/ next to it is missing"
+    rng = torch.get_rng_state()  # (the size of a CPU generator's state)
+    problem = schema_problem(ckpt, {
+        "model": {"policy": str, "ref": str, "critic": str, "value_head": dict[str, torch.Tensor]},
+        "optimizer": [{"state": dict, "param_groups": [{"params": [int]}]}],
+        "scheduler": [{"last_epoch": int, "base_lrs": [float]}], "global_step": int, "iteration": int,
+        "rng": {"torch": rng, "gen": rng, "gen_dev?": [Optional[torch.Tensor]]}, "args": dict, "kl_coef": float,
+        "reward_running": {"mean": float, "var": float, "count": float},
+        "tracker": {"curve?": [(int, float, float)], "rollout?": [(int, float)]},  # [iteration, accuracies]
+        "format?": int, "files?": dict[str, str]})
+    if problem:
+        return problem
+    trained = ["policy", *["critic"] * bool(model["critic"]), *["value head"] * bool(model["value_head"])]
+    for key in ("optimizer", "scheduler"):
+        if len(ckpt[key]) != len(trained):
+            return f"{key} holds {len(ckpt[key])} states for the {len(trained)} trained models ({', '.join(trained)})"
+    running = ckpt["reward_running"]
+    for key, value, ok in [("iteration", ckpt["iteration"], ckpt["iteration"] >= 1),
+                           ("global_step", ckpt["global_step"], ckpt["global_step"] >= 0),
+                           ("kl_coef", ckpt["kl_coef"], math.isfinite(ckpt["kl_coef"])),
+                           ("reward_running.mean", running["mean"], math.isfinite(running["mean"])),
+                           ("reward_running.var", running["var"], 0 <= running["var"] < math.inf),
+                           ("reward_running.count", running["count"], 0 < running["count"] < math.inf)]:
+        if not ok:
+            return f"{key} is {value!r}, out of range"
     hints = typing.get_type_hints(Args, include_extras=True)
     for f in dataclasses.fields(Args):  # every saved argument of its field's type (then validate() as given)
         if f.name in ckpt["args"] and not fits(ckpt["args"][f.name], hints[f.name]):
@@ -1911,12 +1933,48 @@ def state_problem(ckpt: dict, run_dir: str) -> Optional[str]:
     return None
 
 
+def schema_problem(value, schema, where: str = "") -> Optional[str]:
+    """What in value does not fit schema, or None. A schema is a dict of key -> schema (a key ending in "?" may be
+    missing), [schema] (a list of such items), (hint, hint, ...) (a list of that many values of those types), a
+    tensor (a tensor of its shape) or a type hint (fits)."""
+    def at(key):
+        return f"{where}.{key}" if where else str(key)
+    if isinstance(schema, dict):
+        if not isinstance(value, dict):
+            return f"{where} is {value!r:.40}, not a dict"
+        for key, item in schema.items():
+            name = key.rstrip("?")
+            problem = (schema_problem(value[name], item, at(name)) if name in value
+                       else None if key.endswith("?") else f"no {at(name)!r}")
+            if problem:
+                return problem
+        return None
+    if isinstance(schema, list) and not isinstance(value, list):
+        return f"{where} is {value!r:.40}, not a list"
+    if isinstance(schema, tuple) and not (isinstance(value, (list, tuple)) and len(value) == len(schema)):
+        return f"{where} is {value!r:.40}, not [{', '.join(map(type_text, schema))}]"
+    if isinstance(schema, (list, tuple)):
+        for i, (item, hint) in enumerate(zip(value, schema * len(value) if isinstance(schema, list) else schema)):
+            problem = schema_problem(item, hint, f"{where}[{i}]")
+            if problem:
+                return problem
+        return None
+    if torch.is_tensor(schema):
+        return None if torch.is_tensor(value) and value.shape == schema.shape else (
+            f"{where} is not a tensor of {schema.numel()} bytes")
+    return None if fits(value, schema) else f"{where} is {value!r:.40}, not {type_text(schema)}"
+
+
 def fits(value, hint) -> bool:
-    """Whether value is of the type hint: int (no bool), float (int too), bool, str, list, dict, Optional, Literal."""
+    """Whether value is of the type hint: int (no bool), float (int too), bool, str, list, dict, a class, Optional,
+    Literal, dict[K, V]."""
     hint = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
     if typing.get_origin(hint) in (Literal, typing.Union):
         parts = typing.get_args(hint)
         return value in parts if typing.get_origin(hint) is Literal else any(fits(value, h) for h in parts)
+    if typing.get_origin(hint) is dict:
+        key, item = typing.get_args(hint)
+        return isinstance(value, dict) and all(fits(k, key) and fits(v, item) for k, v in value.items())
     kinds = {float: (int, float)}.get(hint, hint)
     return isinstance(value, kinds) and (hint is bool or not isinstance(value, bool))
 
@@ -1927,7 +1985,45 @@ def type_text(hint) -> str:
         parts = typing.get_args(hint)
         return ("one of " + ", ".join(parts) if typing.get_origin(hint) is Literal
                 else " or ".join(map(type_text, parts)))
+    if typing.get_origin(hint) is dict:
+        return "a dict of " + ": ".join(h.__name__ for h in typing.get_args(hint))
     return "None" if hint is type(None) else ("an " if hint is int else "a ") + hint.__name__
+
+
+_DIGESTS: dict = {}  # (path, inode, size, mtime) -> sha256 of the file: ref/, written once a run, is read once
+
+
+def file_sha256(path: str, reuse: bool = False) -> str:
+    """The file's sha256 (hex); reuse: the one found before if the file has not changed since (size, mtime)."""
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if not reuse or key not in _DIGESTS:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]
+
+
+def model_file_digests(run_dir: str, dirs: list[str]) -> dict[str, str]:
+    """sha256 of every file in run_dir's model directories dirs, by its path relative to run_dir (what checkpoint.pt
+    stores: safetensors files carry no checksum of their own). ref/ does not change after its first save."""
+    return {os.path.relpath(os.path.join(root, name), run_dir).replace(os.sep, "/"):
+            file_sha256(os.path.join(root, name), reuse=d == "ref")
+            for d in dirs for root, _, names in os.walk(os.path.join(run_dir, d)) for name in sorted(names)}
+
+
+def damaged_file(ckpt: dict, run_dir: str) -> Optional[str]:
+    """Which file of the checkpoint's model directories is missing or differs from the sha256 saved with it; None
+    where all are as saved (or the checkpoint predates the digests)."""
+    for name, digest in ckpt.get("files", {}).items():
+        path = os.path.join(run_dir, name)
+        if not os.path.isfile(path):
+            return f"{name} next to it is missing"
+        if file_sha256(path) != digest:
+            return f"{name} next to it is damaged or changed since it was saved (its sha256 differs)"
+    return None
 
 
 @contextlib.contextmanager

@@ -1179,8 +1179,8 @@ def test_checkpoint_killed_during_save_keeps_the_previous_one(tmp_path, monkeypa
     tok = P.build_char_tokenizer()
     m = P.build_tiny_model(tok, 0, *SMALL)
     critic = P.make_critic(m)
-    opt = [torch.optim.AdamW(m.parameters(), lr=1e-3)]
-    sch = [torch.optim.lr_scheduler.LambdaLR(opt[0], lambda s: 1.0)]
+    opt = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in (m, critic)]  # (one per trained model)
+    sch = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for o in opt]
     args = P.parse_args(TINY)
     save = lambda it: P.save_checkpoint(str(tmp_path), m, m, critic, None, tok, opt, sch, args, it * 8, it,  # noqa
                                         torch.Generator(), P.FixedKLController(0.1), P.RunningMoments(), {})
@@ -1374,6 +1374,8 @@ def test_a_resumed_critic_that_does_not_load_is_one_line_error(tmp_path, capsys)
     state = torch.load(part["checkpoint"], weights_only=True)
     with open(os.path.join(part["run_dir"], state["model"]["critic"], "model.safetensors"), "wb") as f:
         f.write(b"\x08" + b"\x00" * 7)
+    del state["files"]  # (as written before the sha256 digests, which find the damage first: they are tested below)
+    torch.save(state, part["checkpoint"])
     err = one_line_exit(capsys, 2, P.main, P.parse_args(["--resume", part["checkpoint"]]))
     assert f"cannot load a critic from {os.path.join(part['run_dir'], state['model']['critic'])}: " in err
 
@@ -1510,8 +1512,8 @@ def test_a_full_disk_while_writing_the_models_removes_what_the_save_wrote(tmp_pa
     tok = P.build_char_tokenizer()
     m = P.build_tiny_model(tok, 0, 32, 1)
     critic = P.make_critic(m)
-    opt = [torch.optim.AdamW(m.parameters(), lr=1e-3)]
-    sch = [torch.optim.lr_scheduler.LambdaLR(opt[0], lambda s: 1.0)]
+    opt = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in (m, critic)]  # (one per trained model)
+    sch = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for o in opt]
     args = P.parse_args(TINY)
     save = lambda it: P.save_checkpoint(str(tmp_path), m, m, critic, None, tok, opt, sch, args, it * 8, it,  # noqa
                                         torch.Generator(), P.FixedKLController(0.1), P.RunningMoments(), {})
@@ -1567,6 +1569,13 @@ def flip_a_bit_in_a_tensor(path):
     return info.filename
 
 
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """A run stopped after its first iteration (--critic separate): its directory, to be copied and damaged."""
+    path = tmp_path_factory.mktemp("stopped")
+    return P.main(P.parse_args([*TINY, "--runs-dir", str(path), "--stop-after", "1"]))["run_dir"]
+
+
 @pytest.mark.parametrize("edit,needle", [
     ("flip", "is damaged (record '{record}' fails its CRC check)"),
     (lambda c: c["args"].update(n="abc"), "args.n is 'abc', not an int"),
@@ -1577,16 +1586,47 @@ def flip_a_bit_in_a_tensor(path):
     (lambda c: c["rng"].pop("torch"), "no 'rng.torch'"),
     (lambda c: c["rng"].update(torch=c["rng"]["torch"][:100]), "rng.torch is not a tensor of 5056 bytes"),
     (lambda c: c.update(global_step="16"), "global_step is '16', not an int"),
+    # each entry of the trainer state against the layout that save_checkpoint writes
+    (lambda c: c.update(format="2"), "format is '2', not an int"),
+    (lambda c: c["tracker"].update(rollout=3), "tracker.rollout is 3, not a list"),
+    (lambda c: c["tracker"].update(curve="x"), "tracker.curve is 'x', not a list"),
+    (lambda c: c["tracker"]["curve"].append([1, "x"]), "tracker.curve[1] is [1, 'x'], not [an int, a float, a float]"),
+    (lambda c: c.update(optimizer=["a", "b"]), "optimizer[0] is 'a', not a dict"),
+    (lambda c: c.update(scheduler=[]), "scheduler holds 0 states for the 2 trained models (policy, critic)"),
+    (lambda c: c["optimizer"].pop(), "optimizer holds 1 states for the 2 trained models (policy, critic)"),
+    (lambda c: c["rng"].update(gen_dev="abc"), "rng.gen_dev is 'abc', not a list"),
+    (lambda c: c.update(iteration=-3), "iteration is -3, out of range"),
+    (lambda c: c.update(kl_coef=float("nan")), "kl_coef is nan, out of range"),
+    (lambda c: c["reward_running"].update(count=-5.0), "reward_running.count is -5.0, out of range"),
+    (lambda c: c["files"].update({"checkpoint-1/policy/model.safetensors": "0" * 64}),
+     "checkpoint-1/policy/model.safetensors next to it is damaged or changed since it was saved"),
+    # the models' files: safetensors has no checksum of its own; checkpoint.pt holds their sha256
+    ("flip checkpoint-1/policy/model.safetensors",
+     "checkpoint-1/policy/model.safetensors next to it is damaged or changed since it was saved (its sha256 differs)"),
+    ("flip ref/model.safetensors", "ref/model.safetensors next to it is damaged or changed since it was saved"),
+    ("remove checkpoint-1/critic/model.safetensors", "checkpoint-1/critic/model.safetensors next to it is missing"),
 ])
-def test_a_damaged_or_edited_checkpoint_is_one_line_error(tmp_path, capsys, edit, needle):
-    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1"]))
-    path = part["checkpoint"]
+def test_a_damaged_or_edited_checkpoint_is_one_line_error(stopped_run, tmp_path, capsys, edit, needle):
+    import shutil
+
+    run = shutil.copytree(stopped_run, tmp_path / "run")
+    path = str(run / "checkpoint.pt")
     if edit == "flip":
         import zipfile
 
         needle = needle.format(record=flip_a_bit_in_a_tensor(path))
         assert zipfile.ZipFile(path).testzip() is not None
         torch.load(path, weights_only=True)  # what the check guards against: torch.load takes it silently
+    elif isinstance(edit, str) and edit.startswith("flip "):
+        from transformers import AutoModelForCausalLM
+
+        model = run / edit.split()[1]
+        data = bytearray(model.read_bytes())
+        data[len(data) // 2] ^= 0x10  # one bit of a stored weight
+        model.write_bytes(bytes(data))
+        AutoModelForCausalLM.from_pretrained(model.parent)  # what the check guards against: it loads silently
+    elif isinstance(edit, str):  # remove FILE
+        os.remove(run / edit.split()[1])
     else:
         state = torch.load(path, weights_only=True)
         edit(state)
