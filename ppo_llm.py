@@ -2218,10 +2218,10 @@ def base_weights(policy) -> dict:
 DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension -> datasets' builder
 
 
-def read_rows(path: str, flag: str) -> list[dict]:
-    """Every row of a local data file, read by Hugging Face datasets (offline; its cache in a temporary directory,
-    removed: nothing is left in ~/.cache). A UTF-8 byte-order mark is allowed; a file it cannot read is one line,
-    exit 2."""
+def read_rows(path: str, flag: str) -> tuple[list[dict], dict]:
+    """Every row of a local data file and its columns' types, read by Hugging Face datasets (offline; its cache in a
+    temporary directory, removed: nothing is left in ~/.cache). A UTF-8 byte-order mark is allowed; a file it cannot
+    read is one line, exit 2."""
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
         os.environ.setdefault(var, "1")
     import datasets
@@ -2231,8 +2231,9 @@ def read_rows(path: str, flag: str) -> list[dict]:
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # (its log of a failed read: the one line below)
     try:
         with tempfile.TemporaryDirectory(prefix="ppo_llm_data_") as cache:
-            return datasets.load_dataset(kind, data_files=path, split="train", cache_dir=cache, keep_in_memory=True,
-                                         **({"encoding": "utf-8-sig"} if kind == "json" else {})).to_list()
+            data = datasets.load_dataset(kind, data_files=path, split="train", cache_dir=cache, keep_in_memory=True,
+                                         **({"encoding": "utf-8-sig"} if kind == "json" else {}))
+            return data.to_list(), data.features
     except Exception as e:  # noqa: BLE001 - whatever the reader raises, the file is bad input
         chain = [e]
         while (chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 20:
@@ -2250,10 +2251,10 @@ def read_rows(path: str, flag: str) -> list[dict]:
 def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: str = "--dataset",
                  prompt_key: str = "prompt", answer_key: str = "answer") -> list[dict]:
     """Rows {"prompt", "answer"} of a data file: the prompt (text, or a list of chat messages {"role", "content"}
-    for the tokenizer's chat template) from column prompt_key, the answer (as text; None where missing) from
-    answer_key, a dotted path reaching into nested columns (reward_model.ground_truth). Prompts longer than
+    for the tokenizer's chat template) from column prompt_key, the answer (as text: answer_text; None where missing)
+    from answer_key, a dotted path reaching into nested columns (reward_model.ground_truth). Prompts longer than
     prompt_length tokens are dropped with a note."""
-    def column(row, key):
+    def column(row, key):  # (row: a row, or the file's column types)
         if key in row:
             return row[key]
         for part in key.split("."):
@@ -2265,9 +2266,13 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
             return f"row {i + 1}"
         with open(path, encoding="utf-8-sig") as f:
             return f"line {[n for n, line in enumerate(f, 1) if line.strip()][i]}"
-    table, rows = read_rows(path, flag), []
+    (table, types), rows = read_rows(path, flag), []
     if table and all(column(r, prompt_key) is None for r in table):
         die(f"{flag} {path}: no column {prompt_key!r} (--prompt-key); its columns: {', '.join(table[0])}")
+    changed = answers_changed([column(r, answer_key) for r in table], column(types, answer_key))
+    if changed:
+        print(f"note: {flag} {path}: {answer_key!r} may not hold the file's answers exactly: {changed}; write every "
+              "answer as text (\"72\") to keep it as written")
     for i, row in enumerate(table):
         prompt, answer = column(row, prompt_key), column(row, answer_key)
         if isinstance(prompt, list) and prompt and all(
@@ -2280,7 +2285,7 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
                 "messages {'role', 'content'}")
         elif not prompt:
             die(f"{flag} {path} {where(i)}: empty prompt")
-        rows.append({"prompt": prompt, "answer": None if answer is None else str(answer)})
+        rows.append({"prompt": prompt, "answer": answer_text(answer)})
     if not rows:
         die(f"{flag} {path}: empty (no rows)")
     kept = [r for r in rows if len(prompt_token_ids(tok, r["prompt"], chat)) <= prompt_length]
@@ -2289,6 +2294,26 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
     if not kept:
         die(f"{flag} {path}: no prompt fits --prompt-length {prompt_length}")
     return kept
+
+
+def answer_text(value) -> Optional[str]:
+    """An answer as text: text as the file has it; a number as the file writes it, but for floats that are whole
+    numbers, written as integers (datasets reads the 72 of a JSON column that also holds 2.5 as 72.0); None as None.
+    (A float past 2**53 is a whole number that may not be the file's: load_dataset notes it.)"""
+    if value is None or isinstance(value, str):
+        return value
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def answers_changed(answers: list, kind) -> Optional[str]:
+    """What datasets' JSON reader may have changed in an answer column (kind: the column's type there), or None: whole
+    numbers past 2**53 read as floats (a number past int64, or one in a column that also holds decimals), numbers
+    beside text read as JSON values."""
+    big = [a for a in answers if isinstance(a, float) and a.is_integer() and abs(a) >= 2**53]
+    changed = [f"{len(big)} whole number(s) past 2**53 read as floats (now {answer_text(big[0])})"] if big else []
+    if type(kind).__name__ == "Json":  # (datasets.Json: the reader's type for a column of mixed types)
+        changed.append("numbers beside text read as JSON values (the text '01' becomes 1)")
+    return "; ".join(changed) or None
 
 
 # --- Local models: loaded, with the checks that turn a model that cannot work here into one line (exit 2) ----------

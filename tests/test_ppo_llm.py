@@ -1827,6 +1827,33 @@ def test_data_files_through_datasets_keys_and_formats(tmp_path, capsys):
     assert "d.csv: not a .jsonl, .json or .parquet file" in err
 
 
+def test_answers_read_by_datasets_keep_their_text_and_their_integers(tmp_path, capsys):
+    """datasets reads a JSON column of 72 and 2.5 as floats (72.0), and a number past int64 as a float: answers are
+    text as the file has it, integers as integers, and a note says where the reader could not keep them exactly."""
+    tok = P.build_char_tokenizer()
+
+    def answers(name, lines):
+        (tmp_path / name).write_text("".join(f'{{"prompt": "{i}=", "answer": {a}}}\n' for i, a in enumerate(lines)))
+        capsys.readouterr()
+        rows = P.load_dataset(str(tmp_path / name), tok, 16)
+        return [r["answer"] for r in rows], capsys.readouterr().out
+    got, out = answers("mixed.jsonl", ["72", "2.5", "null", "-3", "1e5"])
+    assert got == ["72", "2.5", None, "-3", "100000"] and out == ""  # (the old reader: "72", not "72.0")
+    assert P.rule_reward(got[0], "72") == 1.0  # the exact rule scores the right response right again
+    got, out = answers("text.jsonl", ['"01"', '"72.0"', '" 7 "', '"1e5"'])
+    assert got == ["01", "72.0", " 7 ", "1e5"] and out == ""  # text: as written
+    got, out = answers("big.jsonl", ["12345678901234567890", "7"])
+    assert got == ["12345678901234567168", "7"]  # (a float: the file's last digits are gone)
+    assert out.count("\n") == 1 and "note: --dataset" in out and "1 whole number(s) past 2**53 read as floats (now " \
+        "12345678901234567168); write every answer as text" in out, out
+    got, out = answers("both.jsonl", ['"01"', "2"])
+    assert out.count("\n") == 1 and "numbers beside text read as JSON values" in out, out
+    write_parquet(tmp_path / "f.parquet", [{"prompt": "1=", "answer": 72.0, "n": 3}, {"prompt": "2=", "answer": 2.5,
+                                                                                     "n": 4}])
+    assert [r["answer"] for r in P.load_dataset(str(tmp_path / "f.parquet"), tok, 16)] == ["72", "2.5"]
+    assert [r["answer"] for r in P.load_dataset(str(tmp_path / "f.parquet"), tok, 16, answer_key="n")] == ["3", "4"]
+
+
 def test_data_files_leave_no_cache_behind(tmp_path, monkeypatch):
     import tempfile
 
