@@ -644,26 +644,47 @@ def boxed_content(text: str) -> Optional[str]:
     r"""The content of the last \boxed{...} in text, its braces balanced (\boxed{\frac{1}{2}} -> \frac{1}{2}); None
     without one or when it is not closed."""
     start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 1, start + len("\\boxed{")
+    end = None if start < 0 else closing_brace(text, start + len("\\boxed{"))
+    return None if end is None else text[start + len("\\boxed{"):end]
+
+
+def closing_brace(text: str, begin: int) -> Optional[int]:
+    """Where the brace opened just before text[begin] closes (braces balanced); None if it does not."""
+    depth = 1
     for i in range(begin, len(text)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
-            return text[begin:i]
+            return i
     return None
 
 
-NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")  # 1,234.5  -3  .5  7/8
+def unbraced(text: str) -> str:
+    """text stripped, without braces around all of it ("{5}" -> "5"; "{1}{2}" stays)."""
+    s = text.strip()
+    while s.startswith("{") and closing_brace(s, 1) == len(s) - 1:
+        s = s[1:-1].strip()
+    return s
+
+
+# A number in a response: a minus sign only where no digit or letter precedes it (3-2 and 2023-11-25 hold no negative
+# number), commas only in groups of thousands, a decimal part, a fraction, and an exponent kept with its number (1e5
+# is one token, never a 5): 1,234.5  -3  .5  7/8  1e5
+NUMBER = re.compile(r"(?:(?<!\w)-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?(?:[eE][-+]?\d+)?"
+                    r"|(?:(?<!\w)-)?\.\d+")
+THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:,|\{,\}|\\,)\d{3})+(?!\d)")  # 1,234  1{,}234  1\,234 (LaTeX)
 
 
 def math_number(text: str) -> Optional[fractions.Fraction]:
     r"""A final answer as an exact number: "1,234" "$5" "-3.50" "42." "7/8" "\frac{1}{2}" "-\dfrac{3}{4}" (a plain
-    number over a plain number); None for anything else ("x+1", "\sqrt{2}", "1e5")."""
-    s = text.strip()
-    for junk in ("\\$", "$", "\\,", "\\!", ",", " "):  # currency and thousands separators, LaTeX's among them
+    number over a plain number) "50%" "{5}" "−3" (a Unicode minus); None for anything else ("x+1", "\sqrt{2}", "1e5",
+    "1,2", "2 3")."""
+    s = THOUSANDS.sub(lambda m: re.sub(r"\D", "", m[0]), unbraced(text.replace("\u2212", "-")))
+    for junk in ("\\$", "$", "\\%", "%"):  # currency, percent
         s = s.replace(junk, "")
-    s = s.rstrip(".")  # "42." at the end of a sentence
+    s = re.sub(r"\\[,!;: ]|~", " ", s)  # LaTeX's spaces
+    if re.search(r"\d\s+\d", s):  # "2 3": two numbers, not 23
+        return None
+    s = re.sub(r"\s+", "", s).rstrip(".")  # "- 3"; "42." at the end of a sentence
     frac = re.fullmatch(r"(-?)\\[dt]?frac\{(-?\d+(?:\.\d+)?)\}\{(-?\d+(?:\.\d+)?)\}", s)
     if frac:
         s = f"{frac[1]}{frac[2]}/{frac[3]}"
@@ -678,10 +699,12 @@ def math_number(text: str) -> Optional[fractions.Fraction]:
 def math_reward(response: str, answer: Optional[str]) -> float:
     r"""GSM8K / MATH rule: 1 if the response's final answer equals the reference's, else 0. The reference is the text
     after the last "####" (GSM8K), else the content of its last \boxed{} (a MATH solution), else all of it; the
-    response's answer is the content of its last \boxed{}, else its last number. Equal as exact numbers (math_number:
-    "1,234" = "1234.0", "\frac{1}{2}" = "0.5") where both are numbers, else as stripped strings."""
+    response's answer is the content of its last \boxed{}, else its last number (NUMBER). Without the braces around
+    all of them, they are equal as exact numbers (math_number: "1,234" = "1234.0", "\frac{1}{2}" = "0.5", "50\%" =
+    "50") where both are numbers, else as stripped strings."""
     if answer is None:
         return 0.0
+    response, answer = response.replace("\u2212", "-"), answer.replace("\u2212", "-")  # (a Unicode minus: "−3")
     ref = answer.rpartition("####")[2] if "####" in answer else boxed_content(answer) or answer
     got = boxed_content(response)
     if got is None:
@@ -689,8 +712,9 @@ def math_reward(response: str, answer: Optional[str]) -> float:
         got = numbers[-1] if numbers else None
     if got is None:
         return 0.0
+    got, ref = unbraced(got), unbraced(ref)
     a, b = math_number(got), math_number(ref)
-    return float(a == b if a is not None and b is not None else got.strip() == ref.strip())
+    return float(a == b if a is not None and b is not None else got == ref)
 
 
 REWARD_RULES = {"exact": lambda prompt, response, answer: rule_reward(response, answer),

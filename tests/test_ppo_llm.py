@@ -1690,6 +1690,14 @@ MATH_CASES = [  # (response, reference answer, reward): the GSM8K / MATH rule
     ("\\boxed{ x+1 }", "x+1", 1.0), ("\\boxed{x + 1}", "x+1", 0.0),  # strings: stripped, not normalised
     ("The solution gives 5", "so it is \\boxed{5}", 1.0),  # a MATH solution as the reference: its \boxed{}
     ("12", None, 0.0),  # no reference answer
+    ("The answer is 1e5", "5", 0.0), ("The answer is 1e5", "1e5", 1.0), ("so 1.5e3", "3", 0.0),  # one token, as text
+    ("the score was 3-2", "-2", 0.0), ("the score was 3-2", "2", 1.0),  # a minus after a digit is no sign
+    ("on 2023-11-25", "-25", 0.0), ("on 2023-11-25", "25", 1.0), ("x-3", "-3", 0.0), ("so (-3)", "-3", 1.0),
+    ("\\boxed{1,2}", "12", 0.0), ("It is 1,0000", "10000", 0.0), ("\\boxed{1{,}000}", "1000", 1.0),  # thousands
+    ("\\boxed{2 3}", "23", 0.0), ("\\boxed{- 3}", "-3", 1.0),  # spaces between digits are not removed
+    ("50%", "50%", 1.0), ("\\boxed{10}", "10\\%", 1.0), ("\\boxed{50\\%}", "50", 1.0),  # percent signs stripped
+    ("\\boxed{{5}}", "5", 1.0), ("\\boxed{{x}}", "x", 1.0), ("\\boxed{{1}{2}}", "12", 0.0),  # braces around it all
+    ("\u22123 degrees", "-3", 1.0), ("\\boxed{\u22121/2}", "-0.5", 1.0),  # a Unicode minus
 ]
 
 
@@ -1706,6 +1714,10 @@ def test_math_number_and_boxed_content():
         1234, 5, Fraction(-7, 2), 42, Fraction(7, 8), Fraction(1, 2), Fraction(-3, 4), Fraction(1, 2), None, None,
         None, None]
     assert P.boxed_content("a \\boxed{\\frac{1}{2}} b") == "\\frac{1}{2}" and P.boxed_content("\\boxed{{x}") is None
+    assert [P.math_number(s) for s in ("1,2", "2 3", "1 000", "1\\,000", "{7}", "\u22127", "12%", "1,234,567.5")] == [
+        None, None, None, 1000, 7, -7, 12, Fraction(2469135, 2)]
+    assert P.NUMBER.findall("3-2 on 2023-11-25, -4 and 1e-5; x1,234,5678") == ["3", "2", "2023", "11", "25", "-4", "1e-5",
+                                                                                 "1,234", "5678"]
 
 
 def test_pass_at_k_against_a_count_over_all_k_subsets():
