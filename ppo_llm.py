@@ -723,19 +723,31 @@ REWARD_RULES = {"exact": lambda prompt, response, answer: rule_reward(response, 
 
 def rule_scores(fn, rows: list[dict], texts: list[str], name: str) -> tuple[torch.Tensor, Optional[str]]:
     """fn(prompt, response, answer) of each response (rows[i] holds the prompt and answer of texts[i]). A function
-    that raises, or returns anything but a finite number, gives (zeros, why, naming the prompt): the run stops."""
+    that raises (SystemExit too), or returns anything but a finite number, gives (zeros, why, naming the prompt): the
+    run stops."""
     scores = []
     for row, text in zip(rows, texts):
         try:
             value = fn(row["prompt"], text, row["answer"])
-        except Exception as e:  # noqa: BLE001 - the user's function: whatever it raises stops the run in one line
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's function: what it raises stops the run
             return torch.zeros(len(rows)), f"--reward-fn {name} raised {reason(e)} on the prompt {row['prompt']!r:.80}"
-        if not (isinstance(value, numbers.Real) or torch.is_tensor(value) and value.numel() == 1) \
-                or not math.isfinite(float(value)):
+        score = finite_number(value)
+        if score is None:
             return torch.zeros(len(rows)), (f"--reward-fn {name} returned {value!r:.40}, not a finite number, on the "
                                             f"prompt {row['prompt']!r:.80}")
-        scores.append(float(value))
+        scores.append(score)
     return torch.tensor(scores), None
+
+
+def finite_number(value) -> Optional[float]:
+    """value as a float if it is a finite real number (a one-element tensor too), else None (10**400 included)."""
+    if not (isinstance(value, numbers.Real) or torch.is_tensor(value) and value.numel() == 1):
+        return None
+    try:
+        value = float(value)
+    except (OverflowError, ValueError, TypeError):  # (an int too large for a float)
+        return None
+    return value if math.isfinite(value) else None
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

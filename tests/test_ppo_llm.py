@@ -1774,7 +1774,10 @@ def test_a_reward_function_that_cannot_be_imported_is_exit_2_before_anything_is_
 
 @pytest.mark.parametrize("body,needle", [("raise ValueError('no verdict')", "raised ValueError: no verdict"),
                                          ("return float('nan')", "returned nan, not a finite number"),
-                                         ("return 'yes'", "returned 'yes', not a finite number")])
+                                         ("return 'yes'", "returned 'yes', not a finite number"),
+                                         ("return 10**400", f"returned {'1' + '0' * 39}, not a finite number"),
+                                         ("raise SystemExit(3)", "raised SystemExit: 3 on the prompt"),
+                                         ("import sys; sys.exit()", "raised SystemExit on the prompt")])
 def test_a_reward_function_that_fails_stops_the_run_naming_the_prompt(tmp_path, capsys, body, needle):
     fn = write_reward_fn(tmp_path / "r.py", f"if len(CALLS) > 24:\n    {body}\nreturn 0.0")  # 16 evaluated, 8 in iteration 1
     err = one_line_exit(capsys, 1, lambda a: P.main(P.parse_args(a)), [
