@@ -330,6 +330,9 @@ def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
             return [data[i] for i in torch.randint(0, len(data), (k,), generator=gen).tolist()]
         eval_rows = [r for r in data if r["answer"] is not None][:args.eval_prompts]
         has_answers = all(r["answer"] is not None for r in data)
+        if args.reward_fn in REWARD_RULES and not any(r["answer"] is not None for r in data):  # (given by name)
+            die(f"--reward-fn {args.reward_fn} scores responses against answers: no row of --dataset {args.dataset} "
+                f"has {args.answer_key!r} (--answer-key)")
         if args.reward_model_path is None and not has_answers and (args.reward_fn or "exact") in REWARD_RULES:
             die(f"--dataset {args.dataset}: rows without {args.answer_key!r} need --reward-model-path (or a "
                 "--reward-fn FILE.py:NAME that needs no answer)")
@@ -2303,8 +2306,9 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
         with open(path, encoding="utf-8-sig") as f:
             return f"line {[n for n, line in enumerate(f, 1) if line.strip()][i]}"
     (table, types), rows = read_rows(path, flag), []
-    if table and all(column(r, prompt_key) is None for r in table):
-        die(f"{flag} {path}: no column {prompt_key!r} (--prompt-key); its columns: {', '.join(table[0])}")
+    for key, name, default in ((prompt_key, "--prompt-key", None), (answer_key, "--answer-key", Args.answer_key)):
+        if table and key != default and all(column(r, key) is None for r in table):  # (a mistyped key, say)
+            die(f"{flag} {path}: no column {key!r} ({name}); its columns: {', '.join(column_names(table[0]))}")
     changed = answers_changed([column(r, answer_key) for r in table], column(types, answer_key))
     if changed:
         print(f"note: {flag} {path}: {answer_key!r} may not hold the file's answers exactly: {changed}; write every "
@@ -2330,6 +2334,12 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
     if not kept:
         die(f"{flag} {path}: no prompt fits --prompt-length {prompt_length}")
     return kept
+
+
+def column_names(row: dict, prefix: str = "") -> list[str]:
+    """A row's columns, nested ones by their dotted path (reward_model.ground_truth), as --answer-key reaches them."""
+    return [name for key, value in row.items() for name in (column_names(value, f"{prefix}{key}.")
+                                                            if isinstance(value, dict) and value else [prefix + key])]
 
 
 def answer_text(value) -> Optional[str]:

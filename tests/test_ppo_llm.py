@@ -1338,6 +1338,23 @@ def test_a_reward_model_with_prompts_without_answers_logs_no_accuracy(tmp_path, 
     assert "note: no evaluation: no row of --dataset has an 'answer'" in out and "training also samples" not in out
 
 
+def test_an_answer_key_that_reaches_no_row_is_one_line_error_with_a_reward_model(tmp_path, capsys):
+    """With a reward model nothing else would say it: the rule part of the score is 0 for every row."""
+    rm = gpt2_reward_model(tmp_path / "rm")
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": r["prompt"], "reward_model": {"ground_truth": r["answer"]}}
+                                             for r in P.make_problems(8, torch.Generator())])
+    argv = [*TINY, "--runs-dir", str(tmp_path / "runs"), "--dataset", str(data), "--reward-model-path", str(rm)]
+    err = one_line_exit(capsys, 2, P.main, P.parse_args([*argv, "--reward-fn", "math", "--answer-key",
+                                                         "reward_model.ground_truht"]))
+    assert "d.jsonl: no column 'reward_model.ground_truht' (--answer-key); its columns: prompt, " \
+           "reward_model.ground_truth" in err, err
+    err = one_line_exit(capsys, 2, P.main, P.parse_args([*argv, "--reward-fn", "math"]))  # (the default key)
+    assert "--reward-fn math scores responses against answers: no row of --dataset" in err and "has 'answer'" in err
+    assert not (tmp_path / "runs").exists()
+    res = P.main(P.parse_args([*argv, "--answer-key", "reward_model.ground_truth", "--reward-fn", "math"]))
+    assert "rollout/rule_reward_mean" in res["metrics"] and "rollout/accuracy" in res["metrics"]
+
+
 def test_an_empty_dataset_says_so_and_a_byte_order_mark_is_no_data(tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("\n  \n")
     err = one_line_exit(capsys, 2, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path / "r"), "--dataset",
