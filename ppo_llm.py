@@ -438,23 +438,28 @@ def build_policy(args: Args, ckpt: Optional[dict], device):
     if args.apply_chat_template and not tok.chat_template:
         die(f"--apply-chat-template: the tokenizer of {args.model_name_or_path or 'the built-in model'} has no chat "
             "template")
-    check_lora_targets(args, policy)
+    check_models(args, policy, ckpt)  # (what build_critic and reference_policy will make of it: before anything)
     policy = disable_dropout(policy).to(device)
     print(f"policy: {type(policy).__name__}, {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters")
     return tok, policy, ref, stops
 
 
-def make_critic(policy):
-    """Separate critic (verl/RLinf): its own copy of the policy trunk with a token-classification value head."""
+def value_model(config):
+    """A token-classification model of the policy's class with one label, the value: a separate critic's, untrained."""
     from transformers import AutoModelForTokenClassification
 
-    cfg = copy.deepcopy(policy.config)
+    cfg = copy.deepcopy(config)
     cfg.num_labels = 1
     try:
-        critic = AutoModelForTokenClassification.from_config(cfg)
+        return AutoModelForTokenClassification.from_config(cfg)
     except ValueError as e:
-        die(f"--critic separate: no token-classification class for {type(policy).__name__} ({reason(e)}); "
-            "use --critic shared")
+        die(f"--critic separate: no token-classification class for {cfg.model_type} ({reason(e)}); use --critic "
+            "shared")
+
+
+def make_critic(policy):
+    """Separate critic (verl/RLinf): its own copy of the policy trunk with a token-classification value head."""
+    critic = value_model(policy.config)
     critic.base_model.load_state_dict(policy.base_model.state_dict())
     head = [m for m in critic.modules() if isinstance(m, nn.Linear)][-1]
     nn.init.zeros_(head.weight)  # V = 0 at the start; the critic learns the task's reward scale from scratch
@@ -1257,11 +1262,12 @@ def main(args: Args) -> dict:
         autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16(args)
                     else contextlib.nullcontext)
 
-        # The task and the models, all checked before anything is written (bad input leaves no run directory)
+        # The reward rule, the models and the task, all checked before anything is written or trained (bad input
+        # leaves no run directory)
+        reward_fn = load_reward_fn(args.reward_fn)  # exact, math or the user's FILE.py:NAME, imported once
         tok, policy, ref, stops = build_policy(args, ckpt, device)
         sample_rows, eval_rows, has_answers = build_task(args, tok, gen, world)
         rm, rm_tok = load_reward_model(args, tok, device)
-        reward_fn = load_reward_fn(args.reward_fn)  # exact, math or the user's FILE.py:NAME, imported once
         run.check_stop()
         run.open_dir()
         if ckpt is None and args.sft_steps > 0 and has_answers:
@@ -2189,6 +2195,20 @@ def lora_targets(args: Args):
         t.strip() for t in args.lora_target_modules.split(",") if t.strip()]
 
 
+def check_models(args: Args, policy, ckpt: Optional[dict]) -> None:
+    """Before anything is written, and before the warm start: what build_critic and reference_policy will make of
+    the policy, made now of skeletons on the meta device (no memory, no weights): a separate critic of its class, and
+    LoRA adapters, new on --lora-target-modules or the checkpoint's, loaded. What fails is one line, exit 2."""
+    check_lora_targets(args, policy)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*non-meta parameter")  # (saved adapter weights go nowhere here)
+        critic = value_model(policy.config) if args.critic == "separate" else None
+        if args.lora_rank:
+            with_lora(type(policy)(policy.config), args, "CAUSAL_LM", saved_model_dir(args, ckpt, "policy"))
+        if args.critic_lora:
+            with_lora(critic, args, "TOKEN_CLS", saved_model_dir(args, ckpt, "critic"))
+
+
 def check_lora_targets(args: Args, model) -> None:
     """Before anything is written: each name of --lora-target-modules ends the name of one of the model's modules."""
     targets = lora_targets(args)
@@ -2213,10 +2233,14 @@ def with_lora(model, args: Args, task_type: str, saved: Optional[str] = None):
                         target_modules=lora_targets(args), exclude_modules=head, task_type=task_type)
     with warnings.catch_warnings():  # (peft asks transformers' deprecated is_gradient_checkpointing)
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-        if saved is None:
+        if saved is not None:
+            return load_pretrained("LoRA adapters", saved, lambda path, trust_remote_code: PeftModel.from_pretrained(
+                model, path, is_trainable=True), args.trust_remote_code)
+        try:
             return get_peft_model(model, config)
-        return load_pretrained("LoRA adapters", saved, lambda path, trust_remote_code: PeftModel.from_pretrained(
-            model, path, is_trainable=True), args.trust_remote_code)
+        except Exception as e:  # noqa: BLE001 - modules peft cannot adapt, say: bad input
+            die(f"--lora-target-modules {args.lora_target_modules}: no LoRA adapters on the "
+                f"{'critic' if head else 'policy'} ({reason(e)})")
 
 
 class AdaptersOff(nn.Module):

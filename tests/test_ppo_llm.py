@@ -2037,6 +2037,37 @@ def test_lora_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
     assert "not supported under torchrun" in one_line_exit(capsys, 2, P.parse_args, ["--lora-rank", "4"])
 
 
+def test_what_the_models_become_is_checked_before_the_run_directory_and_the_warm_start(tmp_path, capsys,
+                                                                                      monkeypatch):
+    """A separate critic of a class transformers lacks, LoRA on modules peft cannot adapt, saved adapters that do not
+    load: one line, exit 2, before a run directory is made (or taken, on resume) and before the warm start."""
+    from transformers import CodeGenConfig, CodeGenForCausalLM
+
+    tok = P.build_char_tokenizer()
+    CodeGenForCausalLM(CodeGenConfig(n_layer=1, n_embd=32, n_head=2, vocab_size=len(tok), n_positions=64,
+                                     rotary_dim=8)).save_pretrained(tmp_path / "codegen")  # (no ...ForTokenClassification)
+    tok.save_pretrained(tmp_path / "codegen")
+    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path / "lora"), "--stop-after", "1", "--lora-rank", "4"]))
+    state = torch.load(part["checkpoint"], weights_only=True)
+    (tmp_path / "lora" / os.path.basename(part["run_dir"]) / state["model"]["policy"] / "adapter_config.json"
+     ).write_text("{not json")
+    del state["files"]  # (as written before the sha256 digests, which would find the change first)
+    torch.save(state, part["checkpoint"])
+    calls = []
+    monkeypatch.setattr(P, "warm_start", lambda *a, **k: calls.append("warm start"))
+    monkeypatch.setattr(P.Run, "open_dir", lambda self: calls.append("run directory"))
+    for argv, needle in [
+            (["--model-name-or-path", str(tmp_path / "codegen")], "--critic separate: no token-classification class "
+                                                                  "for codegen"),
+            (["--lora-rank", "4", "--lora-target-modules", "input_layernorm"], "--lora-target-modules input_layernorm: "
+                                                                               "no LoRA adapters on the policy ("),
+            (["--resume", part["checkpoint"]], "cannot load LoRA adapters from ")]:
+        argv = argv if argv[0] == "--resume" else [*TINY, "--runs-dir", str(tmp_path / "runs"), *argv]
+        err = one_line_exit(capsys, 2, P.main, P.parse_args(argv))
+        assert needle in err and calls == [], (err, calls)
+    assert not (tmp_path / "runs").exists()
+
+
 # ----- GPU by default --------------------------------------------------------------------------------------------
 def test_cuda_is_the_default_where_torch_sees_a_gpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (as here, on a GPU host too)
