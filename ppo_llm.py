@@ -13,7 +13,7 @@ until a third to a half of its answers are right, then PPO on the rule "response
 episode, a token an action. Outline: Args -> task and tokenizer -> models -> generation and scoring -> reward ->
 advantages -> losses -> update -> main(), whose loop is the note's steps (shared/seeds/ppo_note.md; formulas as verl's
 core_algos.py). The PPO part ends with main(); below its banner: run context, torchrun / FSDP2, checkpoints,
-evaluation, local models, reward files, LoRA (peft), data files (datasets), command line.
+evaluation, reward files, data files (datasets), local models and their checks, command line.
 """
 
 from __future__ import annotations
@@ -370,7 +370,7 @@ def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
     return sample_rows, eval_rows[:len(eval_rows) - len(eval_rows) % world], has_answers
 
 
-# --- Models: policy, frozen reference, critic (separate copy or shared trunk) ----------------------------------------
+# --- Models: policy, frozen reference (a copy, or the policy with its LoRA adapters off), critic ---------------------
 def build_tiny_model(tok, seed: int, hidden_size: int, num_layers: int, max_positions: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -490,21 +490,94 @@ def build_critic(args: Args, policy, ckpt: Optional[dict], device):
     return critic, value_head
 
 
-def position_ids_from(mask: torch.Tensor) -> torch.Tensor:
-    """RLHF detail: with left padding the first real token is position 0."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+def reference_policy(args: Args, policy, ref, ckpt: Optional[dict], device):
+    """(policy, frozen reference). Without --lora-rank: the reference is a copy of the policy as PPO starts (on
+    resume the checkpoint's ref/). With it: LoRA adapters go on the policy (new, or the checkpoint's) and the
+    reference is the policy with them off (AdaptersOff)."""
+    if not args.lora_rank:
+        return policy, disable_dropout(copy.deepcopy(policy) if ref is None else ref).to(device).eval().requires_grad_(
+            False)
+    policy = disable_dropout(with_lora(policy, args, "CAUSAL_LM", saved_model_dir(args, ckpt, "policy"))).to(device)
+    trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    print(f"LoRA: rank {args.lora_rank}, alpha {args.lora_alpha:g} on {args.lora_target_modules}: "
+          f"{trained / 1e6:.3f}M trained parameters")
+    return policy, AdaptersOff(policy)
+
+
+class AdaptersOff(nn.Module):
+    """--lora-rank's reference policy: each forward is the policy's with its LoRA adapters switched off, i.e. its base
+    model. It holds no parameters of its own (the policy is not a submodule): no second copy in memory."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.__dict__["policy"] = policy
+
+    def forward(self, *args, **kwargs):
+        with self.policy.disable_adapter():
+            return self.policy(*args, **kwargs)
+
+
+def with_lora(model, args: Args, task_type: str, saved: Optional[str] = None):
+    """peft LoRA adapters on model (rank, alpha, target modules; dropout 0): new ones (B = 0, so the model computes
+    what it did), or those saved in the directory `saved`, trainable. A critic (TOKEN_CLS) trains its value head in
+    full (peft's modules_to_save) and keeps it out of the adapters' targets."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    head = ["classifier", "score"] if task_type == "TOKEN_CLS" else None
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                        target_modules=lora_targets(args), exclude_modules=head, task_type=task_type)
+    with warnings.catch_warnings():  # (peft asks transformers' deprecated is_gradient_checkpointing)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        if saved is not None:
+            return load_pretrained("LoRA adapters", saved, lambda path, trust_remote_code: PeftModel.from_pretrained(
+                model, path, is_trainable=True), args.trust_remote_code)
+        try:
+            return get_peft_model(model, config)
+        except Exception as e:  # noqa: BLE001 - modules peft cannot adapt, say: bad input
+            die(f"--lora-target-modules {args.lora_target_modules}: no LoRA adapters on the "
+                f"{'critic' if head else 'policy'} ({reason(e)})")
+
+
+def lora_targets(args: Args):
+    return "all-linear" if args.lora_target_modules == "all-linear" else [
+        t.strip() for t in args.lora_target_modules.split(",") if t.strip()]
 
 
 # --- Generation and scoring: left-padded prompts, KV-cache sampling, log-probs recomputed with the same temperature ---
-def left_pad(seqs: list[list[int]], pad_id: int, length: Optional[int] = None):
-    length = length or max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), length), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, length - len(s):] = torch.tensor(s)
-            mask[i, length - len(s):] = 1
-    return ids, mask
+@torch.no_grad()
+def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id, pad_id: int, temperature: float = 1.0,
+             top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False, all_done=None, bf16: bool = False):
+    """Batched sampling with KV cache; stops when every row has produced EOS (eos_id: one id or a list of stop ids).
+    Returns (B, max_new_tokens) tokens, pad after EOS. all_done(done) -> bool: whether every rank is done (FSDP2: each
+    forward is a collective, so all ranks take the same number of steps). bf16: under bf16 autocast (--precision)."""
+    B = prompt_ids.shape[0]
+    stop_ids = torch.as_tensor(eos_id, device=prompt_ids.device)  # (on the device once, not once a token)
+    was_training = model.training
+    model.eval()  # KV cache on (HF turns it off in training mode under gradient checkpointing)
+    mask = prompt_mask.clone()
+    pos = position_ids_from(mask)
+    # bf16 autocast as in scoring and training (the log-probs used in the loss are recomputed there)
+    with torch.autocast(prompt_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        next_pos = pos[:, -1:] + 1
+        done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
+        tokens = []
+        for _ in range(max_new_tokens):
+            tok = sample_token(out.logits[:, -1], temperature, top_p, top_k, gen, greedy)
+            tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+            tokens.append(tok)
+            done |= is_stop(tok, stop_ids)
+            if bool(done.all()) if all_done is None else all_done(done):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
+                        past_key_values=out.past_key_values, use_cache=True)
+            next_pos = next_pos + 1
+    model.train(was_training)
+    resp = torch.stack(tokens, dim=1)
+    if resp.shape[1] < max_new_tokens:
+        resp = F.pad(resp, (0, max_new_tokens - resp.shape[1]), value=pad_id)
+    return resp
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen, greedy: bool = False):
@@ -542,40 +615,20 @@ def decode_responses(tok, responses: torch.Tensor, stops=None) -> list[str]:
     return [tok.decode(r[k].tolist(), skip_special_tokens=False) for r, k in zip(responses, keep)]
 
 
-@torch.no_grad()
-def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id, pad_id: int, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False, all_done=None, bf16: bool = False):
-    """Batched sampling with KV cache; stops when every row has produced EOS (eos_id: one id or a list of stop ids).
-    Returns (B, max_new_tokens) tokens, pad after EOS. all_done(done) -> bool: whether every rank is done (FSDP2: each
-    forward is a collective, so all ranks take the same number of steps). bf16: under bf16 autocast (--precision)."""
-    B = prompt_ids.shape[0]
-    stop_ids = torch.as_tensor(eos_id, device=prompt_ids.device)  # (on the device once, not once a token)
-    was_training = model.training
-    model.eval()  # KV cache on (HF turns it off in training mode under gradient checkpointing)
-    mask = prompt_mask.clone()
-    pos = position_ids_from(mask)
-    # bf16 autocast as in scoring and training (the log-probs used in the loss are recomputed there)
-    with torch.autocast(prompt_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
-        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        next_pos = pos[:, -1:] + 1
-        done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
-        tokens = []
-        for _ in range(max_new_tokens):
-            tok = sample_token(out.logits[:, -1], temperature, top_p, top_k, gen, greedy)
-            tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-            tokens.append(tok)
-            done |= is_stop(tok, stop_ids)
-            if bool(done.all()) if all_done is None else all_done(done):
-                break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                        past_key_values=out.past_key_values, use_cache=True)
-            next_pos = next_pos + 1
-    model.train(was_training)
-    resp = torch.stack(tokens, dim=1)
-    if resp.shape[1] < max_new_tokens:
-        resp = F.pad(resp, (0, max_new_tokens - resp.shape[1]), value=pad_id)
-    return resp
+def left_pad(seqs: list[list[int]], pad_id: int, length: Optional[int] = None):
+    length = length or max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, length - len(s):] = torch.tensor(s)
+            mask[i, length - len(s):] = 1
+    return ids, mask
+
+
+def position_ids_from(mask: torch.Tensor) -> torch.Tensor:
+    """RLHF detail: with left padding the first real token is position 0."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def sample_responses(policy, tok, rows: list[dict], args: Args, stops, gen, device, all_done=None):
@@ -1403,8 +1456,8 @@ def main(args: Args) -> dict:
 
 # =========================================================================================================
 # Plumbing: nothing below this line changes what PPO computes. Run context (torchrun, logging, signals, ...),
-# checkpoints and exact resume, evaluation, compile helper, local models, --reward-fn files, LoRA adapters (peft),
-# data files (datasets), command line.
+# checkpoints and exact resume, evaluation, compile helper, --reward-fn files, data files (datasets), local models
+# and the checks of what they will become, command line.
 # =========================================================================================================
 def die(msg: str, alone: bool = False) -> None:
     """Bad input: one line on stderr (under torchrun from rank 0 alone, as every rank finds the same), exit code 2, no
@@ -1900,6 +1953,13 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
     return path
 
 
+def base_weights(policy) -> dict:
+    """The state dict of a LoRA policy's base model, as the model had it before peft put the adapters in (what
+    save_pretrained writes to ref/, loadable without peft)."""
+    return {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v
+            for k, v in policy.state_dict().items() if "lora_" not in k}
+
+
 def saved_model_dir(args: Args, ckpt: Optional[dict], name: str) -> Optional[str]:
     """The save_pretrained directory of the checkpoint's model `name` (policy, ref, critic); None without one."""
     return None if ckpt is None else os.path.join(os.path.dirname(os.path.abspath(args.resume)), ckpt["model"][name])
@@ -2189,94 +2249,6 @@ def load_reward_fn(spec: Optional[str]):
     return _REWARD_FNS[spec]
 
 
-# --- LoRA through peft: adapters on the policy (and the critic), the reference = the policy with them off -----------
-def lora_targets(args: Args):
-    return "all-linear" if args.lora_target_modules == "all-linear" else [
-        t.strip() for t in args.lora_target_modules.split(",") if t.strip()]
-
-
-def check_models(args: Args, policy, ckpt: Optional[dict]) -> None:
-    """Before anything is written, and before the warm start: what build_critic and reference_policy will make of
-    the policy, made now of skeletons on the meta device (no memory, no weights): a separate critic of its class, and
-    LoRA adapters, new on --lora-target-modules or the checkpoint's, loaded. What fails is one line, exit 2."""
-    check_lora_targets(args, policy)
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*non-meta parameter")  # (saved adapter weights go nowhere here)
-        critic = value_model(policy.config) if args.critic == "separate" else None
-        if args.lora_rank:
-            with_lora(type(policy)(policy.config), args, "CAUSAL_LM", saved_model_dir(args, ckpt, "policy"))
-        if args.critic_lora:
-            with_lora(critic, args, "TOKEN_CLS", saved_model_dir(args, ckpt, "critic"))
-
-
-def check_lora_targets(args: Args, model) -> None:
-    """Before anything is written: each name of --lora-target-modules ends the name of one of the model's modules."""
-    targets = lora_targets(args)
-    if not args.lora_rank or targets == "all-linear":
-        return
-    names = [n for n, _ in model.named_modules()]
-    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
-    if missing:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-        die(f"--lora-target-modules: no module {', '.join(missing)} in the policy (its linear layers: "
-            f"{', '.join(linear)})")
-
-
-def with_lora(model, args: Args, task_type: str, saved: Optional[str] = None):
-    """peft LoRA adapters on model (rank, alpha, target modules; dropout 0): new ones (B = 0, so the model computes
-    what it did), or those saved in the directory `saved`, trainable. A critic (TOKEN_CLS) trains its value head in
-    full (peft's modules_to_save) and keeps it out of the adapters' targets."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    head = ["classifier", "score"] if task_type == "TOKEN_CLS" else None
-    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                        target_modules=lora_targets(args), exclude_modules=head, task_type=task_type)
-    with warnings.catch_warnings():  # (peft asks transformers' deprecated is_gradient_checkpointing)
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-        if saved is not None:
-            return load_pretrained("LoRA adapters", saved, lambda path, trust_remote_code: PeftModel.from_pretrained(
-                model, path, is_trainable=True), args.trust_remote_code)
-        try:
-            return get_peft_model(model, config)
-        except Exception as e:  # noqa: BLE001 - modules peft cannot adapt, say: bad input
-            die(f"--lora-target-modules {args.lora_target_modules}: no LoRA adapters on the "
-                f"{'critic' if head else 'policy'} ({reason(e)})")
-
-
-class AdaptersOff(nn.Module):
-    """--lora-rank's reference policy: each forward is the policy's with its LoRA adapters switched off, i.e. its base
-    model. It holds no parameters of its own (the policy is not a submodule): no second copy in memory."""
-
-    def __init__(self, policy):
-        super().__init__()
-        self.__dict__["policy"] = policy
-
-    def forward(self, *args, **kwargs):
-        with self.policy.disable_adapter():
-            return self.policy(*args, **kwargs)
-
-
-def reference_policy(args: Args, policy, ref, ckpt: Optional[dict], device):
-    """(policy, frozen reference). Without --lora-rank: the reference is a copy of the policy as PPO starts (on
-    resume the checkpoint's ref/). With it: LoRA adapters go on the policy (new, or the checkpoint's) and the
-    reference is the policy with them off (AdaptersOff)."""
-    if not args.lora_rank:
-        return policy, disable_dropout(copy.deepcopy(policy) if ref is None else ref).to(device).eval().requires_grad_(
-            False)
-    policy = disable_dropout(with_lora(policy, args, "CAUSAL_LM", saved_model_dir(args, ckpt, "policy"))).to(device)
-    trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    print(f"LoRA: rank {args.lora_rank}, alpha {args.lora_alpha:g} on {args.lora_target_modules}: "
-          f"{trained / 1e6:.3f}M trained parameters")
-    return policy, AdaptersOff(policy)
-
-
-def base_weights(policy) -> dict:
-    """The state dict of a LoRA policy's base model, as the model had it before peft put the adapters in (what
-    save_pretrained writes to ref/, loadable without peft)."""
-    return {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v
-            for k, v in policy.state_dict().items() if "lora_" not in k}
-
-
 # --- Data files: .jsonl, .json, .parquet through Hugging Face datasets; prompt and answer columns ------------------
 DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension -> datasets' builder
 
@@ -2421,6 +2393,33 @@ def check_positions(model, length: int, source: str) -> None:
             f"{source}")
     print(f"note: --prompt-length + --response-length = {length} tokens, more than {source}'s "
           f"max_position_embeddings ({limit})")
+
+
+def check_models(args: Args, policy, ckpt: Optional[dict]) -> None:
+    """Before anything is written, and before the warm start: what build_critic and reference_policy will make of
+    the policy, made now of skeletons on the meta device (no memory, no weights): a separate critic of its class, and
+    LoRA adapters, new on --lora-target-modules or the checkpoint's, loaded. What fails is one line, exit 2."""
+    check_lora_targets(args, policy)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*non-meta parameter")  # (saved adapter weights go nowhere here)
+        critic = value_model(policy.config) if args.critic == "separate" else None
+        if args.lora_rank:
+            with_lora(type(policy)(policy.config), args, "CAUSAL_LM", saved_model_dir(args, ckpt, "policy"))
+        if args.critic_lora:
+            with_lora(critic, args, "TOKEN_CLS", saved_model_dir(args, ckpt, "critic"))
+
+
+def check_lora_targets(args: Args, model) -> None:
+    """Before anything is written: each name of --lora-target-modules ends the name of one of the model's modules."""
+    targets = lora_targets(args)
+    if not args.lora_rank or targets == "all-linear":
+        return
+    names = [n for n, _ in model.named_modules()]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        die(f"--lora-target-modules: no module {', '.join(missing)} in the policy (its linear layers: "
+            f"{', '.join(linear)})")
 
 
 def load_reward_model(args: Args, tok, device):
