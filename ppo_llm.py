@@ -840,17 +840,23 @@ def reward_model_scores(rm, rm_tok, prompts: list[str], responses: list[str], ch
                         autocast=contextlib.nullcontext) -> torch.Tensor:
     """The reward model's score of each prompt + response, read at its last real token as the attention mask says.
     (Hugging Face's classifiers look for config.pad_token_id instead; where that is not the pad their tokenizer
-    writes they read padding, and a row's score depends on the rows batched with it.) Encoder classifiers, which
-    pool their first token, are called as they are."""
+    writes they read padding, and a row's score depends on the rows batched with it.) A decoder classifier's head,
+    `score` (a Linear or any module), scores every position: its output is taken from the head itself. Encoder
+    classifiers, which pool their first token, are called as they are."""
     enc = reward_model_inputs(rm_tok, prompts, responses, chat)
     ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    with autocast():
-        if isinstance(getattr(rm, "score", None), nn.Linear):  # decoder classifiers: the head on every position
-            hidden = rm.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
-            last = (mask * torch.arange(mask.shape[1], device=device)).argmax(-1)
-            logits = rm.score(hidden[torch.arange(len(ids), device=device), last])
-        else:
+    head, per_position = getattr(rm, "score", None), []
+    hook = (head.register_forward_hook(lambda module, inputs, out: per_position.append(out))
+            if isinstance(head, nn.Module) else None)
+    try:
+        with autocast():
             logits = rm(input_ids=ids, attention_mask=mask).logits
+    finally:
+        if hook is not None:
+            hook.remove()
+    if per_position:  # (B, T, 1): the last real token's
+        last = (mask * torch.arange(mask.shape[1], device=device)).argmax(-1)
+        logits = per_position[-1][torch.arange(len(ids), device=device), last]
     return logits[:, 0].float().cpu()
 
 
@@ -2438,9 +2444,13 @@ def load_reward_model(args: Args, tok, device):
                                    args.trust_remote_code, output_loading_info=True)
     finally:
         hf_logging.set_verbosity(verbosity)
-    if info["missing_keys"]:
-        die(f"--reward-model-path {path}: its score head ({', '.join(sorted(info['missing_keys'])[:2])}) is not in "
-            "its weights: a causal LM or a base model, not a trained reward model")
+    missing, heads = sorted(info["missing_keys"]), {n for n, _ in rm.named_children()} - {rm.base_model_prefix}
+    if missing and all(k.split(".")[0] in heads for k in missing):
+        die(f"--reward-model-path {path}: its score head ({', '.join(missing[:2])}) is not in its weights: a causal "
+            "LM or a base model, not a trained reward model")
+    if missing:
+        die(f"--reward-model-path {path}: weights not in its files: {', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''} ({len(missing)} in all; Hugging Face would make them up at random)")
     if rm.config.num_labels != 1:
         die(f"--reward-model-path {path}: {rm.config.num_labels} labels; a reward model gives one score (num_labels=1)")
     own = os.path.isfile(os.path.join(path, "tokenizer_config.json"))

@@ -1297,10 +1297,11 @@ def test_a_causal_lm_or_a_two_label_model_is_refused_as_reward_model(tmp_path, c
         assert needle in err and not (tmp_path / "runs").exists()
 
 
-def test_a_reward_model_scores_the_last_real_token_whatever_its_config_calls_padding(tmp_path):
+@pytest.mark.parametrize("head", ["linear", "mlp"])
+def test_a_reward_model_scores_the_last_real_token_whatever_its_config_calls_padding(tmp_path, head):
     """The reward model's config names "1" its pad token, its tokenizer pads with <pad>: Hugging Face's own pooling
     reads padding, so that a row's score depends on the rows beside it. Scored here batched == each row alone == the
-    score head on the last real token's hidden state (the plain reference)."""
+    score head on the last real token's hidden state (the plain reference), whether the head is a Linear or not."""
     from transformers import LlamaForSequenceClassification
 
     tok = P.build_char_tokenizer()
@@ -1308,6 +1309,8 @@ def test_a_reward_model_scores_the_last_real_token_whatever_its_config_calls_pad
     cfg.num_labels, cfg.pad_token_id = 1, tok.convert_tokens_to_ids("1")
     torch.manual_seed(1)
     rm = LlamaForSequenceClassification(cfg).eval()
+    if head == "mlp":  # (a head of another shape, as a custom reward model may have)
+        rm.score = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     prompts, responses = ["31415=", "7=", "20="], ["11345", "7", "02<eos>"]
     batched = P.reward_model_scores(rm, tok, prompts, responses)
     alone = torch.cat([P.reward_model_scores(rm, tok, [p], [r]) for p, r in zip(prompts, responses)])
@@ -1319,6 +1322,19 @@ def test_a_reward_model_scores_the_last_real_token_whatever_its_config_calls_pad
     with torch.no_grad():  # what the check guards against: Hugging Face's pooling of the same batch
         hf = rm(**enc).logits[:, 0]
     assert (hf - batched).abs().max() > 1e-3
+
+
+def test_a_reward_model_with_weights_missing_from_its_files_says_which(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    rm = gpt2_reward_model(tmp_path / "rm")
+    weights = load_file(rm / "model.safetensors")
+    del weights["transformer.h.0.mlp.c_fc.weight"]  # (a trunk weight, not the score head)
+    save_file(weights, rm / "model.safetensors", metadata={"format": "pt"})
+    err = one_line_exit(capsys, 2, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path / "runs"),
+                                                         "--reward-model-path", str(rm)]))
+    assert "weights not in its files: transformer.h.0.mlp.c_fc.weight (1 in all; Hugging Face would make them up at " \
+           "random)" in err and "score head" not in err, err
 
 
 def test_explained_variance_against_a_plain_reference_and_with_returns_that_do_not_vary():
