@@ -192,7 +192,7 @@ class Args:
     trust_remote_code: bool = False
     """allow custom model code from --model-name-or-path / --reward-model-path"""
     reward_model_path: Optional[str] = None
-    """local sequence-classification reward model, num_labels=1 (default: rule-based reward, response == answer)"""
+    """local sequence-classification reward model, num_labels=1 (default: none, the --reward-fn rule alone)"""
     dataset: Annotated[Optional[str], alias("--train-files", "--data.train-files")] = None
     """.jsonl, .json or .parquet file of prompts (+ answers), read by Hugging Face datasets (default: digit sorting)"""
     eval_dataset: Annotated[Optional[str], alias("--val-files", "--data.val-files")] = None
@@ -223,7 +223,7 @@ class Args:
     eval_prompts: Count = 256
     """held-out prompts scored greedily and sampled (0: off)"""
     eval_every: Count = 15
-    """evaluate every N iterations (and before/after training)"""
+    """evaluate every N iterations and after the last one (and before the first, unless the run is resumed)"""
     eval_n: Count = 0
     """also sample n responses per held-out prompt at --eval-temperature: eval/pass@1 and eval/pass@k (0: off)"""
     eval_temperature: float = 1.0
@@ -1490,16 +1490,24 @@ class WriteError(Exception):
         self.what, self.why, self.checkpoint = what, why, checkpoint
 
 
+def exception_chain(error: Optional[BaseException]) -> list[BaseException]:
+    """error, then each exception it was raised from or while handling (__cause__, else __context__), at most 20."""
+    chain = []
+    while error is not None and len(chain) < 20:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
 def write_failure(error: Optional[BaseException]) -> Optional[str]:
     """Why a write failed if the file system refused it: the OSError in the exception's chain (torch.save into a file
     raises RuntimeError "unexpected pos" from it) or safetensors' "I/O error: ..."; None for anything else."""
-    while error is not None:
-        if isinstance(error, OSError):
-            return error.strerror or str(error)
-        found = re.search(r"I/O error: (.+?)(?: \(os error \d+\))?$", (str(error).splitlines() or [""])[0])
+    for e in exception_chain(error):
+        if isinstance(e, OSError):
+            return e.strerror or str(e)
+        found = re.search(r"I/O error: (.+?)(?: \(os error \d+\))?$", (str(e).splitlines() or [""])[0])
         if found:
             return found.group(1)
-        error = error.__cause__ or error.__context__
     return None
 
 
@@ -2276,9 +2284,7 @@ def read_rows(path: str, flag: str) -> tuple[list[dict], dict]:
                                          **({"encoding": "utf-8-sig"} if kind == "json" else {}))
             return data.to_list(), data.features
     except Exception as e:  # noqa: BLE001 - whatever the reader raises, the file is bad input
-        chain = [e]
-        while (chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 20:
-            chain.append(chain[-1].__cause__ or chain[-1].__context__)
+        chain = exception_chain(e)
         if any(isinstance(x, UnicodeDecodeError) for x in chain):
             die(f"{flag} {path}: cannot read it as UTF-8 text ({reason(chain[-1])})")
         with open(path, "rb") as f:

@@ -859,6 +859,19 @@ def test_default_model_has_a_few_million_parameters():
     assert 1.5e6 < sum(p.numel() for p in m.parameters()) < 1e7
 
 
+def field_help(name: str) -> str:
+    """The help text of an Args field, as --help shows it: the docstring under the field in ppo_llm.py."""
+    source = open(SCRIPT).read()
+    found = re.search(rf"^    {name}: [^\n]*\n    \"\"\"(.*?)\"\"\"", source, re.M | re.S)
+    return " ".join(found.group(1).split())
+
+
+def test_help_texts_say_what_the_options_do():
+    assert "response == answer" not in field_help("reward_model_path") and "--reward-fn" in field_help(
+        "reward_model_path")  # (the rule reward is --reward-fn's: exact, math or a function)
+    assert "unless the run is resumed" in field_help("eval_every")  # (a resumed run is not evaluated before)
+
+
 def test_counts_parse():
     assert P.parse_args(["--num-iterations", "1e2", "--rollout-batch-size", "1_6"]).num_iterations == 100
 
@@ -1387,7 +1400,7 @@ def test_an_answer_key_that_reaches_no_row_is_one_line_error_with_a_reward_model
     assert "rollout/rule_reward_mean" in res["metrics"] and "rollout/accuracy" in res["metrics"]
 
 
-def test_an_empty_dataset_says_so_and_a_byte_order_mark_is_no_data(tmp_path, capsys):
+def test_an_empty_dataset_says_so_and_a_byte_order_mark_is_allowed(tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("\n  \n")
     err = one_line_exit(capsys, 2, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path / "r"), "--dataset",
                                                          str(tmp_path / "empty.jsonl")]))
@@ -1583,6 +1596,17 @@ def test_a_full_disk_while_writing_the_models_removes_what_the_save_wrote(tmp_pa
     with pytest.raises(ZeroDivisionError):
         save(3)
     assert P.write_failure(OSError(errno.EDQUOT, "Disk quota exceeded")) == "Disk quota exceeded"
+    try:  # the chain that write_failure and read_rows walk: raised from, or while handling
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as first:
+            raise ValueError("second") from first
+    except ValueError as second:
+        try:
+            raise RuntimeError("third")
+        except RuntimeError as third:
+            assert [type(x) for x in P.exception_chain(third)] == [RuntimeError, ValueError, OSError]
+            assert P.write_failure(third) == "No space left on device"
 
 
 def test_a_full_disk_under_tensorboard_is_one_line_without_a_thread_traceback(tmp_path, monkeypatch, capsys):
@@ -1938,9 +1962,15 @@ def test_verl_parquet_with_chat_prompts_math_reward_and_pass_at_k(tmp_path, monk
     tok.chat_template = CHAT
     P.build_tiny_model(tok, 3, *SMALL).save_pretrained(tmp_path / "lm")
     tok.save_pretrained(tmp_path / "lm")
-    train = write_parquet(tmp_path / "train.parquet", verl_rows(P.make_problems(16, torch.Generator().manual_seed(0))))
+
+    def smallest_digit(problems):  # a one-digit ground truth (a number, as GSM8K's): one a tiny model gets right
+        return [{**r, "answer": r["answer"][0]} for r in problems]
+    train = write_parquet(tmp_path / "train.parquet", verl_rows(smallest_digit(P.make_problems(
+        16, torch.Generator().manual_seed(0)))))
     held = P.make_problems(4, torch.Generator().manual_seed(1))
-    test = write_parquet(tmp_path / "test.parquet", verl_rows(held))
+    test = write_parquet(tmp_path / "test.parquet", verl_rows(smallest_digit(held)))
+    scored, math_rule = [], P.REWARD_RULES["math"]  # every math score of the run: rollouts and evaluations
+    monkeypatch.setitem(P.REWARD_RULES, "math", lambda *a: scored.append(math_rule(*a)) or scored[-1])
     logged, prompts, encode = {}, [], P.encode_batch
 
     def spy(tok, rows, length, chat=False):
@@ -1952,12 +1982,14 @@ def test_verl_parquet_with_chat_prompts_math_reward_and_pass_at_k(tmp_path, monk
     res = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path / "runs"), "--model-name-or-path",
                                str(tmp_path / "lm"), "--train-files", str(train), "--val-files", str(test),
                                "--answer-key", "reward_model.ground_truth", "--reward-fn", "math",
-                               "--prompt-length", "24", "--eval-n", "4", "--eval-temperature", "1.5"]))
+                               "--prompt-length", "24", "--eval-n", "4", "--eval-temperature", "1.5",
+                               "--sft-steps", "30"]))
     assert len(res["curve"]) == 2 and all(math.isfinite(v) for v in res["stats"].values())
     assert prompts and all(p.startswith("<bos><user>") and p.endswith("=<assistant>") for p in prompts), prompts[:3]
     assert {"eval/pass@1", "eval/pass@2", "eval/pass@4", "eval/accuracy_greedy"} <= set(logged)
     assert 0 <= logged["eval/pass@1"] <= logged["eval/pass@2"] <= logged["eval/pass@4"] <= 1
     assert res["run_dir"].startswith(str(tmp_path / "runs" / "train__"))
+    assert 1.0 in scored and 0.0 in scored and len(scored) == 2 * 8 + 2 * (4 + 4 + 16)  # right and wrong answers
 
 
 def test_eval_n_samples_each_prompt_n_times_at_the_eval_temperature(tmp_path, monkeypatch):
