@@ -1,10 +1,11 @@
-"""PPO for causal language models (RLHF / RL with verifiable rewards), every algorithm option of verl, ROLL, RLinf.
+r"""PPO for causal language models (RLHF / RL with verifiable rewards), every algorithm option of verl, ROLL, RLinf.
 
     python ppo_llm.py                                   # offline, minutes on a CPU: tiny Llama learns to sort digits
     python ppo_llm.py --adv-estimator grpo --critic none --use-kl-loss --kl-loss-type low_var_kl
     python ppo_llm.py --adv-type gae --gae-lambda 0.95 --pg-clip 0.2    # verl / ROLL / RLinf option names work too
     python ppo_llm.py --model-name-or-path DIR --dataset prompts.jsonl --reward-model-path RM_DIR  # GPU if any
-    python ppo_llm.py --model-name-or-path DIR --dataset gsm8k.parquet --reward-fn math --lora-rank 32 --eval-n 8
+    python ppo_llm.py --model-name-or-path DIR --dataset gsm8k.parquet --answer-key reward_model.ground_truth \
+        --reward-fn math --prompt-length 512 --response-length 512 --sft-steps 0 --lora-rank 32 --eval-n 8
     python ppo_llm.py --resume runs/<run>/checkpoint.pt
     torchrun --nproc-per-node 2 ppo_llm.py              # FSDP2 (--strategy ddp: DDP); batch sizes are global
 
@@ -204,8 +205,8 @@ class Args:
     apply_chat_template: bool = False
     """each prompt as a user turn in the tokenizer's chat template (instruct models); off: plain text (+ BOS)"""
     lora_rank: Count = 0
-    """train LoRA adapters of this rank on the policy through peft (0: every parameter); the reference is the same
-    model with its adapters off, no second copy"""
+    """train LoRA adapters of this rank on the policy through peft (0: every parameter); the reference is the policy
+    with its adapters off (no copy). A warm start (--sft-steps) trains every parameter, before the adapters go on"""
     lora_alpha: float = 16.0
     """LoRA scaling alpha (the update is alpha / rank * B A)"""
     lora_target_modules: Annotated[str, alias("--target-modules")] = "all-linear"

@@ -870,6 +870,26 @@ def test_help_texts_say_what_the_options_do():
     assert "response == answer" not in field_help("reward_model_path") and "--reward-fn" in field_help(
         "reward_model_path")  # (the rule reward is --reward-fn's: exact, math or a function)
     assert "unless the run is resumed" in field_help("eval_every")  # (a resumed run is not evaluated before)
+    assert "A warm start (--sft-steps) trains every parameter" in field_help("lora_rank")
+
+
+def test_the_gsm8k_commands_of_the_docs_would_run():
+    """The GSM8K + LoRA commands of ppo_llm.py's docstring and docs/ppo_llm.md: prompts that fit GSM8K in a chat
+    template (the default 16 tokens drops every one: exit 2), room for a worked answer, verl's answer column, and no
+    warm start (on verl's ground truths it would teach bare numbers, and with LoRA it trains every parameter)."""
+    import shlex
+
+    import tyro
+
+    docs = open(os.path.join(os.path.dirname(SCRIPT), "docs", "ppo_llm.md")).read()
+    commands = [line.split("python ppo_llm.py", 1)[1] for text in (P.__doc__, docs)
+                for line in re.sub(r"\\\n\s*", " ", text).splitlines()
+                if "python ppo_llm.py" in line and "--reward-fn math" in line]
+    assert len(commands) == 3, commands  # the docstring's, the doc's first block and its real-task command
+    for command in commands:
+        args = tyro.cli(P.Args, args=P.bool_values(shlex.split(command.split(" #")[0])))
+        assert args.answer_key == "reward_model.ground_truth" and args.prompt_length >= 256, command
+        assert args.response_length >= 256 and args.sft_steps == 0 and args.lora_rank > 0, command
 
 
 def test_counts_parse():
