@@ -204,7 +204,7 @@ class Args:
     """column of the answer; a dotted path reaches into nested columns (verl's parquet: reward_model.ground_truth)"""
     apply_chat_template: bool = False
     """each prompt as a user turn in the tokenizer's chat template (instruct models); off: plain text (+ BOS)"""
-    lora_rank: Count = 0
+    lora_rank: Annotated[Count, alias("--lora-r")] = 0
     """train LoRA adapters of this rank on the policy through peft (0: every parameter); the reference is the policy
     with its adapters off (no copy). A warm start (--sft-steps) trains every parameter, before the adapters go on"""
     lora_alpha: float = 16.0
