@@ -855,9 +855,9 @@ def reward_model_scores(rm, rm_tok, prompts: list[str], responses: list[str], ch
     finally:
         if hook is not None:
             hook.remove()
-    if per_position:  # (B, T, 1): the last real token's
+    if per_position and per_position[-1].dim() == 3 and per_position[-1].shape[:2] == ids.shape:  # (B, T, 1)
         last = (mask * torch.arange(mask.shape[1], device=device)).argmax(-1)
-        logits = per_position[-1][torch.arange(len(ids), device=device), last]
+        logits = per_position[-1][torch.arange(len(ids), device=device), last]  # the last real token's
     return logits[:, 0].float().cpu()
 
 
@@ -2033,7 +2033,7 @@ def state_problem(ckpt: dict, run_dir: str) -> Optional[str]:
         "format?": int, "files?": dict[str, str]})
     if problem:
         return problem
-    trained = ["policy", *["critic"] * bool(model["critic"]), *["value head"] * bool(model["value_head"])]
+    trained = ["policy"] + ["critic"] * bool(model["critic"]) + ["value head"] * bool(model["value_head"])
     for key in ("optimizer", "scheduler"):
         if len(ckpt[key]) != len(trained):
             return f"{key} holds {len(ckpt[key])} states for the {len(trained)} trained models ({', '.join(trained)})"
@@ -2074,7 +2074,8 @@ def schema_problem(value, schema, where: str = "") -> Optional[str]:
     if isinstance(schema, tuple) and not (isinstance(value, (list, tuple)) and len(value) == len(schema)):
         return f"{where} is {value!r:.40}, not [{', '.join(map(type_text, schema))}]"
     if isinstance(schema, (list, tuple)):
-        for i, (item, hint) in enumerate(zip(value, schema * len(value) if isinstance(schema, list) else schema)):
+        for i, (item, hint) in enumerate(zip(value, itertools.repeat(schema[0]) if isinstance(schema, list)
+                                             else schema)):
             problem = schema_problem(item, hint, f"{where}[{i}]")
             if problem:
                 return problem
