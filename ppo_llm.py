@@ -1,10 +1,11 @@
-"""PPO for causal language models (RLHF / RL with verifiable rewards), every algorithm option of verl, ROLL, RLinf.
+r"""PPO for causal language models (RLHF / RL with verifiable rewards), every algorithm option of verl, ROLL, RLinf.
 
     python ppo_llm.py                                   # offline, minutes on a CPU: tiny Llama learns to sort digits
     python ppo_llm.py --adv-estimator grpo --critic none --use-kl-loss --kl-loss-type low_var_kl
     python ppo_llm.py --adv-type gae --gae-lambda 0.95 --pg-clip 0.2    # verl / ROLL / RLinf option names work too
     python ppo_llm.py --model-name-or-path DIR --dataset prompts.jsonl --reward-model-path RM_DIR  # GPU if any
-    python ppo_llm.py --model-name-or-path DIR --dataset gsm8k.parquet --reward-fn math --lora-rank 32 --eval-n 8
+    python ppo_llm.py --model-name-or-path DIR --dataset gsm8k.parquet --answer-key reward_model.ground_truth \
+        --reward-fn math --prompt-length 512 --response-length 512 --sft-steps 0 --lora-rank 32 --eval-n 8
     python ppo_llm.py --resume runs/<run>/checkpoint.pt
     torchrun --nproc-per-node 2 ppo_llm.py              # FSDP2 (--strategy ddp: DDP); batch sizes are global
 
@@ -13,7 +14,7 @@ until a third to a half of its answers are right, then PPO on the rule "response
 episode, a token an action. Outline: Args -> task and tokenizer -> models -> generation and scoring -> reward ->
 advantages -> losses -> update -> main(), whose loop is the note's steps (shared/seeds/ppo_note.md; formulas as verl's
 core_algos.py). The PPO part ends with main(); below its banner: run context, torchrun / FSDP2, checkpoints,
-evaluation, local models, reward files, LoRA (peft), data files (datasets), command line.
+evaluation, reward files, data files (datasets), local models and their checks, command line.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import copy
 import dataclasses
 import fcntl
 import fractions
+import hashlib
 import io
 import itertools
 import json
@@ -191,7 +193,7 @@ class Args:
     trust_remote_code: bool = False
     """allow custom model code from --model-name-or-path / --reward-model-path"""
     reward_model_path: Optional[str] = None
-    """local sequence-classification reward model, num_labels=1 (default: rule-based reward, response == answer)"""
+    """local sequence-classification reward model, num_labels=1 (default: none, the --reward-fn rule alone)"""
     dataset: Annotated[Optional[str], alias("--train-files", "--data.train-files")] = None
     """.jsonl, .json or .parquet file of prompts (+ answers), read by Hugging Face datasets (default: digit sorting)"""
     eval_dataset: Annotated[Optional[str], alias("--val-files", "--data.val-files")] = None
@@ -202,9 +204,9 @@ class Args:
     """column of the answer; a dotted path reaches into nested columns (verl's parquet: reward_model.ground_truth)"""
     apply_chat_template: bool = False
     """each prompt as a user turn in the tokenizer's chat template (instruct models); off: plain text (+ BOS)"""
-    lora_rank: Count = 0
-    """train LoRA adapters of this rank on the policy through peft (0: every parameter); the reference is the same
-    model with its adapters off, no second copy"""
+    lora_rank: Annotated[Count, alias("--lora-r")] = 0
+    """train LoRA adapters of this rank on the policy through peft (0: every parameter); the reference is the policy
+    with its adapters off (no copy). A warm start (--sft-steps) trains every parameter, before the adapters go on"""
     lora_alpha: float = 16.0
     """LoRA scaling alpha (the update is alpha / rank * B A)"""
     lora_target_modules: Annotated[str, alias("--target-modules")] = "all-linear"
@@ -222,7 +224,7 @@ class Args:
     eval_prompts: Count = 256
     """held-out prompts scored greedily and sampled (0: off)"""
     eval_every: Count = 15
-    """evaluate every N iterations (and before/after training)"""
+    """evaluate every N iterations and after the last one (and before the first, unless the run is resumed)"""
     eval_n: Count = 0
     """also sample n responses per held-out prompt at --eval-temperature: eval/pass@1 and eval/pass@k (0: off)"""
     eval_temperature: float = 1.0
@@ -235,8 +237,9 @@ class Args:
     """seed of the experiment (python and torch: tasks, sampling, shuffling, initialisation)"""
     torch_deterministic: bool = True
     """use deterministic torch algorithms"""
-    cuda: bool = dataclasses.field(default_factory=lambda: torch.cuda.is_available())
-    """run on CUDA, with bf16 autocast unless --precision fp32: the default where torch sees a GPU (--no-cuda: CPU)"""
+    cuda: bool = dataclasses.field(default_factory=lambda: gpu_for_each_process())
+    """run on CUDA, with bf16 autocast unless --precision fp32: the default where torch sees a GPU for each process of
+    this machine (--no-cuda: CPU)"""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """bf16 autocast with fp32 master weights, or fp32 throughout; auto: bf16 with --cuda, fp32 on the CPU"""
     compile: bool = False
@@ -328,6 +331,9 @@ def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
             return [data[i] for i in torch.randint(0, len(data), (k,), generator=gen).tolist()]
         eval_rows = [r for r in data if r["answer"] is not None][:args.eval_prompts]
         has_answers = all(r["answer"] is not None for r in data)
+        if args.reward_fn in REWARD_RULES and not any(r["answer"] is not None for r in data):  # (given by name)
+            die(f"--reward-fn {args.reward_fn} scores responses against answers: no row of --dataset {args.dataset} "
+                f"has {args.answer_key!r} (--answer-key)")
         if args.reward_model_path is None and not has_answers and (args.reward_fn or "exact") in REWARD_RULES:
             die(f"--dataset {args.dataset}: rows without {args.answer_key!r} need --reward-model-path (or a "
                 "--reward-fn FILE.py:NAME that needs no answer)")
@@ -365,7 +371,7 @@ def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
     return sample_rows, eval_rows[:len(eval_rows) - len(eval_rows) % world], has_answers
 
 
-# --- Models: policy, frozen reference, critic (separate copy or shared trunk) ----------------------------------------
+# --- Models: policy, frozen reference (a copy, or the policy with its LoRA adapters off), critic ---------------------
 def build_tiny_model(tok, seed: int, hidden_size: int, num_layers: int, max_positions: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -433,23 +439,28 @@ def build_policy(args: Args, ckpt: Optional[dict], device):
     if args.apply_chat_template and not tok.chat_template:
         die(f"--apply-chat-template: the tokenizer of {args.model_name_or_path or 'the built-in model'} has no chat "
             "template")
-    check_lora_targets(args, policy)
+    check_models(args, policy, ckpt)  # (what build_critic and reference_policy will make of it: before anything)
     policy = disable_dropout(policy).to(device)
     print(f"policy: {type(policy).__name__}, {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters")
     return tok, policy, ref, stops
 
 
-def make_critic(policy):
-    """Separate critic (verl/RLinf): its own copy of the policy trunk with a token-classification value head."""
+def value_model(config):
+    """A token-classification model of the policy's class with one label, the value: a separate critic's, untrained."""
     from transformers import AutoModelForTokenClassification
 
-    cfg = copy.deepcopy(policy.config)
+    cfg = copy.deepcopy(config)
     cfg.num_labels = 1
     try:
-        critic = AutoModelForTokenClassification.from_config(cfg)
+        return AutoModelForTokenClassification.from_config(cfg)
     except ValueError as e:
-        die(f"--critic separate: no token-classification class for {type(policy).__name__} ({reason(e)}); "
-            "use --critic shared")
+        die(f"--critic separate: no token-classification class for {cfg.model_type} ({reason(e)}); use --critic "
+            "shared")
+
+
+def make_critic(policy):
+    """Separate critic (verl/RLinf): its own copy of the policy trunk with a token-classification value head."""
+    critic = value_model(policy.config)
     critic.base_model.load_state_dict(policy.base_model.state_dict())
     head = [m for m in critic.modules() if isinstance(m, nn.Linear)][-1]
     nn.init.zeros_(head.weight)  # V = 0 at the start; the critic learns the task's reward scale from scratch
@@ -480,21 +491,94 @@ def build_critic(args: Args, policy, ckpt: Optional[dict], device):
     return critic, value_head
 
 
-def position_ids_from(mask: torch.Tensor) -> torch.Tensor:
-    """RLHF detail: with left padding the first real token is position 0."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+def reference_policy(args: Args, policy, ref, ckpt: Optional[dict], device):
+    """(policy, frozen reference). Without --lora-rank: the reference is a copy of the policy as PPO starts (on
+    resume the checkpoint's ref/). With it: LoRA adapters go on the policy (new, or the checkpoint's) and the
+    reference is the policy with them off (AdaptersOff)."""
+    if not args.lora_rank:
+        return policy, disable_dropout(copy.deepcopy(policy) if ref is None else ref).to(device).eval().requires_grad_(
+            False)
+    policy = disable_dropout(with_lora(policy, args, "CAUSAL_LM", saved_model_dir(args, ckpt, "policy"))).to(device)
+    trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    print(f"LoRA: rank {args.lora_rank}, alpha {args.lora_alpha:g} on {args.lora_target_modules}: "
+          f"{trained / 1e6:.3f}M trained parameters")
+    return policy, AdaptersOff(policy)
+
+
+class AdaptersOff(nn.Module):
+    """--lora-rank's reference policy: each forward is the policy's with its LoRA adapters switched off, i.e. its base
+    model. It holds no parameters of its own (the policy is not a submodule): no second copy in memory."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.__dict__["policy"] = policy
+
+    def forward(self, *args, **kwargs):
+        with self.policy.disable_adapter():
+            return self.policy(*args, **kwargs)
+
+
+def with_lora(model, args: Args, task_type: str, saved: Optional[str] = None):
+    """peft LoRA adapters on model (rank, alpha, target modules; dropout 0): new ones (B = 0, so the model computes
+    what it did), or those saved in the directory `saved`, trainable. A critic (TOKEN_CLS) trains its value head in
+    full (peft's modules_to_save) and keeps it out of the adapters' targets."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    head = ["classifier", "score"] if task_type == "TOKEN_CLS" else None
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                        target_modules=lora_targets(args), exclude_modules=head, task_type=task_type)
+    with warnings.catch_warnings():  # (peft asks transformers' deprecated is_gradient_checkpointing)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        if saved is not None:
+            return load_pretrained("LoRA adapters", saved, lambda path, trust_remote_code: PeftModel.from_pretrained(
+                model, path, is_trainable=True), args.trust_remote_code)
+        try:
+            return get_peft_model(model, config)
+        except Exception as e:  # noqa: BLE001 - modules peft cannot adapt, say: bad input
+            die(f"--lora-target-modules {args.lora_target_modules}: no LoRA adapters on the "
+                f"{'critic' if head else 'policy'} ({reason(e)})")
+
+
+def lora_targets(args: Args):
+    return "all-linear" if args.lora_target_modules == "all-linear" else [
+        t.strip() for t in args.lora_target_modules.split(",") if t.strip()]
 
 
 # --- Generation and scoring: left-padded prompts, KV-cache sampling, log-probs recomputed with the same temperature ---
-def left_pad(seqs: list[list[int]], pad_id: int, length: Optional[int] = None):
-    length = length or max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), length), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, length - len(s):] = torch.tensor(s)
-            mask[i, length - len(s):] = 1
-    return ids, mask
+@torch.no_grad()
+def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id, pad_id: int, temperature: float = 1.0,
+             top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False, all_done=None, bf16: bool = False):
+    """Batched sampling with KV cache; stops when every row has produced EOS (eos_id: one id or a list of stop ids).
+    Returns (B, max_new_tokens) tokens, pad after EOS. all_done(done) -> bool: whether every rank is done (FSDP2: each
+    forward is a collective, so all ranks take the same number of steps). bf16: under bf16 autocast (--precision)."""
+    B = prompt_ids.shape[0]
+    stop_ids = torch.as_tensor(eos_id, device=prompt_ids.device)  # (on the device once, not once a token)
+    was_training = model.training
+    model.eval()  # KV cache on (HF turns it off in training mode under gradient checkpointing)
+    mask = prompt_mask.clone()
+    pos = position_ids_from(mask)
+    # bf16 autocast as in scoring and training (the log-probs used in the loss are recomputed there)
+    with torch.autocast(prompt_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        next_pos = pos[:, -1:] + 1
+        done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
+        tokens = []
+        for _ in range(max_new_tokens):
+            tok = sample_token(out.logits[:, -1], temperature, top_p, top_k, gen, greedy)
+            tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+            tokens.append(tok)
+            done |= is_stop(tok, stop_ids)
+            if bool(done.all()) if all_done is None else all_done(done):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
+                        past_key_values=out.past_key_values, use_cache=True)
+            next_pos = next_pos + 1
+    model.train(was_training)
+    resp = torch.stack(tokens, dim=1)
+    if resp.shape[1] < max_new_tokens:
+        resp = F.pad(resp, (0, max_new_tokens - resp.shape[1]), value=pad_id)
+    return resp
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen, greedy: bool = False):
@@ -532,40 +616,20 @@ def decode_responses(tok, responses: torch.Tensor, stops=None) -> list[str]:
     return [tok.decode(r[k].tolist(), skip_special_tokens=False) for r, k in zip(responses, keep)]
 
 
-@torch.no_grad()
-def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id, pad_id: int, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False, all_done=None, bf16: bool = False):
-    """Batched sampling with KV cache; stops when every row has produced EOS (eos_id: one id or a list of stop ids).
-    Returns (B, max_new_tokens) tokens, pad after EOS. all_done(done) -> bool: whether every rank is done (FSDP2: each
-    forward is a collective, so all ranks take the same number of steps). bf16: under bf16 autocast (--precision)."""
-    B = prompt_ids.shape[0]
-    stop_ids = torch.as_tensor(eos_id, device=prompt_ids.device)  # (on the device once, not once a token)
-    was_training = model.training
-    model.eval()  # KV cache on (HF turns it off in training mode under gradient checkpointing)
-    mask = prompt_mask.clone()
-    pos = position_ids_from(mask)
-    # bf16 autocast as in scoring and training (the log-probs used in the loss are recomputed there)
-    with torch.autocast(prompt_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
-        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        next_pos = pos[:, -1:] + 1
-        done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
-        tokens = []
-        for _ in range(max_new_tokens):
-            tok = sample_token(out.logits[:, -1], temperature, top_p, top_k, gen, greedy)
-            tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-            tokens.append(tok)
-            done |= is_stop(tok, stop_ids)
-            if bool(done.all()) if all_done is None else all_done(done):
-                break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                        past_key_values=out.past_key_values, use_cache=True)
-            next_pos = next_pos + 1
-    model.train(was_training)
-    resp = torch.stack(tokens, dim=1)
-    if resp.shape[1] < max_new_tokens:
-        resp = F.pad(resp, (0, max_new_tokens - resp.shape[1]), value=pad_id)
-    return resp
+def left_pad(seqs: list[list[int]], pad_id: int, length: Optional[int] = None):
+    length = length or max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, length - len(s):] = torch.tensor(s)
+            mask[i, length - len(s):] = 1
+    return ids, mask
+
+
+def position_ids_from(mask: torch.Tensor) -> torch.Tensor:
+    """RLHF detail: with left padding the first real token is position 0."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def sample_responses(policy, tok, rows: list[dict], args: Args, stops, gen, device, all_done=None):
@@ -642,26 +706,47 @@ def boxed_content(text: str) -> Optional[str]:
     r"""The content of the last \boxed{...} in text, its braces balanced (\boxed{\frac{1}{2}} -> \frac{1}{2}); None
     without one or when it is not closed."""
     start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 1, start + len("\\boxed{")
+    end = None if start < 0 else closing_brace(text, start + len("\\boxed{"))
+    return None if end is None else text[start + len("\\boxed{"):end]
+
+
+def closing_brace(text: str, begin: int) -> Optional[int]:
+    """Where the brace opened just before text[begin] closes (braces balanced); None if it does not."""
+    depth = 1
     for i in range(begin, len(text)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
-            return text[begin:i]
+            return i
     return None
 
 
-NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")  # 1,234.5  -3  .5  7/8
+def unbraced(text: str) -> str:
+    """text stripped, without braces around all of it ("{5}" -> "5"; "{1}{2}" stays)."""
+    s = text.strip()
+    while s.startswith("{") and closing_brace(s, 1) == len(s) - 1:
+        s = s[1:-1].strip()
+    return s
+
+
+# A number in a response: a minus sign only where no digit or letter precedes it (3-2 and 2023-11-25 hold no negative
+# number), commas only in groups of thousands, a decimal part, a fraction, and an exponent kept with its number (1e5
+# is one token, never a 5): 1,234.5  -3  .5  7/8  1e5
+NUMBER = re.compile(r"(?:(?<!\w)-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?(?:[eE][-+]?\d+)?"
+                    r"|(?:(?<!\w)-)?\.\d+")
+THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:,|\{,\}|\\,)\d{3})+(?!\d)")  # 1,234  1{,}234  1\,234 (LaTeX)
 
 
 def math_number(text: str) -> Optional[fractions.Fraction]:
     r"""A final answer as an exact number: "1,234" "$5" "-3.50" "42." "7/8" "\frac{1}{2}" "-\dfrac{3}{4}" (a plain
-    number over a plain number); None for anything else ("x+1", "\sqrt{2}", "1e5")."""
-    s = text.strip()
-    for junk in ("\\$", "$", "\\,", "\\!", ",", " "):  # currency and thousands separators, LaTeX's among them
+    number over a plain number) "50%" "{5}" "−3" (a Unicode minus); None for anything else ("x+1", "\sqrt{2}", "1e5",
+    "1,2", "2 3")."""
+    s = THOUSANDS.sub(lambda m: re.sub(r"\D", "", m[0]), unbraced(text.replace("\u2212", "-")))
+    for junk in ("\\$", "$", "\\%", "%"):  # currency, percent
         s = s.replace(junk, "")
-    s = s.rstrip(".")  # "42." at the end of a sentence
+    s = re.sub(r"\\[,!;: ]|~", " ", s)  # LaTeX's spaces
+    if re.search(r"\d\s+\d", s):  # "2 3": two numbers, not 23
+        return None
+    s = re.sub(r"\s+", "", s).rstrip(".")  # "- 3"; "42." at the end of a sentence
     frac = re.fullmatch(r"(-?)\\[dt]?frac\{(-?\d+(?:\.\d+)?)\}\{(-?\d+(?:\.\d+)?)\}", s)
     if frac:
         s = f"{frac[1]}{frac[2]}/{frac[3]}"
@@ -676,10 +761,12 @@ def math_number(text: str) -> Optional[fractions.Fraction]:
 def math_reward(response: str, answer: Optional[str]) -> float:
     r"""GSM8K / MATH rule: 1 if the response's final answer equals the reference's, else 0. The reference is the text
     after the last "####" (GSM8K), else the content of its last \boxed{} (a MATH solution), else all of it; the
-    response's answer is the content of its last \boxed{}, else its last number. Equal as exact numbers (math_number:
-    "1,234" = "1234.0", "\frac{1}{2}" = "0.5") where both are numbers, else as stripped strings."""
+    response's answer is the content of its last \boxed{}, else its last number (NUMBER). Without the braces around
+    all of them, they are equal as exact numbers (math_number: "1,234" = "1234.0", "\frac{1}{2}" = "0.5", "50\%" =
+    "50") where both are numbers, else as stripped strings."""
     if answer is None:
         return 0.0
+    response, answer = response.replace("\u2212", "-"), answer.replace("\u2212", "-")  # (a Unicode minus: "−3")
     ref = answer.rpartition("####")[2] if "####" in answer else boxed_content(answer) or answer
     got = boxed_content(response)
     if got is None:
@@ -687,8 +774,9 @@ def math_reward(response: str, answer: Optional[str]) -> float:
         got = numbers[-1] if numbers else None
     if got is None:
         return 0.0
+    got, ref = unbraced(got), unbraced(ref)
     a, b = math_number(got), math_number(ref)
-    return float(a == b if a is not None and b is not None else got.strip() == ref.strip())
+    return float(a == b if a is not None and b is not None else got == ref)
 
 
 REWARD_RULES = {"exact": lambda prompt, response, answer: rule_reward(response, answer),
@@ -697,19 +785,31 @@ REWARD_RULES = {"exact": lambda prompt, response, answer: rule_reward(response, 
 
 def rule_scores(fn, rows: list[dict], texts: list[str], name: str) -> tuple[torch.Tensor, Optional[str]]:
     """fn(prompt, response, answer) of each response (rows[i] holds the prompt and answer of texts[i]). A function
-    that raises, or returns anything but a finite number, gives (zeros, why, naming the prompt): the run stops."""
+    that raises (SystemExit too), or returns anything but a finite number, gives (zeros, why, naming the prompt): the
+    run stops."""
     scores = []
     for row, text in zip(rows, texts):
         try:
             value = fn(row["prompt"], text, row["answer"])
-        except Exception as e:  # noqa: BLE001 - the user's function: whatever it raises stops the run in one line
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's function: what it raises stops the run
             return torch.zeros(len(rows)), f"--reward-fn {name} raised {reason(e)} on the prompt {row['prompt']!r:.80}"
-        if not (isinstance(value, numbers.Real) or torch.is_tensor(value) and value.numel() == 1) \
-                or not math.isfinite(float(value)):
+        score = finite_number(value)
+        if score is None:
             return torch.zeros(len(rows)), (f"--reward-fn {name} returned {value!r:.40}, not a finite number, on the "
                                             f"prompt {row['prompt']!r:.80}")
-        scores.append(float(value))
+        scores.append(score)
     return torch.tensor(scores), None
+
+
+def finite_number(value) -> Optional[float]:
+    """value as a float if it is a finite real number (a one-element tensor too), else None (10**400 included)."""
+    if not (isinstance(value, numbers.Real) or torch.is_tensor(value) and value.numel() == 1):
+        return None
+    try:
+        value = float(value)
+    except (OverflowError, ValueError, TypeError):  # (an int too large for a float)
+        return None
+    return value if math.isfinite(value) else None
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -741,17 +841,23 @@ def reward_model_scores(rm, rm_tok, prompts: list[str], responses: list[str], ch
                         autocast=contextlib.nullcontext) -> torch.Tensor:
     """The reward model's score of each prompt + response, read at its last real token as the attention mask says.
     (Hugging Face's classifiers look for config.pad_token_id instead; where that is not the pad their tokenizer
-    writes they read padding, and a row's score depends on the rows batched with it.) Encoder classifiers, which
-    pool their first token, are called as they are."""
+    writes they read padding, and a row's score depends on the rows batched with it.) A decoder classifier's head,
+    `score` (a Linear or any module), scores every position: its output is taken from the head itself. Encoder
+    classifiers, which pool their first token, are called as they are."""
     enc = reward_model_inputs(rm_tok, prompts, responses, chat)
     ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    with autocast():
-        if isinstance(getattr(rm, "score", None), nn.Linear):  # decoder classifiers: the head on every position
-            hidden = rm.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
-            last = (mask * torch.arange(mask.shape[1], device=device)).argmax(-1)
-            logits = rm.score(hidden[torch.arange(len(ids), device=device), last])
-        else:
+    head, per_position = getattr(rm, "score", None), []
+    hook = (head.register_forward_hook(lambda module, inputs, out: per_position.append(out))
+            if isinstance(head, nn.Module) else None)
+    try:
+        with autocast():
             logits = rm(input_ids=ids, attention_mask=mask).logits
+    finally:
+        if hook is not None:
+            hook.remove()
+    if per_position and per_position[-1].dim() == 3 and per_position[-1].shape[:2] == ids.shape:  # (B, T, 1)
+        last = (mask * torch.arange(mask.shape[1], device=device)).argmax(-1)
+        logits = per_position[-1][torch.arange(len(ids), device=device), last]  # the last real token's
     return logits[:, 0].float().cpu()
 
 
@@ -1216,11 +1322,12 @@ def main(args: Args) -> dict:
         autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16(args)
                     else contextlib.nullcontext)
 
-        # The task and the models, all checked before anything is written (bad input leaves no run directory)
+        # The reward rule, the models and the task, all checked before anything is written or trained (bad input
+        # leaves no run directory)
+        reward_fn = load_reward_fn(args.reward_fn)  # exact, math or the user's FILE.py:NAME, imported once
         tok, policy, ref, stops = build_policy(args, ckpt, device)
         sample_rows, eval_rows, has_answers = build_task(args, tok, gen, world)
         rm, rm_tok = load_reward_model(args, tok, device)
-        reward_fn = load_reward_fn(args.reward_fn)  # exact, math or the user's FILE.py:NAME, imported once
         run.check_stop()
         run.open_dir()
         if ckpt is None and args.sft_steps > 0 and has_answers:
@@ -1356,12 +1463,13 @@ def main(args: Args) -> dict:
 
 # =========================================================================================================
 # Plumbing: nothing below this line changes what PPO computes. Run context (torchrun, logging, signals, ...),
-# checkpoints and exact resume, evaluation, compile helper, local models, --reward-fn files, LoRA adapters (peft),
-# data files (datasets), command line.
+# checkpoints and exact resume, evaluation, compile helper, --reward-fn files, data files (datasets), local models
+# and the checks of what they will become, command line.
 # =========================================================================================================
-def die(msg: str) -> None:
-    """Bad input: one line on stderr (under torchrun from rank 0 alone), exit code 2, no traceback."""
-    if int(os.environ.get("RANK", "0")) == 0:
+def die(msg: str, alone: bool = False) -> None:
+    """Bad input: one line on stderr (under torchrun from rank 0 alone, as every rank finds the same), exit code 2, no
+    traceback. alone: what this rank alone can see (its own GPU): it prints the line, whatever its rank."""
+    if alone or int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
 
@@ -1383,16 +1491,24 @@ class WriteError(Exception):
         self.what, self.why, self.checkpoint = what, why, checkpoint
 
 
+def exception_chain(error: Optional[BaseException]) -> list[BaseException]:
+    """error, then each exception it was raised from or while handling (__cause__, else __context__), at most 20."""
+    chain = []
+    while error is not None and len(chain) < 20:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
 def write_failure(error: Optional[BaseException]) -> Optional[str]:
     """Why a write failed if the file system refused it: the OSError in the exception's chain (torch.save into a file
     raises RuntimeError "unexpected pos" from it) or safetensors' "I/O error: ..."; None for anything else."""
-    while error is not None:
-        if isinstance(error, OSError):
-            return error.strerror or str(error)
-        found = re.search(r"I/O error: (.+?)(?: \(os error \d+\))?$", (str(error).splitlines() or [""])[0])
+    for e in exception_chain(error):
+        if isinstance(e, OSError):
+            return e.strerror or str(e)
+        found = re.search(r"I/O error: (.+?)(?: \(os error \d+\))?$", (str(e).splitlines() or [""])[0])
         if found:
             return found.group(1)
-        error = error.__cause__ or error.__context__
     return None
 
 
@@ -1624,6 +1740,12 @@ def use_bf16(args: Args) -> bool:
     return args.precision == "bf16" or (args.precision == "auto" and args.cuda)
 
 
+def gpu_for_each_process() -> bool:
+    """--cuda's default: whether torch sees a GPU for each process on this machine (torchrun's LOCAL_WORLD_SIZE; one
+    without torchrun). With fewer GPUs than processes the default is the CPU."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
     """Rank, world size and device. Without torchrun (or with one process) no process group is created."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -1635,7 +1757,7 @@ def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
     device = torch.device("cpu")
     if args.cuda:  # one GPU per rank
         if local_rank >= torch.cuda.device_count():
-            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)", alone=True)
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if args.cuda else "gloo")
@@ -1781,7 +1903,8 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
     """Atomic: the models go to a new checkpoint-<iteration>/ directory, then checkpoint.pt, which names that
     directory, is replaced in one rename (the commit point); older checkpoint-* directories are removed after.
     A kill at any moment leaves a checkpoint.pt whose models are complete; a write the file system refuses removes
-    what this save wrote and raises WriteError on every rank. Under torchrun every rank calls it (FSDP2 shards are
+    what this save wrote and raises WriteError on every rank. checkpoint.pt holds the sha256 of every file of the
+    model directories (load_checkpoint compares). Under torchrun every rank calls it (FSDP2 shards are
     gathered into full tensors) and rank 0 writes. With LoRA (ref is AdaptersOff) policy/ (and a LoRA critic/)
     holds the adapters (peft's save_pretrained) and ref/ the base model they go on."""
     sub, path = f"checkpoint-{iteration}", os.path.join(run_dir, "checkpoint.pt")
@@ -1821,7 +1944,8 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
                 # gen: tasks and shuffles (the same on every rank); gen_dev: token sampling on CUDA / torchrun, per rank
                 "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state(), "gen_dev": dev_states},
                 "args": dataclasses.asdict(args), "kl_coef": kl_ctrl.value, "reward_running": running.state_dict(),
-                "tracker": tracker, "format": CHECKPOINT_FORMAT}
+                "tracker": tracker, "format": CHECKPOINT_FORMAT,
+                "files": model_file_digests(run_dir, [sub, "ref"])}  # (the models' files, as written)
             target = path
             with open(path + ".tmp", "wb") as f:  # (into a file object: a refused write raises from its OSError)
                 torch.save(state, f)
@@ -1844,6 +1968,13 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
     return path
 
 
+def base_weights(policy) -> dict:
+    """The state dict of a LoRA policy's base model, as the model had it before peft put the adapters in (what
+    save_pretrained writes to ref/, loadable without peft)."""
+    return {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v
+            for k, v in policy.state_dict().items() if "lora_" not in k}
+
+
 def saved_model_dir(args: Args, ckpt: Optional[dict], name: str) -> Optional[str]:
     """The save_pretrained directory of the checkpoint's model `name` (policy, ref, critic); None without one."""
     return None if ckpt is None else os.path.join(os.path.dirname(os.path.abspath(args.resume)), ckpt["model"][name])
@@ -1854,7 +1985,7 @@ _READ: dict = {}  # the last checkpoint read: parse_args reads it for the saved 
 
 def load_checkpoint(path: str) -> dict:
     """checkpoint.pt, read once per process and checked before anything uses it: the CRCs of its zip records
-    (torch.load skips them), its model directories, its keys and their types, its saved arguments' types."""
+    (torch.load skips them), its model directories and the sha256 of their files, its entries (state_problem)."""
     if not os.path.isfile(path):
         die(f"--resume: no such file {path}")
     key = (os.path.abspath(path), os.stat(path).st_mtime_ns, os.stat(path).st_size)
@@ -1873,29 +2004,48 @@ def load_checkpoint(path: str) -> dict:
         problem = state_problem(ckpt, os.path.dirname(path))
         if problem:
             die(f"checkpoint {path}: {problem}")
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # (the files are read once per machine; its rank 0 says it)
+            problem = damaged_file(ckpt, os.path.dirname(path))
+            if problem:
+                die(f"checkpoint {path}: {problem}", alone=True)
         _READ.update(key=key, ckpt=ckpt)
     return _READ["ckpt"]
 
 
 def state_problem(ckpt: dict, run_dir: str) -> Optional[str]:
-    """What is missing or of another type in a checkpoint's trainer state (an edited file, say), or None."""
-    rng = torch.get_rng_state()
-    for key, want in [("model", dict), ("model.policy", str), ("model.ref", str), ("model.critic", str),
-                      ("model.value_head", dict), ("optimizer", list), ("scheduler", list), ("global_step", int),
-                      ("iteration", int), ("rng", dict), ("rng.torch", rng), ("rng.gen", rng), ("args", dict),
-                      ("kl_coef", float), ("reward_running", dict), ("tracker", dict)]:
-        parent, _, name = key.rpartition(".")
-        holder = ckpt[parent] if parent else ckpt  # (a dict: checked before its keys)
-        if name not in holder:
-            return f"no {key!r}"
-        if torch.is_tensor(want) and not (torch.is_tensor(holder[name]) and holder[name].shape == want.shape):
-            return f"{key} is not a tensor of {want.numel()} bytes"
-        if not torch.is_tensor(want) and not fits(holder[name], want):
-            return f"{key} is {holder[name]!r:.40}, not {type_text(want)}"
-        for d in [ckpt["model"][m] for m in ("policy", "ref", "critic")] if key == "model.critic" else []:
-            if d and not any(os.path.isfile(os.path.join(run_dir, d, f))
-                             for f in ("config.json", "adapter_config.json")):  # (LoRA: adapters)
-                return f"model directory {d}/ next to it is missing"
+    """What is missing, of another type or out of range in a checkpoint's trainer state (an edited file, say), or
+    None: its model directories next to it, every entry against the layout save_checkpoint writes (schema_problem),
+    one optimizer and one scheduler state per trained model, counts and statistics in range, its saved arguments of
+    their fields' types."""
+    model = ckpt["model"] if isinstance(ckpt.get("model"), dict) else {}
+    for d in (model.get(m) for m in ("policy", "ref", "critic")):
+        if isinstance(d, str) and d and not any(os.path.isfile(os.path.join(run_dir, d, f))
+                                                for f in ("config.json", "adapter_config.json")):  # (LoRA: adapters)
+            return f"model directory {d}/ next to it is missing"
+    rng = torch.get_rng_state()  # (the size of a CPU generator's state)
+    problem = schema_problem(ckpt, {
+        "model": {"policy": str, "ref": str, "critic": str, "value_head": dict[str, torch.Tensor]},
+        "optimizer": [{"state": dict, "param_groups": [{"params": [int]}]}],
+        "scheduler": [{"last_epoch": int, "base_lrs": [float]}], "global_step": int, "iteration": int,
+        "rng": {"torch": rng, "gen": rng, "gen_dev?": [Optional[torch.Tensor]]}, "args": dict, "kl_coef": float,
+        "reward_running": {"mean": float, "var": float, "count": float},
+        "tracker": {"curve?": [(int, float, float)], "rollout?": [(int, float)]},  # [iteration, accuracies]
+        "format?": int, "files?": dict[str, str]})
+    if problem:
+        return problem
+    trained = ["policy"] + ["critic"] * bool(model["critic"]) + ["value head"] * bool(model["value_head"])
+    for key in ("optimizer", "scheduler"):
+        if len(ckpt[key]) != len(trained):
+            return f"{key} holds {len(ckpt[key])} states for the {len(trained)} trained models ({', '.join(trained)})"
+    running = ckpt["reward_running"]
+    for key, value, ok in [("iteration", ckpt["iteration"], ckpt["iteration"] >= 1),
+                           ("global_step", ckpt["global_step"], ckpt["global_step"] >= 0),
+                           ("kl_coef", ckpt["kl_coef"], math.isfinite(ckpt["kl_coef"])),
+                           ("reward_running.mean", running["mean"], math.isfinite(running["mean"])),
+                           ("reward_running.var", running["var"], 0 <= running["var"] < math.inf),
+                           ("reward_running.count", running["count"], 0 < running["count"] < math.inf)]:
+        if not ok:
+            return f"{key} is {value!r}, out of range"
     hints = typing.get_type_hints(Args, include_extras=True)
     for f in dataclasses.fields(Args):  # every saved argument of its field's type (then validate() as given)
         if f.name in ckpt["args"] and not fits(ckpt["args"][f.name], hints[f.name]):
@@ -1903,12 +2053,49 @@ def state_problem(ckpt: dict, run_dir: str) -> Optional[str]:
     return None
 
 
+def schema_problem(value, schema, where: str = "") -> Optional[str]:
+    """What in value does not fit schema, or None. A schema is a dict of key -> schema (a key ending in "?" may be
+    missing), [schema] (a list of such items), (hint, hint, ...) (a list of that many values of those types), a
+    tensor (a tensor of its shape) or a type hint (fits)."""
+    def at(key):
+        return f"{where}.{key}" if where else str(key)
+    if isinstance(schema, dict):
+        if not isinstance(value, dict):
+            return f"{where} is {value!r:.40}, not a dict"
+        for key, item in schema.items():
+            name = key.rstrip("?")
+            problem = (schema_problem(value[name], item, at(name)) if name in value
+                       else None if key.endswith("?") else f"no {at(name)!r}")
+            if problem:
+                return problem
+        return None
+    if isinstance(schema, list) and not isinstance(value, list):
+        return f"{where} is {value!r:.40}, not a list"
+    if isinstance(schema, tuple) and not (isinstance(value, (list, tuple)) and len(value) == len(schema)):
+        return f"{where} is {value!r:.40}, not [{', '.join(map(type_text, schema))}]"
+    if isinstance(schema, (list, tuple)):
+        for i, (item, hint) in enumerate(zip(value, itertools.repeat(schema[0]) if isinstance(schema, list)
+                                             else schema)):
+            problem = schema_problem(item, hint, f"{where}[{i}]")
+            if problem:
+                return problem
+        return None
+    if torch.is_tensor(schema):
+        return None if torch.is_tensor(value) and value.shape == schema.shape else (
+            f"{where} is not a tensor of {schema.numel()} bytes")
+    return None if fits(value, schema) else f"{where} is {value!r:.40}, not {type_text(schema)}"
+
+
 def fits(value, hint) -> bool:
-    """Whether value is of the type hint: int (no bool), float (int too), bool, str, list, dict, Optional, Literal."""
+    """Whether value is of the type hint: int (no bool), float (int too), bool, str, list, dict, a class, Optional,
+    Literal, dict[K, V]."""
     hint = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
     if typing.get_origin(hint) in (Literal, typing.Union):
         parts = typing.get_args(hint)
         return value in parts if typing.get_origin(hint) is Literal else any(fits(value, h) for h in parts)
+    if typing.get_origin(hint) is dict:
+        key, item = typing.get_args(hint)
+        return isinstance(value, dict) and all(fits(k, key) and fits(v, item) for k, v in value.items())
     kinds = {float: (int, float)}.get(hint, hint)
     return isinstance(value, kinds) and (hint is bool or not isinstance(value, bool))
 
@@ -1919,7 +2106,45 @@ def type_text(hint) -> str:
         parts = typing.get_args(hint)
         return ("one of " + ", ".join(parts) if typing.get_origin(hint) is Literal
                 else " or ".join(map(type_text, parts)))
+    if typing.get_origin(hint) is dict:
+        return "a dict of " + ": ".join(h.__name__ for h in typing.get_args(hint))
     return "None" if hint is type(None) else ("an " if hint is int else "a ") + hint.__name__
+
+
+_DIGESTS: dict = {}  # (path, inode, size, mtime) -> sha256 of the file: ref/, written once a run, is read once
+
+
+def file_sha256(path: str, reuse: bool = False) -> str:
+    """The file's sha256 (hex); reuse: the one found before if the file has not changed since (size, mtime)."""
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if not reuse or key not in _DIGESTS:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]
+
+
+def model_file_digests(run_dir: str, dirs: list[str]) -> dict[str, str]:
+    """sha256 of every file in run_dir's model directories dirs, by its path relative to run_dir (what checkpoint.pt
+    stores: safetensors files carry no checksum of their own). ref/ does not change after its first save."""
+    return {os.path.relpath(os.path.join(root, name), run_dir).replace(os.sep, "/"):
+            file_sha256(os.path.join(root, name), reuse=d == "ref")
+            for d in dirs for root, _, names in os.walk(os.path.join(run_dir, d)) for name in sorted(names)}
+
+
+def damaged_file(ckpt: dict, run_dir: str) -> Optional[str]:
+    """Which file of the checkpoint's model directories is missing or differs from the sha256 saved with it; None
+    where all are as saved (or the checkpoint predates the digests)."""
+    for name, digest in ckpt.get("files", {}).items():
+        path = os.path.join(run_dir, name)
+        if not os.path.isfile(path):
+            return f"{name} next to it is missing"
+        if file_sha256(path) != digest:
+            return f"{name} next to it is damaged or changed since it was saved (its sha256 differs)"
+    return None
 
 
 @contextlib.contextmanager
@@ -2040,84 +2265,14 @@ def load_reward_fn(spec: Optional[str]):
     return _REWARD_FNS[spec]
 
 
-# --- LoRA through peft: adapters on the policy (and the critic), the reference = the policy with them off -----------
-def lora_targets(args: Args):
-    return "all-linear" if args.lora_target_modules == "all-linear" else [
-        t.strip() for t in args.lora_target_modules.split(",") if t.strip()]
-
-
-def check_lora_targets(args: Args, model) -> None:
-    """Before anything is written: each name of --lora-target-modules ends the name of one of the model's modules."""
-    targets = lora_targets(args)
-    if not args.lora_rank or targets == "all-linear":
-        return
-    names = [n for n, _ in model.named_modules()]
-    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
-    if missing:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-        die(f"--lora-target-modules: no module {', '.join(missing)} in the policy (its linear layers: "
-            f"{', '.join(linear)})")
-
-
-def with_lora(model, args: Args, task_type: str, saved: Optional[str] = None):
-    """peft LoRA adapters on model (rank, alpha, target modules; dropout 0): new ones (B = 0, so the model computes
-    what it did), or those saved in the directory `saved`, trainable. A critic (TOKEN_CLS) trains its value head in
-    full (peft's modules_to_save) and keeps it out of the adapters' targets."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    head = ["classifier", "score"] if task_type == "TOKEN_CLS" else None
-    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                        target_modules=lora_targets(args), exclude_modules=head, task_type=task_type)
-    with warnings.catch_warnings():  # (peft asks transformers' deprecated is_gradient_checkpointing)
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-        if saved is None:
-            return get_peft_model(model, config)
-        return load_pretrained("LoRA adapters", saved, lambda path, trust_remote_code: PeftModel.from_pretrained(
-            model, path, is_trainable=True), args.trust_remote_code)
-
-
-class AdaptersOff(nn.Module):
-    """--lora-rank's reference policy: each forward is the policy's with its LoRA adapters switched off, i.e. its base
-    model. It holds no parameters of its own (the policy is not a submodule): no second copy in memory."""
-
-    def __init__(self, policy):
-        super().__init__()
-        self.__dict__["policy"] = policy
-
-    def forward(self, *args, **kwargs):
-        with self.policy.disable_adapter():
-            return self.policy(*args, **kwargs)
-
-
-def reference_policy(args: Args, policy, ref, ckpt: Optional[dict], device):
-    """(policy, frozen reference). Without --lora-rank: the reference is a copy of the policy as PPO starts (on
-    resume the checkpoint's ref/). With it: LoRA adapters go on the policy (new, or the checkpoint's) and the
-    reference is the policy with them off (AdaptersOff)."""
-    if not args.lora_rank:
-        return policy, disable_dropout(copy.deepcopy(policy) if ref is None else ref).to(device).eval().requires_grad_(
-            False)
-    policy = disable_dropout(with_lora(policy, args, "CAUSAL_LM", saved_model_dir(args, ckpt, "policy"))).to(device)
-    trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    print(f"LoRA: rank {args.lora_rank}, alpha {args.lora_alpha:g} on {args.lora_target_modules}: "
-          f"{trained / 1e6:.3f}M trained parameters")
-    return policy, AdaptersOff(policy)
-
-
-def base_weights(policy) -> dict:
-    """The state dict of a LoRA policy's base model, as the model had it before peft put the adapters in (what
-    save_pretrained writes to ref/, loadable without peft)."""
-    return {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v
-            for k, v in policy.state_dict().items() if "lora_" not in k}
-
-
 # --- Data files: .jsonl, .json, .parquet through Hugging Face datasets; prompt and answer columns ------------------
 DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension -> datasets' builder
 
 
-def read_rows(path: str, flag: str) -> list[dict]:
-    """Every row of a local data file, read by Hugging Face datasets (offline; its cache in a temporary directory,
-    removed: nothing is left in ~/.cache). A UTF-8 byte-order mark is allowed; a file it cannot read is one line,
-    exit 2."""
+def read_rows(path: str, flag: str) -> tuple[list[dict], dict]:
+    """Every row of a local data file and its columns' types, read by Hugging Face datasets (offline; its cache in a
+    temporary directory, removed: nothing is left in ~/.cache). A UTF-8 byte-order mark is allowed; a file it cannot
+    read is one line, exit 2."""
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
         os.environ.setdefault(var, "1")
     import datasets
@@ -2127,12 +2282,11 @@ def read_rows(path: str, flag: str) -> list[dict]:
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # (its log of a failed read: the one line below)
     try:
         with tempfile.TemporaryDirectory(prefix="ppo_llm_data_") as cache:
-            return datasets.load_dataset(kind, data_files=path, split="train", cache_dir=cache, keep_in_memory=True,
-                                         **({"encoding": "utf-8-sig"} if kind == "json" else {})).to_list()
+            data = datasets.load_dataset(kind, data_files=path, split="train", cache_dir=cache, keep_in_memory=True,
+                                         **({"encoding": "utf-8-sig"} if kind == "json" else {}))
+            return data.to_list(), data.features
     except Exception as e:  # noqa: BLE001 - whatever the reader raises, the file is bad input
-        chain = [e]
-        while (chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 20:
-            chain.append(chain[-1].__cause__ or chain[-1].__context__)
+        chain = exception_chain(e)
         if any(isinstance(x, UnicodeDecodeError) for x in chain):
             die(f"{flag} {path}: cannot read it as UTF-8 text ({reason(chain[-1])})")
         with open(path, "rb") as f:
@@ -2146,10 +2300,10 @@ def read_rows(path: str, flag: str) -> list[dict]:
 def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: str = "--dataset",
                  prompt_key: str = "prompt", answer_key: str = "answer") -> list[dict]:
     """Rows {"prompt", "answer"} of a data file: the prompt (text, or a list of chat messages {"role", "content"}
-    for the tokenizer's chat template) from column prompt_key, the answer (as text; None where missing) from
-    answer_key, a dotted path reaching into nested columns (reward_model.ground_truth). Prompts longer than
+    for the tokenizer's chat template) from column prompt_key, the answer (as text: answer_text; None where missing)
+    from answer_key, a dotted path reaching into nested columns (reward_model.ground_truth). Prompts longer than
     prompt_length tokens are dropped with a note."""
-    def column(row, key):
+    def column(row, key):  # (row: a row, or the file's column types)
         if key in row:
             return row[key]
         for part in key.split("."):
@@ -2161,9 +2315,14 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
             return f"row {i + 1}"
         with open(path, encoding="utf-8-sig") as f:
             return f"line {[n for n, line in enumerate(f, 1) if line.strip()][i]}"
-    table, rows = read_rows(path, flag), []
-    if table and all(column(r, prompt_key) is None for r in table):
-        die(f"{flag} {path}: no column {prompt_key!r} (--prompt-key); its columns: {', '.join(table[0])}")
+    (table, types), rows = read_rows(path, flag), []
+    for key, name, default in ((prompt_key, "--prompt-key", None), (answer_key, "--answer-key", Args.answer_key)):
+        if table and key != default and all(column(r, key) is None for r in table):  # (a mistyped key, say)
+            die(f"{flag} {path}: no column {key!r} ({name}); its columns: {', '.join(column_names(table[0]))}")
+    changed = answers_changed([column(r, answer_key) for r in table], column(types, answer_key))
+    if changed:
+        print(f"note: {flag} {path}: {answer_key!r} may not hold the file's answers exactly: {changed}; write every "
+              "answer as text (\"72\") to keep it as written")
     for i, row in enumerate(table):
         prompt, answer = column(row, prompt_key), column(row, answer_key)
         if isinstance(prompt, list) and prompt and all(
@@ -2176,7 +2335,7 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
                 "messages {'role', 'content'}")
         elif not prompt:
             die(f"{flag} {path} {where(i)}: empty prompt")
-        rows.append({"prompt": prompt, "answer": None if answer is None else str(answer)})
+        rows.append({"prompt": prompt, "answer": answer_text(answer)})
     if not rows:
         die(f"{flag} {path}: empty (no rows)")
     kept = [r for r in rows if len(prompt_token_ids(tok, r["prompt"], chat)) <= prompt_length]
@@ -2185,6 +2344,32 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
     if not kept:
         die(f"{flag} {path}: no prompt fits --prompt-length {prompt_length}")
     return kept
+
+
+def column_names(row: dict, prefix: str = "") -> list[str]:
+    """A row's columns, nested ones by their dotted path (reward_model.ground_truth), as --answer-key reaches them."""
+    return [name for key, value in row.items() for name in (column_names(value, f"{prefix}{key}.")
+                                                            if isinstance(value, dict) and value else [prefix + key])]
+
+
+def answer_text(value) -> Optional[str]:
+    """An answer as text: text as the file has it; a number as the file writes it, but for floats that are whole
+    numbers, written as integers (datasets reads the 72 of a JSON column that also holds 2.5 as 72.0); None as None.
+    (A float past 2**53 is a whole number that may not be the file's: load_dataset notes it.)"""
+    if value is None or isinstance(value, str):
+        return value
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def answers_changed(answers: list, kind) -> Optional[str]:
+    """What datasets' JSON reader may have changed in an answer column (kind: the column's type there), or None: whole
+    numbers past 2**53 read as floats (a number past int64, or one in a column that also holds decimals), numbers
+    beside text read as JSON values."""
+    big = [a for a in answers if isinstance(a, float) and a.is_integer() and abs(a) >= 2**53]
+    changed = [f"{len(big)} whole number(s) past 2**53 read as floats (now {answer_text(big[0])})"] if big else []
+    if type(kind).__name__ == "Json":  # (datasets.Json: the reader's type for a column of mixed types)
+        changed.append("numbers beside text read as JSON values (the text '01' becomes 1)")
+    return "; ".join(changed) or None
 
 
 # --- Local models: loaded, with the checks that turn a model that cannot work here into one line (exit 2) ----------
@@ -2224,6 +2409,33 @@ def check_positions(model, length: int, source: str) -> None:
           f"max_position_embeddings ({limit})")
 
 
+def check_models(args: Args, policy, ckpt: Optional[dict]) -> None:
+    """Before anything is written, and before the warm start: what build_critic and reference_policy will make of
+    the policy, made now of skeletons on the meta device (no memory, no weights): a separate critic of its class, and
+    LoRA adapters, new on --lora-target-modules or the checkpoint's, loaded. What fails is one line, exit 2."""
+    check_lora_targets(args, policy)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*non-meta parameter")  # (saved adapter weights go nowhere here)
+        critic = value_model(policy.config) if args.critic == "separate" else None
+        if args.lora_rank:
+            with_lora(type(policy)(policy.config), args, "CAUSAL_LM", saved_model_dir(args, ckpt, "policy"))
+        if args.critic_lora:
+            with_lora(critic, args, "TOKEN_CLS", saved_model_dir(args, ckpt, "critic"))
+
+
+def check_lora_targets(args: Args, model) -> None:
+    """Before anything is written: each name of --lora-target-modules ends the name of one of the model's modules."""
+    targets = lora_targets(args)
+    if not args.lora_rank or targets == "all-linear":
+        return
+    names = [n for n, _ in model.named_modules()]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        die(f"--lora-target-modules: no module {', '.join(missing)} in the policy (its linear layers: "
+            f"{', '.join(linear)})")
+
+
 def load_reward_model(args: Args, tok, device):
     """--reward-model-path, checked before anything is written: a trained score head in its weights (Hugging Face
     gives a causal LM a random one), num_labels 1, embeddings for every token of the tokenizer it reads (its own,
@@ -2240,9 +2452,13 @@ def load_reward_model(args: Args, tok, device):
                                    args.trust_remote_code, output_loading_info=True)
     finally:
         hf_logging.set_verbosity(verbosity)
-    if info["missing_keys"]:
-        die(f"--reward-model-path {path}: its score head ({', '.join(sorted(info['missing_keys'])[:2])}) is not in "
-            "its weights: a causal LM or a base model, not a trained reward model")
+    missing, heads = sorted(info["missing_keys"]), {n for n, _ in rm.named_children()} - {rm.base_model_prefix}
+    if missing and all(k.split(".")[0] in heads for k in missing):
+        die(f"--reward-model-path {path}: its score head ({', '.join(missing[:2])}) is not in its weights: a causal "
+            "LM or a base model, not a trained reward model")
+    if missing:
+        die(f"--reward-model-path {path}: weights not in its files: {', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''} ({len(missing)} in all; Hugging Face would make them up at random)")
     if rm.config.num_labels != 1:
         die(f"--reward-model-path {path}: {rm.config.num_labels} labels; a reward model gives one score (num_labels=1)")
     own = os.path.isfile(os.path.join(path, "tokenizer_config.json"))
@@ -2336,7 +2552,7 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
         saved = load_checkpoint(resume)["args"]
         default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
         default.resume = resume
-        if default.cuda and not torch.cuda.is_available():  # written on a GPU, resumed where there is none
+        if default.cuda and not gpu_for_each_process():  # written on a GPU, resumed where there is none (enough)
             default.cuda, gpu_gone = False, True  # (--cuda by name is refused in validate)
     err = io.StringIO()
     try:
@@ -2360,7 +2576,9 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
     with contextlib.redirect_stdout(io.StringIO()) if rank > 0 else contextlib.nullcontext():
         resolve_implied(args, given_fields(argv))
         if gpu_gone and not args.cuda:
-            print(f"note: {resume} was written on a GPU and torch finds none here: the run resumes on the CPU")
+            found = (f"{torch.cuda.device_count()} for {os.environ.get('LOCAL_WORLD_SIZE')} processes"
+                     if torch.cuda.is_available() else "none")
+            print(f"note: {resume} was written on a GPU and torch finds {found} here: the run resumes on the CPU")
     for name in ("lora_rank", "lora_alpha", "lora_target_modules", "critic_lora") if resume is not None else ():
         was = saved.get(name, getattr(Args, name))  # (the saved adapters are of that shape)
         if getattr(args, name) != was:
@@ -2498,6 +2716,10 @@ def validate(args: Args) -> None:
         die(f"--eval-prompts {args.eval_prompts}: the synthetic task holds out at most 10000 of its 100000 prompts")
     if args.cuda and not torch.cuda.is_available():
         die("--cuda given but torch finds no CUDA device (without the flag the script uses the GPU if there is one)")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if args.cuda and world > 1 and torch.cuda.device_count() < local_world:
+        die(f"--cuda: {local_world} processes on this machine, {torch.cuda.device_count()} GPU(s): one GPU each "
+            "(--no-cuda runs them on the CPU)")
     if args.reward_fn is not None and args.reward_fn not in REWARD_RULES:
         path, _, name = args.reward_fn.rpartition(":")
         if not path.endswith(".py") or not name.isidentifier():

@@ -76,7 +76,7 @@ def llm_args(**kw):
     import ppo_llm
 
     base = dict(n=2, rollout_batch_size=4, ppo_mini_batch_size=4, micro_batch_size=2, response_length=LLM_R,
-                critic="none", adv_estimator="grpo", use_kl_in_reward=True)
+                critic="none", adv_estimator="grpo", use_kl_in_reward=True, cuda=False)
     return ppo_llm.Args(**{**base, **kw})
 
 

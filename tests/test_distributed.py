@@ -147,7 +147,7 @@ def test_ppo_llm_two_ranks_equal_one_process_on_the_whole_batch(tmp_path, strate
 def test_ppo_llm_trains_stops_and_resumes_under_torchrun(tmp_path):
     tiny = ["--sft-steps", "5", "--eval-prompts", "8", "--rollout-batch-size", "4", "--group-size", "2",
             "--ppo-mini-batch-size", "2", "--micro-batch-size", "2", "--num-iterations", "3", "--tiny-hidden-size",
-            "128", "--tiny-num-layers", "2", "--torch-threads", "1"]
+            "128", "--tiny-num-layers", "2", "--torch-threads", "1", "--no-cuda"]
     ckpt, state = stop_after_one_iteration("ppo_llm.py", tiny, tmp_path)
     assert state["global_step"] == 8 and len(state["rng"]["gen_dev"]) == 2  # 4 prompts x 2 responses, all ranks
     # checkpoints are full: FSDP2 (2 ranks) -> one plain process -> FSDP2 again

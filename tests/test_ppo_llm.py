@@ -22,7 +22,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 SMALL = (128, 2)  # hidden size, layers: a 0.34M model for the tests (the default is 2M)
 TINY = ["--sft-steps", "5", "--eval-prompts", "8", "--rollout-batch-size", "4", "--n", "2",
         "--ppo-mini-batch-size", "2", "--micro-batch-size", "2", "--num-iterations", "2", "--no-save-model",
-        "--tiny-hidden-size", "128", "--tiny-num-layers", "2", "--torch-threads", "1"]
+        "--tiny-hidden-size", "128", "--tiny-num-layers", "2", "--torch-threads", "1", "--no-cuda"]  # (GPU hosts too)
 
 
 def hand_batch(seed=0, B=6, T=5):
@@ -286,7 +286,7 @@ def test_reward_clip_also_clips_token_rewards_after_the_kl_penalty():
     maskf = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     kld = torch.tensor([[20.0, 0.5, -30.0], [1.0, -1.0, 7.0]]) * maskf
     args = P.parse_args(["--adv-estimator", "reinforce_plus_plus", "--critic", "none", "--reward-clip", "2",
-                         "--init-kl-coef", "0.1", "--gamma", "1"])
+                         "--init-kl-coef", "0.1", "--gamma", "1", "--no-cuda"])
     ctrl = P.FixedKLController(args.init_kl_coef)
     _, ret, scores, _ = P.rewards_and_advantages(raw, maskf, torch.zeros_like(maskf), kld, args, ctrl,
                                                    P.RunningMoments())
@@ -442,7 +442,7 @@ def acc_setup(tiny):
     critic = P.make_critic(m)
     torch.nn.init.normal_([x for x in critic.modules() if isinstance(x, torch.nn.Linear)][-1].weight, std=0.1)
     base = P.Args(rollout_batch_size=4, n=2, ppo_mini_batch_size=4, use_kl_loss=True, entropy_coeff=0.01,
-                  micro_batch_size=8)
+                  micro_batch_size=8, cuda=False)
     return m, critic, base, make_update_batch(tok, m, base, critic)
 
 
@@ -494,7 +494,7 @@ def test_full_kl_loss_recomputes_the_reference_per_micro_batch(acc_setup):
 def test_first_minibatch_ratio_is_exactly_one(tiny_copy):
     tok, m = tiny_copy
     args = P.Args(rollout_batch_size=8, n=2, ppo_mini_batch_size=2, micro_batch_size=2, critic="none",
-                  adv_estimator="grpo", ppo_epochs=2)
+                  adv_estimator="grpo", ppo_epochs=2, cuda=False)
     batch = make_update_batch(tok, m, args)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -508,7 +508,7 @@ def test_first_minibatch_ratio_with_another_logprob_forward_size_is_one_up_to_ro
     may differ from the update's in the last bits; the first ratio is then 1 to within float rounding."""
     tok, m = tiny_copy
     args = P.Args(rollout_batch_size=8, n=2, ppo_mini_batch_size=2, micro_batch_size=2, critic="none",
-                  adv_estimator="grpo", ppo_epochs=1)
+                  adv_estimator="grpo", ppo_epochs=1, cuda=False)
     batch = make_update_batch(tok, m, args, forward_chunk=16)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -519,7 +519,8 @@ def test_first_minibatch_ratio_with_another_logprob_forward_size_is_one_up_to_ro
 @pytest.mark.parametrize("critic", ["separate", "shared"])
 def test_critic_warmup_leaves_the_actor_and_its_lr_warmup_alone(tiny_copy, critic):
     tok, m = tiny_copy
-    args = P.Args(rollout_batch_size=4, n=2, ppo_mini_batch_size=2, micro_batch_size=4, critic=critic)
+    args = P.Args(rollout_batch_size=4, n=2, ppo_mini_batch_size=2, micro_batch_size=4, critic=critic,
+                  cuda=False)
     model = P.make_critic(m) if critic == "separate" else torch.nn.Linear(m.config.hidden_size, 1)
     batch = make_update_batch(tok, m, args)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2), torch.optim.AdamW(model.parameters(), lr=1e-2)]
@@ -740,7 +741,8 @@ def test_notes_of_implied_options_are_printed_by_rank_0_alone(monkeypatch, capsy
 
 
 def test_a_resumed_grpo_run_keeps_its_whitening():
-    args = P.Args(adv_estimator="grpo", critic="none", resume="run/checkpoint.pt")  # saved with --whiten-advantages
+    # saved with --whiten-advantages
+    args = P.Args(adv_estimator="grpo", critic="none", resume="run/checkpoint.pt", cuda=False)
     P.resolve_implied(args, set())
     assert args.whiten_advantages
 
@@ -758,6 +760,22 @@ def test_whitening_would_make_rloo_the_same_as_reinforce_plus_plus_baseline():
     white, _ = P.compute_advantages("rloo", tr, mask, groups, whiten=True)
     base, _ = P.compute_advantages("reinforce_plus_plus_baseline", tr, mask, groups)
     assert torch.allclose(white, base, atol=1e-5) and not torch.allclose(rloo, base, atol=1e-2)
+
+
+def test_what_ppo_computes_lies_above_the_banner():
+    """The banner says that nothing below it changes what PPO computes: the KL reference (with LoRA, the policy with
+    its adapters off) is above it, main() stays short, and generation comes early in the file."""
+    import ast
+
+    source = open(SCRIPT).read()
+    banner = next(i for i, line in enumerate(source.splitlines(), 1)
+                  if line.startswith("# Plumbing: nothing below this line changes what PPO computes"))
+    defs = {n.name: n for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    for name in ("reference_policy", "AdaptersOff", "with_lora", "lora_targets", "build_critic", "main"):
+        assert defs[name].lineno < banner, name
+    for name in ("save_checkpoint", "parse_args", "load_dataset", "check_models"):
+        assert defs[name].lineno > banner, name
+    assert defs["main"].end_lineno - defs["main"].lineno + 1 <= 160 and defs["generate"].lineno < 550
 
 
 # ----- bad input: one line, exit 2 ----------------------------------------------------------------------------
@@ -839,6 +857,39 @@ def test_default_model_has_a_few_million_parameters():
     a = P.Args()
     m = P.build_tiny_model(P.build_char_tokenizer(), 0, a.tiny_hidden_size, a.tiny_num_layers)
     assert 1.5e6 < sum(p.numel() for p in m.parameters()) < 1e7
+
+
+def field_help(name: str) -> str:
+    """The help text of an Args field, as --help shows it: the docstring under the field in ppo_llm.py."""
+    source = open(SCRIPT).read()
+    found = re.search(rf"^    {name}: [^\n]*\n    \"\"\"(.*?)\"\"\"", source, re.M | re.S)
+    return " ".join(found.group(1).split())
+
+
+def test_help_texts_say_what_the_options_do():
+    assert "response == answer" not in field_help("reward_model_path") and "--reward-fn" in field_help(
+        "reward_model_path")  # (the rule reward is --reward-fn's: exact, math or a function)
+    assert "unless the run is resumed" in field_help("eval_every")  # (a resumed run is not evaluated before)
+    assert "A warm start (--sft-steps) trains every parameter" in field_help("lora_rank")
+
+
+def test_the_gsm8k_commands_of_the_docs_would_run():
+    """The GSM8K + LoRA commands of ppo_llm.py's docstring and docs/ppo_llm.md: prompts that fit GSM8K in a chat
+    template (the default 16 tokens drops every one: exit 2), room for a worked answer, verl's answer column, and no
+    warm start (on verl's ground truths it would teach bare numbers, and with LoRA it trains every parameter)."""
+    import shlex
+
+    import tyro
+
+    docs = open(os.path.join(os.path.dirname(SCRIPT), "docs", "ppo_llm.md")).read()
+    commands = [line.split("python ppo_llm.py", 1)[1] for text in (P.__doc__, docs)
+                for line in re.sub(r"\\\n\s*", " ", text).splitlines()
+                if "python ppo_llm.py" in line and "--reward-fn math" in line]
+    assert len(commands) == 3, commands  # the docstring's, the doc's first block and its real-task command
+    for command in commands:
+        args = tyro.cli(P.Args, args=P.bool_values(shlex.split(command.split(" #")[0])))
+        assert args.answer_key == "reward_model.ground_truth" and args.prompt_length >= 256, command
+        assert args.response_length >= 256 and args.sft_steps == 0 and args.lora_rank > 0, command
 
 
 def test_counts_parse():
@@ -1177,8 +1228,8 @@ def test_checkpoint_killed_during_save_keeps_the_previous_one(tmp_path, monkeypa
     tok = P.build_char_tokenizer()
     m = P.build_tiny_model(tok, 0, *SMALL)
     critic = P.make_critic(m)
-    opt = [torch.optim.AdamW(m.parameters(), lr=1e-3)]
-    sch = [torch.optim.lr_scheduler.LambdaLR(opt[0], lambda s: 1.0)]
+    opt = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in (m, critic)]  # (one per trained model)
+    sch = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for o in opt]
     args = P.parse_args(TINY)
     save = lambda it: P.save_checkpoint(str(tmp_path), m, m, critic, None, tok, opt, sch, args, it * 8, it,  # noqa
                                         torch.Generator(), P.FixedKLController(0.1), P.RunningMoments(), {})
@@ -1279,10 +1330,11 @@ def test_a_causal_lm_or_a_two_label_model_is_refused_as_reward_model(tmp_path, c
         assert needle in err and not (tmp_path / "runs").exists()
 
 
-def test_a_reward_model_scores_the_last_real_token_whatever_its_config_calls_padding(tmp_path):
+@pytest.mark.parametrize("head", ["linear", "mlp"])
+def test_a_reward_model_scores_the_last_real_token_whatever_its_config_calls_padding(tmp_path, head):
     """The reward model's config names "1" its pad token, its tokenizer pads with <pad>: Hugging Face's own pooling
     reads padding, so that a row's score depends on the rows beside it. Scored here batched == each row alone == the
-    score head on the last real token's hidden state (the plain reference)."""
+    score head on the last real token's hidden state (the plain reference), whether the head is a Linear or not."""
     from transformers import LlamaForSequenceClassification
 
     tok = P.build_char_tokenizer()
@@ -1290,6 +1342,8 @@ def test_a_reward_model_scores_the_last_real_token_whatever_its_config_calls_pad
     cfg.num_labels, cfg.pad_token_id = 1, tok.convert_tokens_to_ids("1")
     torch.manual_seed(1)
     rm = LlamaForSequenceClassification(cfg).eval()
+    if head == "mlp":  # (a head of another shape, as a custom reward model may have)
+        rm.score = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     prompts, responses = ["31415=", "7=", "20="], ["11345", "7", "02<eos>"]
     batched = P.reward_model_scores(rm, tok, prompts, responses)
     alone = torch.cat([P.reward_model_scores(rm, tok, [p], [r]) for p, r in zip(prompts, responses)])
@@ -1301,6 +1355,19 @@ def test_a_reward_model_scores_the_last_real_token_whatever_its_config_calls_pad
     with torch.no_grad():  # what the check guards against: Hugging Face's pooling of the same batch
         hf = rm(**enc).logits[:, 0]
     assert (hf - batched).abs().max() > 1e-3
+
+
+def test_a_reward_model_with_weights_missing_from_its_files_says_which(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    rm = gpt2_reward_model(tmp_path / "rm")
+    weights = load_file(rm / "model.safetensors")
+    del weights["transformer.h.0.mlp.c_fc.weight"]  # (a trunk weight, not the score head)
+    save_file(weights, rm / "model.safetensors", metadata={"format": "pt"})
+    err = one_line_exit(capsys, 2, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path / "runs"),
+                                                         "--reward-model-path", str(rm)]))
+    assert "weights not in its files: transformer.h.0.mlp.c_fc.weight (1 in all; Hugging Face would make them up at " \
+           "random)" in err and "score head" not in err, err
 
 
 def test_explained_variance_against_a_plain_reference_and_with_returns_that_do_not_vary():
@@ -1336,7 +1403,24 @@ def test_a_reward_model_with_prompts_without_answers_logs_no_accuracy(tmp_path, 
     assert "note: no evaluation: no row of --dataset has an 'answer'" in out and "training also samples" not in out
 
 
-def test_an_empty_dataset_says_so_and_a_byte_order_mark_is_no_data(tmp_path, capsys):
+def test_an_answer_key_that_reaches_no_row_is_one_line_error_with_a_reward_model(tmp_path, capsys):
+    """With a reward model nothing else would say it: the rule part of the score is 0 for every row."""
+    rm = gpt2_reward_model(tmp_path / "rm")
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": r["prompt"], "reward_model": {"ground_truth": r["answer"]}}
+                                             for r in P.make_problems(8, torch.Generator())])
+    argv = [*TINY, "--runs-dir", str(tmp_path / "runs"), "--dataset", str(data), "--reward-model-path", str(rm)]
+    err = one_line_exit(capsys, 2, P.main, P.parse_args([*argv, "--reward-fn", "math", "--answer-key",
+                                                         "reward_model.ground_truht"]))
+    assert "d.jsonl: no column 'reward_model.ground_truht' (--answer-key); its columns: prompt, " \
+           "reward_model.ground_truth" in err, err
+    err = one_line_exit(capsys, 2, P.main, P.parse_args([*argv, "--reward-fn", "math"]))  # (the default key)
+    assert "--reward-fn math scores responses against answers: no row of --dataset" in err and "has 'answer'" in err
+    assert not (tmp_path / "runs").exists()
+    res = P.main(P.parse_args([*argv, "--answer-key", "reward_model.ground_truth", "--reward-fn", "math"]))
+    assert "rollout/rule_reward_mean" in res["metrics"] and "rollout/accuracy" in res["metrics"]
+
+
+def test_an_empty_dataset_says_so_and_a_byte_order_mark_is_allowed(tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("\n  \n")
     err = one_line_exit(capsys, 2, P.main, P.parse_args([*TINY, "--runs-dir", str(tmp_path / "r"), "--dataset",
                                                          str(tmp_path / "empty.jsonl")]))
@@ -1372,6 +1456,8 @@ def test_a_resumed_critic_that_does_not_load_is_one_line_error(tmp_path, capsys)
     state = torch.load(part["checkpoint"], weights_only=True)
     with open(os.path.join(part["run_dir"], state["model"]["critic"], "model.safetensors"), "wb") as f:
         f.write(b"\x08" + b"\x00" * 7)
+    del state["files"]  # (as written before the sha256 digests, which find the damage first: they are tested below)
+    torch.save(state, part["checkpoint"])
     err = one_line_exit(capsys, 2, P.main, P.parse_args(["--resume", part["checkpoint"]]))
     assert f"cannot load a critic from {os.path.join(part['run_dir'], state['model']['critic'])}: " in err
 
@@ -1508,8 +1594,8 @@ def test_a_full_disk_while_writing_the_models_removes_what_the_save_wrote(tmp_pa
     tok = P.build_char_tokenizer()
     m = P.build_tiny_model(tok, 0, 32, 1)
     critic = P.make_critic(m)
-    opt = [torch.optim.AdamW(m.parameters(), lr=1e-3)]
-    sch = [torch.optim.lr_scheduler.LambdaLR(opt[0], lambda s: 1.0)]
+    opt = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in (m, critic)]  # (one per trained model)
+    sch = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for o in opt]
     args = P.parse_args(TINY)
     save = lambda it: P.save_checkpoint(str(tmp_path), m, m, critic, None, tok, opt, sch, args, it * 8, it,  # noqa
                                         torch.Generator(), P.FixedKLController(0.1), P.RunningMoments(), {})
@@ -1530,6 +1616,17 @@ def test_a_full_disk_while_writing_the_models_removes_what_the_save_wrote(tmp_pa
     with pytest.raises(ZeroDivisionError):
         save(3)
     assert P.write_failure(OSError(errno.EDQUOT, "Disk quota exceeded")) == "Disk quota exceeded"
+    try:  # the chain that write_failure and read_rows walk: raised from, or while handling
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as first:
+            raise ValueError("second") from first
+    except ValueError as second:
+        try:
+            raise RuntimeError("third")
+        except RuntimeError as third:
+            assert [type(x) for x in P.exception_chain(third)] == [RuntimeError, ValueError, OSError]
+            assert P.write_failure(third) == "No space left on device"
 
 
 def test_a_full_disk_under_tensorboard_is_one_line_without_a_thread_traceback(tmp_path, monkeypatch, capsys):
@@ -1565,6 +1662,13 @@ def flip_a_bit_in_a_tensor(path):
     return info.filename
 
 
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """A run stopped after its first iteration (--critic separate): its directory, to be copied and damaged."""
+    path = tmp_path_factory.mktemp("stopped")
+    return P.main(P.parse_args([*TINY, "--runs-dir", str(path), "--stop-after", "1"]))["run_dir"]
+
+
 @pytest.mark.parametrize("edit,needle", [
     ("flip", "is damaged (record '{record}' fails its CRC check)"),
     (lambda c: c["args"].update(n="abc"), "args.n is 'abc', not an int"),
@@ -1575,16 +1679,47 @@ def flip_a_bit_in_a_tensor(path):
     (lambda c: c["rng"].pop("torch"), "no 'rng.torch'"),
     (lambda c: c["rng"].update(torch=c["rng"]["torch"][:100]), "rng.torch is not a tensor of 5056 bytes"),
     (lambda c: c.update(global_step="16"), "global_step is '16', not an int"),
+    # each entry of the trainer state against the layout that save_checkpoint writes
+    (lambda c: c.update(format="2"), "format is '2', not an int"),
+    (lambda c: c["tracker"].update(rollout=3), "tracker.rollout is 3, not a list"),
+    (lambda c: c["tracker"].update(curve="x"), "tracker.curve is 'x', not a list"),
+    (lambda c: c["tracker"]["curve"].append([1, "x"]), "tracker.curve[1] is [1, 'x'], not [an int, a float, a float]"),
+    (lambda c: c.update(optimizer=["a", "b"]), "optimizer[0] is 'a', not a dict"),
+    (lambda c: c.update(scheduler=[]), "scheduler holds 0 states for the 2 trained models (policy, critic)"),
+    (lambda c: c["optimizer"].pop(), "optimizer holds 1 states for the 2 trained models (policy, critic)"),
+    (lambda c: c["rng"].update(gen_dev="abc"), "rng.gen_dev is 'abc', not a list"),
+    (lambda c: c.update(iteration=-3), "iteration is -3, out of range"),
+    (lambda c: c.update(kl_coef=float("nan")), "kl_coef is nan, out of range"),
+    (lambda c: c["reward_running"].update(count=-5.0), "reward_running.count is -5.0, out of range"),
+    (lambda c: c["files"].update({"checkpoint-1/policy/model.safetensors": "0" * 64}),
+     "checkpoint-1/policy/model.safetensors next to it is damaged or changed since it was saved"),
+    # the models' files: safetensors has no checksum of its own; checkpoint.pt holds their sha256
+    ("flip checkpoint-1/policy/model.safetensors",
+     "checkpoint-1/policy/model.safetensors next to it is damaged or changed since it was saved (its sha256 differs)"),
+    ("flip ref/model.safetensors", "ref/model.safetensors next to it is damaged or changed since it was saved"),
+    ("remove checkpoint-1/critic/model.safetensors", "checkpoint-1/critic/model.safetensors next to it is missing"),
 ])
-def test_a_damaged_or_edited_checkpoint_is_one_line_error(tmp_path, capsys, edit, needle):
-    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1"]))
-    path = part["checkpoint"]
+def test_a_damaged_or_edited_checkpoint_is_one_line_error(stopped_run, tmp_path, capsys, edit, needle):
+    import shutil
+
+    run = shutil.copytree(stopped_run, tmp_path / "run")
+    path = str(run / "checkpoint.pt")
     if edit == "flip":
         import zipfile
 
         needle = needle.format(record=flip_a_bit_in_a_tensor(path))
         assert zipfile.ZipFile(path).testzip() is not None
         torch.load(path, weights_only=True)  # what the check guards against: torch.load takes it silently
+    elif isinstance(edit, str) and edit.startswith("flip "):
+        from transformers import AutoModelForCausalLM
+
+        model = run / edit.split()[1]
+        data = bytearray(model.read_bytes())
+        data[len(data) // 2] ^= 0x10  # one bit of a stored weight
+        model.write_bytes(bytes(data))
+        AutoModelForCausalLM.from_pretrained(model.parent)  # what the check guards against: it loads silently
+    elif isinstance(edit, str):  # remove FILE
+        os.remove(run / edit.split()[1])
     else:
         state = torch.load(path, weights_only=True)
         edit(state)
@@ -1648,6 +1783,14 @@ MATH_CASES = [  # (response, reference answer, reward): the GSM8K / MATH rule
     ("\\boxed{ x+1 }", "x+1", 1.0), ("\\boxed{x + 1}", "x+1", 0.0),  # strings: stripped, not normalised
     ("The solution gives 5", "so it is \\boxed{5}", 1.0),  # a MATH solution as the reference: its \boxed{}
     ("12", None, 0.0),  # no reference answer
+    ("The answer is 1e5", "5", 0.0), ("The answer is 1e5", "1e5", 1.0), ("so 1.5e3", "3", 0.0),  # one token, as text
+    ("the score was 3-2", "-2", 0.0), ("the score was 3-2", "2", 1.0),  # a minus after a digit is no sign
+    ("on 2023-11-25", "-25", 0.0), ("on 2023-11-25", "25", 1.0), ("x-3", "-3", 0.0), ("so (-3)", "-3", 1.0),
+    ("\\boxed{1,2}", "12", 0.0), ("It is 1,0000", "10000", 0.0), ("\\boxed{1{,}000}", "1000", 1.0),  # thousands
+    ("\\boxed{2 3}", "23", 0.0), ("\\boxed{- 3}", "-3", 1.0),  # spaces between digits are not removed
+    ("50%", "50%", 1.0), ("\\boxed{10}", "10\\%", 1.0), ("\\boxed{50\\%}", "50", 1.0),  # percent signs stripped
+    ("\\boxed{{5}}", "5", 1.0), ("\\boxed{{x}}", "x", 1.0), ("\\boxed{{1}{2}}", "12", 0.0),  # braces around it all
+    ("\u22123 degrees", "-3", 1.0), ("\\boxed{\u22121/2}", "-0.5", 1.0),  # a Unicode minus
 ]
 
 
@@ -1664,6 +1807,10 @@ def test_math_number_and_boxed_content():
         1234, 5, Fraction(-7, 2), 42, Fraction(7, 8), Fraction(1, 2), Fraction(-3, 4), Fraction(1, 2), None, None,
         None, None]
     assert P.boxed_content("a \\boxed{\\frac{1}{2}} b") == "\\frac{1}{2}" and P.boxed_content("\\boxed{{x}") is None
+    assert [P.math_number(s) for s in ("1,2", "2 3", "1 000", "1\\,000", "{7}", "\u22127", "12%", "1,234,567.5")] == [
+        None, None, None, 1000, 7, -7, 12, Fraction(2469135, 2)]
+    assert P.NUMBER.findall("3-2 on 2023-11-25, -4 and 1e-5; x1,234,5678") == ["3", "2", "2023", "11", "25", "-4", "1e-5",
+                                                                                 "1,234", "5678"]
 
 
 def test_pass_at_k_against_a_count_over_all_k_subsets():
@@ -1720,7 +1867,10 @@ def test_a_reward_function_that_cannot_be_imported_is_exit_2_before_anything_is_
 
 @pytest.mark.parametrize("body,needle", [("raise ValueError('no verdict')", "raised ValueError: no verdict"),
                                          ("return float('nan')", "returned nan, not a finite number"),
-                                         ("return 'yes'", "returned 'yes', not a finite number")])
+                                         ("return 'yes'", "returned 'yes', not a finite number"),
+                                         ("return 10**400", f"returned {'1' + '0' * 39}, not a finite number"),
+                                         ("raise SystemExit(3)", "raised SystemExit: 3 on the prompt"),
+                                         ("import sys; sys.exit()", "raised SystemExit on the prompt")])
 def test_a_reward_function_that_fails_stops_the_run_naming_the_prompt(tmp_path, capsys, body, needle):
     fn = write_reward_fn(tmp_path / "r.py", f"if len(CALLS) > 24:\n    {body}\nreturn 0.0")  # 16 evaluated, 8 in iteration 1
     err = one_line_exit(capsys, 1, lambda a: P.main(P.parse_args(a)), [
@@ -1785,6 +1935,33 @@ def test_data_files_through_datasets_keys_and_formats(tmp_path, capsys):
     assert "d.csv: not a .jsonl, .json or .parquet file" in err
 
 
+def test_answers_read_by_datasets_keep_their_text_and_their_integers(tmp_path, capsys):
+    """datasets reads a JSON column of 72 and 2.5 as floats (72.0), and a number past int64 as a float: answers are
+    text as the file has it, integers as integers, and a note says where the reader could not keep them exactly."""
+    tok = P.build_char_tokenizer()
+
+    def answers(name, lines):
+        (tmp_path / name).write_text("".join(f'{{"prompt": "{i}=", "answer": {a}}}\n' for i, a in enumerate(lines)))
+        capsys.readouterr()
+        rows = P.load_dataset(str(tmp_path / name), tok, 16)
+        return [r["answer"] for r in rows], capsys.readouterr().out
+    got, out = answers("mixed.jsonl", ["72", "2.5", "null", "-3", "1e5"])
+    assert got == ["72", "2.5", None, "-3", "100000"] and out == ""  # (the old reader: "72", not "72.0")
+    assert P.rule_reward(got[0], "72") == 1.0  # the exact rule scores the right response right again
+    got, out = answers("text.jsonl", ['"01"', '"72.0"', '" 7 "', '"1e5"'])
+    assert got == ["01", "72.0", " 7 ", "1e5"] and out == ""  # text: as written
+    got, out = answers("big.jsonl", ["12345678901234567890", "7"])
+    assert got == ["12345678901234567168", "7"]  # (a float: the file's last digits are gone)
+    assert out.count("\n") == 1 and "note: --dataset" in out and "1 whole number(s) past 2**53 read as floats (now " \
+        "12345678901234567168); write every answer as text" in out, out
+    got, out = answers("both.jsonl", ['"01"', "2"])
+    assert out.count("\n") == 1 and "numbers beside text read as JSON values" in out, out
+    write_parquet(tmp_path / "f.parquet", [{"prompt": "1=", "answer": 72.0, "n": 3}, {"prompt": "2=", "answer": 2.5,
+                                                                                     "n": 4}])
+    assert [r["answer"] for r in P.load_dataset(str(tmp_path / "f.parquet"), tok, 16)] == ["72", "2.5"]
+    assert [r["answer"] for r in P.load_dataset(str(tmp_path / "f.parquet"), tok, 16, answer_key="n")] == ["3", "4"]
+
+
 def test_data_files_leave_no_cache_behind(tmp_path, monkeypatch):
     import tempfile
 
@@ -1805,9 +1982,15 @@ def test_verl_parquet_with_chat_prompts_math_reward_and_pass_at_k(tmp_path, monk
     tok.chat_template = CHAT
     P.build_tiny_model(tok, 3, *SMALL).save_pretrained(tmp_path / "lm")
     tok.save_pretrained(tmp_path / "lm")
-    train = write_parquet(tmp_path / "train.parquet", verl_rows(P.make_problems(16, torch.Generator().manual_seed(0))))
+
+    def smallest_digit(problems):  # a one-digit ground truth (a number, as GSM8K's): one a tiny model gets right
+        return [{**r, "answer": r["answer"][0]} for r in problems]
+    train = write_parquet(tmp_path / "train.parquet", verl_rows(smallest_digit(P.make_problems(
+        16, torch.Generator().manual_seed(0)))))
     held = P.make_problems(4, torch.Generator().manual_seed(1))
-    test = write_parquet(tmp_path / "test.parquet", verl_rows(held))
+    test = write_parquet(tmp_path / "test.parquet", verl_rows(smallest_digit(held)))
+    scored, math_rule = [], P.REWARD_RULES["math"]  # every math score of the run: rollouts and evaluations
+    monkeypatch.setitem(P.REWARD_RULES, "math", lambda *a: scored.append(math_rule(*a)) or scored[-1])
     logged, prompts, encode = {}, [], P.encode_batch
 
     def spy(tok, rows, length, chat=False):
@@ -1819,12 +2002,14 @@ def test_verl_parquet_with_chat_prompts_math_reward_and_pass_at_k(tmp_path, monk
     res = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path / "runs"), "--model-name-or-path",
                                str(tmp_path / "lm"), "--train-files", str(train), "--val-files", str(test),
                                "--answer-key", "reward_model.ground_truth", "--reward-fn", "math",
-                               "--prompt-length", "24", "--eval-n", "4", "--eval-temperature", "1.5"]))
+                               "--prompt-length", "24", "--eval-n", "4", "--eval-temperature", "1.5",
+                               "--sft-steps", "30"]))
     assert len(res["curve"]) == 2 and all(math.isfinite(v) for v in res["stats"].values())
     assert prompts and all(p.startswith("<bos><user>") and p.endswith("=<assistant>") for p in prompts), prompts[:3]
     assert {"eval/pass@1", "eval/pass@2", "eval/pass@4", "eval/accuracy_greedy"} <= set(logged)
     assert 0 <= logged["eval/pass@1"] <= logged["eval/pass@2"] <= logged["eval/pass@4"] <= 1
     assert res["run_dir"].startswith(str(tmp_path / "runs" / "train__"))
+    assert 1.0 in scored and 0.0 in scored and len(scored) == 2 * 8 + 2 * (4 + 4 + 16)  # right and wrong answers
 
 
 def test_eval_n_samples_each_prompt_n_times_at_the_eval_temperature(tmp_path, monkeypatch):
@@ -1847,7 +2032,7 @@ def test_eval_n_samples_each_prompt_n_times_at_the_eval_temperature(tmp_path, mo
 def test_lora_reference_is_the_base_model_without_a_copy():
     tok = P.build_char_tokenizer()
     base = P.build_tiny_model(tok, 0, 64, 1)
-    policy = P.with_lora(P.build_tiny_model(tok, 0, 64, 1), P.Args(lora_rank=4), "CAUSAL_LM")
+    policy = P.with_lora(P.build_tiny_model(tok, 0, 64, 1), P.Args(lora_rank=4, cuda=False), "CAUSAL_LM")
     with torch.no_grad():
         for n, p in policy.named_parameters():
             if "lora_B" in n:
@@ -1936,8 +2121,41 @@ def test_lora_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
     assert "not supported under torchrun" in one_line_exit(capsys, 2, P.parse_args, ["--lora-rank", "4"])
 
 
+def test_what_the_models_become_is_checked_before_the_run_directory_and_the_warm_start(tmp_path, capsys,
+                                                                                      monkeypatch):
+    """A separate critic of a class transformers lacks, LoRA on modules peft cannot adapt, saved adapters that do not
+    load: one line, exit 2, before a run directory is made (or taken, on resume) and before the warm start."""
+    from transformers import CodeGenConfig, CodeGenForCausalLM
+
+    tok = P.build_char_tokenizer()
+    CodeGenForCausalLM(CodeGenConfig(n_layer=1, n_embd=32, n_head=2, vocab_size=len(tok), n_positions=64,
+                                     rotary_dim=8)).save_pretrained(tmp_path / "codegen")  # (no ...ForTokenClassification)
+    tok.save_pretrained(tmp_path / "codegen")
+    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path / "lora"), "--stop-after", "1", "--lora-rank", "4"]))
+    state = torch.load(part["checkpoint"], weights_only=True)
+    (tmp_path / "lora" / os.path.basename(part["run_dir"]) / state["model"]["policy"] / "adapter_config.json"
+     ).write_text("{not json")
+    del state["files"]  # (as written before the sha256 digests, which would find the change first)
+    torch.save(state, part["checkpoint"])
+    calls = []
+    monkeypatch.setattr(P, "warm_start", lambda *a, **k: calls.append("warm start"))
+    monkeypatch.setattr(P.Run, "open_dir", lambda self: calls.append("run directory"))
+    for argv, needle in [
+            (["--model-name-or-path", str(tmp_path / "codegen")], "--critic separate: no token-classification class "
+                                                                  "for codegen"),
+            (["--lora-rank", "4", "--lora-target-modules", "input_layernorm"], "--lora-target-modules input_layernorm: "
+                                                                               "no LoRA adapters on the policy ("),
+            (["--resume", part["checkpoint"]], "cannot load LoRA adapters from ")]:
+        argv = argv if argv[0] == "--resume" else [*TINY, "--runs-dir", str(tmp_path / "runs"), *argv]
+        err = one_line_exit(capsys, 2, P.main, P.parse_args(argv))
+        assert needle in err and calls == [], (err, calls)
+    assert not (tmp_path / "runs").exists()
+
+
 # ----- GPU by default --------------------------------------------------------------------------------------------
 def test_cuda_is_the_default_where_torch_sees_a_gpu(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (as here, on a GPU host too)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert not P.parse_args([]).cuda  # (no GPU here)
     assert "--cuda given but torch finds no CUDA device" in one_line_exit(capsys, 2, P.parse_args, ["--cuda"])
     part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1"]))
@@ -1950,7 +2168,28 @@ def test_cuda_is_the_default_where_torch_sees_a_gpu(tmp_path, monkeypatch, capsy
                              "resumes on the CPU" in capsys.readouterr().out
     assert "--cuda given" in one_line_exit(capsys, 2, P.parse_args, ["--resume", part["checkpoint"], "--cuda"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert P.parse_args([]).cuda and P.parse_args([]).precision == "auto" and P.use_bf16(P.parse_args([]))
     assert not P.parse_args(["--no-cuda"]).cuda and not P.Args(cuda=False).cuda
     args = P.parse_args(["--resume", part["checkpoint"]])
     assert args.cuda and "written on a GPU" not in capsys.readouterr().out  # a GPU here: it resumes on it
+
+
+def test_under_torchrun_the_gpu_is_the_default_only_with_a_gpu_for_each_process(monkeypatch, capsys):
+    """torchrun --nproc-per-node 2 on a machine with one GPU: the default is the CPU; --cuda is one line (rank 0's),
+    and a rank that finds no GPU of its own says so itself (die() would print on rank 0 alone: no line at all)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for var, value in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(var, value)
+    assert not P.parse_args([]).cuda and not P.Args().cuda
+    assert "--cuda: 2 processes on this machine, 1 GPU(s): one GPU each" in one_line_exit(capsys, 2, P.parse_args,
+                                                                                          ["--cuda"])
+    monkeypatch.setenv("RANK", "1"), monkeypatch.setenv("LOCAL_RANK", "1")  # (sees one GPU, as another rank might)
+    err = one_line_exit(capsys, 2, P.setup_distributed, P.Args(cuda=True))
+    assert err == "error: local rank 1 has no GPU (1 visible)"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert P.parse_args([]).cuda
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1"), monkeypatch.setenv("WORLD_SIZE", "1")  # (no torchrun: 1 GPU will do)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert P.parse_args([]).cuda
