@@ -650,7 +650,8 @@ class Run:
 
     # --- the state a run starts from --------------------------------------------------------------------------
     def start(self, envs, agent: Agent, optimizer, kl_penalty: Optional[KLPenalty], num_iterations: int):
-        """Networks, optimizer, RNG and the KL coefficient from the checkpoint (if any), then the logs. Returns
+        """Networks, optimizer, RNG and the KL coefficient from the checkpoint (if any; a state that does not fit is
+        one line, exit 2, before anything is logged), then the logs. Returns
         (first iteration, global step). envpool's emulator state cannot be saved: a resumed run plays new games, so
         a stopped and resumed run is not identical to an uninterrupted one (the updates that follow see other
         games); everything else continues where it stopped."""
@@ -658,12 +659,13 @@ class Run:
         self.envs, self.agent, self.optimizer, self.kl_penalty = envs, agent, optimizer, kl_penalty
         self.num_iterations = num_iterations
         if ckpt is not None:
-            try:
+            try:  # whatever torch raises on a checkpoint that does not fit is one line
                 agent.load_state_dict(ckpt["model"])
                 load_optimizer_state(optimizer, ckpt["optimizer"], self.device)
-            except (RuntimeError, ValueError, KeyError, TypeError) as e:
-                die(f"checkpoint {args.resume} does not fit this network: {str(e).splitlines()[0]}")
-            set_rng_state((ckpt if rank == 0 else ckpt["other_ranks"][rank - 1])["rng"], self.device)  # this rank's
+                set_rng_state((ckpt if rank == 0 else ckpt["other_ranks"][rank - 1])["rng"], self.device)  # this rank's
+            except Exception as e:
+                die(f"checkpoint {args.resume} does not fit this run: {type(e).__name__}: "
+                    f"{(str(e).splitlines() or [''])[0]}")
             if kl_penalty is not None and args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
                 kl_penalty.beta = ckpt["kl_coef"]  # the adapted value goes on
                 kl_penalty.coef.fill_(kl_penalty.beta)
@@ -1000,24 +1002,28 @@ def gather_objects(obj, world: int) -> list:
 # schedule), the KL-penalty coefficient and the args; not envpool's games (their emulator state cannot be saved)
 # ---------------------------------------------------------------------------------------------------------
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:
-    """optimizer.load_state_dict, keeping this run's settings: torch restores the saved ones (capturable, fused,
-    foreach, and lr as a tensor on the CPU after map_location), so a checkpoint of a CUDA-graph run would not
-    resume on the CPU, nor a CPU one stay free of host syncs on CUDA. Adam's step counters go where this run's
-    settings want them, as copies (the checkpoint read stays as it was read)."""
-    own = [{k: g[k] for k in ("capturable", "fused", "foreach", "differentiable") if k in g}
-           for g in optimizer.param_groups]
+    """optimizer.load_state_dict for Adam's moments and step counters, keeping this run's settings: torch restores the
+    saved ones (capturable, fused, foreach, betas; lr as a tensor on the CPU after map_location), so a checkpoint of a
+    CUDA-graph run would not resume on the CPU, nor a CPU one stay free of host syncs on CUDA. The step counters go
+    where this run's settings want them, as copies (the checkpoint read stays as it was read); moments that do not
+    fit their parameters are refused (ValueError: the fused CPU Adam would write past a moment of the wrong size)."""
+    own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for g, settings in zip(optimizer.param_groups, own):
         g.update(settings)
         g["lr"] = torch.tensor(float(g["lr"]), device=device)
         for p in g["params"]:
             st = optimizer.state.get(p, {})
+            if st and not all(torch.is_tensor(st.get(k)) and st[k].shape == p.shape for k in ("exp_avg", "exp_avg_sq")):
+                raise ValueError(f"Adam's moments do not fit a parameter of shape {tuple(p.shape)}")
             for k, v in st.items():  # moments in the parameter's memory layout (channels_last on the CPU, not on
                 if torch.is_tensor(v) and v.shape == p.shape:  # CUDA): the fused kernel pairs them by raw memory
                     st[k] = torch.empty_like(p).copy_(v)
             if torch.is_tensor(st.get("step")):
                 on_param = g.get("capturable") or g.get("fused")
                 st["step"] = st["step"].to(p.device if on_param else torch.device("cpu"), torch.float32, copy=True)
+            elif st:
+                raise ValueError("Adam's step counter is missing")
 
 
 def rng_state() -> dict:
@@ -1105,8 +1111,11 @@ def read_checkpoint(path: str) -> dict:
     for key, kind in CHECKPOINT_KEYS.items():
         if not isinstance(ckpt.get(key), kind) or isinstance(ckpt.get(key), bool):
             damaged(f"{key} is {type(ckpt[key]).__name__}, not {kind.__name__}" if key in ckpt else f"no {key}")
-    if not fits(ckpt.get("kl_coef"), Optional[float]):
-        damaged(f"kl_coef is {ckpt['kl_coef']!r}, not a number")
+    if not (ckpt.get("kl_coef") is None or fits(ckpt["kl_coef"], float) and 0 < ckpt["kl_coef"] < math.inf):
+        damaged(f"kl_coef is {ckpt['kl_coef']!r}, not a positive number")
+    for key in ("iteration", "global_step"):
+        if ckpt[key] < 0:
+            damaged(f"{key} is {ckpt[key]}")
     hints = typing.get_type_hints(Args, include_extras=True)
     for name, value in ckpt["args"].items():
         if name in hints and not fits(value, hints[name]):

@@ -903,6 +903,27 @@ def test_an_edited_checkpoint_is_one_line_exit_2(stopped_run, tmp_path, capsys, 
     assert e.value.code == 2 and err.count("\n") == 1 and "is damaged or was edited" in err and needle in err, err
 
 
+@pytest.mark.parametrize("edit,needle", [
+    (lambda s: s["rng"].update(torch=s["rng"]["torch"].float()), "RNG state"),  # the right size, the wrong kind
+    (lambda s: s["rng"].update(torch=torch.zeros_like(s["rng"]["torch"])), "mt19937"),
+    (lambda s: [st.pop("exp_avg_sq") for st in s["optimizer"]["state"].values()], "moments do not fit"),
+    (lambda s: [st.update(exp_avg=torch.zeros(1)) for st in s["optimizer"]["state"].values()], "moments do not fit"),
+    (lambda s: [st.pop("step") for st in s["optimizer"]["state"].values()], "does not fit this run"),
+    (lambda s: s.update(kl_coef=-1.0), "kl_coef is -1.0, not a positive number"),
+    (lambda s: s.update(iteration=-3), "iteration is -3"),
+    (lambda s: s.update(global_step=-64), "global_step is -64"),
+])
+def test_a_checkpoint_whose_states_do_not_load_is_one_line_exit_2(stopped_run, tmp_path, capsys, edit, needle):
+    path = edited_checkpoint(stopped_run, tmp_path, edit)
+    events = glob.glob(os.path.join(os.path.dirname(path), "events.out.tfevents.*"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        pae.main(pae.parse_args(["--resume", path]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and needle in err and "Traceback" not in err, err
+    assert glob.glob(os.path.join(os.path.dirname(path), "events.out.tfevents.*")) == events  # nothing logged
+
+
 def test_a_flipped_bit_in_a_stored_weight_is_found(stopped_run, tmp_path, capsys):
     import zipfile
 
