@@ -567,6 +567,7 @@ class Run:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.rank, self.world, self.device = setup_distributed(args)
         if args.resume:
+            self.ckpt_key = checkpoint_key(args.resume)
             self.ckpt = load_checkpoint(args.resume, args.env_id)
             check_resume(self.ckpt, args, self.world)
             self.first_iteration, self.steps_at_start = self.ckpt["iteration"] + 1, self.ckpt["global_step"]
@@ -602,6 +603,9 @@ class Run:
         if self.rank == 0 and error is None:
             try:
                 self.lock_fd = lock_run_dir(run_dir)
+                if self.ckpt is not None and checkpoint_key(args.resume) != self.ckpt_key:
+                    error = (f"{args.resume} was rewritten by another process while this one started (a job still "
+                             "running?); start again to resume the new checkpoint")
             except OSError as e:
                 error = f"cannot write in run directory {run_dir}: {e.strerror or e}"
             except RunDirBusy as e:
@@ -1079,14 +1083,19 @@ CHECKPOINT_KEYS = {"env_id": str, "model": dict, "optimizer": dict, "global_step
 _read_checkpoints: dict = {}  # parse_args reads a checkpoint for its flags and keeps it here for main's states
 
 
-def load_checkpoint(path: str, env_id: Optional[str] = None, keep: bool = False) -> dict:
-    """Read and check a checkpoint; whatever is wrong with it is one line, exit 2. keep: hold it for the next call
-    (parse_args for main), which takes it over: the optimizer's state shares its tensors and training changes them."""
+def checkpoint_key(path: str) -> tuple:
+    """Which version of the file: path, modification time, size."""
     try:
         st = os.stat(path)
     except OSError as e:
         die(f"cannot read checkpoint {path}: {e.strerror}")
-    key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+    return os.path.abspath(path), st.st_mtime_ns, st.st_size
+
+
+def load_checkpoint(path: str, env_id: Optional[str] = None, keep: bool = False) -> dict:
+    """Read and check a checkpoint; whatever is wrong with it is one line, exit 2. keep: hold it for the next call
+    (parse_args for main), which takes it over: the optimizer's state shares its tensors and training changes them."""
+    key = checkpoint_key(path)
     ckpt = _read_checkpoints.pop(key, None) or read_checkpoint(path)
     _read_checkpoints.clear()
     if keep:

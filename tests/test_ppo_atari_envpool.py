@@ -833,6 +833,24 @@ def test_a_run_directory_held_by_a_live_process_is_refused(stopped_run, tmp_path
     assert pae.main(pae.parse_args(["--resume", ckpt]))["global_step"] == 128  # free again: it resumes
 
 
+def test_a_checkpoint_rewritten_between_reading_and_locking_is_refused(stopped_run, tmp_path, monkeypatch, capsys):
+    """A requeued job read checkpoint k; before it took the lock, the old job wrote k+1 and ended: resuming k would
+    overwrite k+1."""
+    ckpt = copy_run(stopped_run, tmp_path)
+    real = pae.lock_run_dir
+
+    def old_job_writes_first(run_dir):
+        torch.save(torch.load(ckpt, weights_only=True), ckpt)  # (stands for the old job's next checkpoint)
+        return real(run_dir)
+
+    monkeypatch.setattr(pae, "lock_run_dir", old_job_writes_first)
+    with pytest.raises(SystemExit) as e:
+        pae.main(pae.parse_args(["--resume", ckpt]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert "was rewritten by another process while this one started" in err, err
+
+
 @pytest.mark.parametrize("good_saves", [0, 1])
 def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys, good_saves):
     real, calls = torch.save, []
