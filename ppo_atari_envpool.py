@@ -640,7 +640,7 @@ class Run:
                 dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
             dist.destroy_process_group()
         if self.lock_fd is not None:
-            os.close(self.lock_fd)  # releases the lock
+            release_lock(self.lock_fd)
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         threading.excepthook = self.previous_hook
@@ -916,6 +916,10 @@ def make_new_dir(path: str) -> bool:
         raise
 
 
+LOCK_FDS: set = set()  # the run-directory locks this process holds; a forked child drops them (envpool forks none)
+os.register_at_fork(after_in_child=lambda: [os.close(fd) for fd in LOCK_FDS] and LOCK_FDS.clear())
+
+
 def lock_run_dir(run_dir: str) -> int:
     """Hold an exclusive lock on run_dir/.lock for the life of this process (the OS releases it, even after kill -9);
     RunDirBusy if another live process holds it."""
@@ -929,7 +933,13 @@ def lock_run_dir(run_dir: str) -> int:
                          "stop it first") from None
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
+    LOCK_FDS.add(fd)
     return fd
+
+
+def release_lock(fd: int) -> None:
+    LOCK_FDS.discard(fd)
+    os.close(fd)
 
 
 def os_error(e: BaseException) -> Optional[str]:

@@ -833,6 +833,21 @@ def test_a_run_directory_held_by_a_live_process_is_refused(stopped_run, tmp_path
     assert pae.main(pae.parse_args(["--resume", ckpt]))["global_step"] == 128  # free again: it resumes
 
 
+def test_a_forked_child_does_not_hold_the_run_directory_lock(tmp_path):
+    import multiprocessing
+
+    fd = pae.lock_run_dir(str(tmp_path))
+    try:
+        ctx = multiprocessing.get_context("fork")
+        child = ctx.Process(target=lambda: os._exit(0 if fd not in pae.LOCK_FDS else 3))
+        child.start()
+        child.join()
+        assert child.exitcode == 0
+    finally:
+        pae.release_lock(fd)
+    assert fd not in pae.LOCK_FDS
+
+
 def test_a_checkpoint_rewritten_between_reading_and_locking_is_refused(stopped_run, tmp_path, monkeypatch, capsys):
     """A requeued job read checkpoint k; before it took the lock, the old job wrote k+1 and ended: resuming k would
     overwrite k+1."""
