@@ -551,7 +551,8 @@ class Run:
     def __enter__(self) -> Run:
         self.previous = {sig: signal.signal(sig, lambda signum, frame: self.signals.append(signum))
                          for sig in STOP_SIGNALS}
-        self.previous_hook, threading.excepthook = threading.excepthook, quiet_event_writer_thread
+        self.previous_hook = threading.excepthook
+        threading.excepthook = quiet_event_writer_thread(self.previous_hook)
         self.previous_deterministic = (torch.are_deterministic_algorithms_enabled(),
                                        torch.is_deterministic_algorithms_warn_only_enabled())
         try:
@@ -618,39 +619,43 @@ class Run:
     def __exit__(self, exc_type, exc, tb) -> bool:
         clean = exc_type is None
         try:
-            if self.envs is not None:
-                self.envs.close()
-            if self.writer is not None:
-                self.writer_call("close")
-        except WriteError as e:
-            exc_type, exc = WriteError, e
-        if exc_type is WriteError:
-            kept = (f"the last checkpoint is kept: {self.checkpoint_path}" if self.checkpoint_path
-                    else "no checkpoint was written")
-            print(f"error: {exc} ({kept})", file=sys.stderr)
-            self.failed = True
-        if self.wandb:
-            import wandb
+            try:
+                if self.envs is not None:
+                    self.envs.close()
+                if self.writer is not None:
+                    self.writer_call("close")
+            except WriteError as e:
+                exc_type, exc = WriteError, e
+            if exc_type is WriteError:
+                print(f"error: {exc} ({self.kept()})", file=sys.stderr)
+                self.failed = True
+            if self.wandb:
+                import wandb
 
-            wandb.finish(exit_code=int(self.failed or not clean))
-        if self.world > 1 and torch.distributed.is_initialized():
-            import torch.distributed as dist
+                wandb.finish(exit_code=int(self.failed or not clean))
+            if self.world > 1 and torch.distributed.is_initialized():
+                import torch.distributed as dist
 
-            if clean:
-                dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
-            dist.destroy_process_group()
-        if self.lock_fd is not None:
-            release_lock(self.lock_fd)
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        threading.excepthook = self.previous_hook
-        torch.use_deterministic_algorithms(self.previous_deterministic[0], warn_only=self.previous_deterministic[1])
+                if clean:
+                    dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
+                dist.destroy_process_group()
+        finally:  # whatever failed above, the process gets back its lock, handlers and torch settings
+            if self.lock_fd is not None:
+                release_lock(self.lock_fd)
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler)
+            threading.excepthook = self.previous_hook
+            torch.use_deterministic_algorithms(*self.previous_deterministic[:1],
+                                               warn_only=self.previous_deterministic[1])
         if self.failed:
             if self.world > 1:  # as at the end of __main__: skip the teardown where gloo's threads can abort
                 sys.stdout.flush(), sys.stderr.flush()
                 os._exit(1)
             raise SystemExit(1)
         return False
+
+    def kept(self) -> str:
+        return f"last checkpoint kept: {self.checkpoint_path}" if self.checkpoint_path else "no checkpoint was written"
 
     # --- the state a run starts from --------------------------------------------------------------------------
     def start(self, envs, agent: Agent, optimizer, kl_penalty: Optional[KLPenalty], num_iterations: int):
@@ -761,16 +766,14 @@ class Run:
         bad = [k for k, v in stats.items() if not math.isfinite(v)]
         if bad:  # stop before a checkpoint of this update
             if self.rank == 0:  # (every rank sees the same all-reduced statistics)
-                kept = (f"last checkpoint kept: {self.checkpoint_path}" if self.checkpoint_path
-                        else "no checkpoint was written")
-                print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping ({kept})",
+                print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping ({self.kept()})",
                       file=sys.stderr)
             self.finished, self.failed = False, True  # no final checkpoint and no evaluation; exit 1 at the end
             return None
         mask, values_np, returns_np = torch.stack([b_mask, b_values, b_returns]).cpu().numpy()
         valid = mask > 0  # envpool's reset steps are no transitions: left out, as from the losses
         stats["explained_variance"] = explained_variance(values_np[valid], returns_np[valid])
-        rate = (global_step - self.steps_at_start) / (time.time() - self.start_time)  # steps/s of this process
+        rate = (global_step - self.steps_at_start) / (time.time() - self.start_time)  # steps/s, all processes
         self.log("charts/learning_rate", lr, global_step)
         for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
                   "explained_variance"):
@@ -894,11 +897,10 @@ class EpisodeStats:
         return finished
 
 
-def quiet_event_writer_thread(hook_args) -> None:
+def quiet_event_writer_thread(previous):
     """threading.excepthook during a run: TensorBoard's writer thread re-raises a failed write (disk full), which the
-    main thread's next call of the writer reports in one line (Run.writer_call); other threads report as usual."""
-    if type(hook_args.thread).__name__ != "_AsyncWriterThread":
-        sys.__excepthook__(hook_args.exc_type, hook_args.exc_value, hook_args.exc_traceback)
+    main thread's next call of the writer reports in one line (Run.writer_call); other threads go to `previous`."""
+    return lambda hook_args: None if type(hook_args.thread).__name__ == "_AsyncWriterThread" else previous(hook_args)
 
 
 class RunDirBusy(Exception):
@@ -1430,8 +1432,6 @@ def validate(args: Args) -> None:
         die("--cudagraphs is not supported under torchrun (DDP's gradient all-reduce runs outside the graph)")
     if args.cuda and not torch.cuda.is_available():
         die("--cuda given but torch finds no CUDA device (without the flag the script uses the GPU if there is one)")
-    if args.resume is not None and not os.path.isfile(args.resume):
-        die(f"--resume: no such file {args.resume}")
     check_env_id(args.env_id)
 
 

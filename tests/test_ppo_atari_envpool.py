@@ -9,8 +9,10 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -739,6 +741,37 @@ def test_handlers_and_torch_settings_are_restored_when_the_loop_raises(tmp_path,
     assert seen == [True] and handlers() == before and not torch.are_deterministic_algorithms_enabled()
 
 
+def test_the_teardown_gives_everything_back_when_a_step_of_it_fails(tmp_path, monkeypatch):
+    """Run.__exit__: a close that raises still releases the lock and restores the handlers and torch's settings."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    real_close = SummaryWriter.close
+
+    def close_then_fail(self):
+        real_close(self)
+        raise RuntimeError("close failed")
+
+    monkeypatch.setattr(SummaryWriter, "close", close_then_fail)
+    monkeypatch.setattr(pae, "compute_gae", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("broken")))
+    before, hook = handlers(), threading.excepthook
+    with pytest.raises(RuntimeError, match="close failed"):
+        pae.main(tiny(tmp_path, total_timesteps=64))
+    assert handlers() == before and threading.excepthook is hook and not torch.are_deterministic_algorithms_enabled()
+    assert not pae.LOCK_FDS  # the run directory's lock is released
+
+
+def test_thread_errors_during_a_run_go_to_the_previous_hook_but_tensorboards_writer():
+    class _AsyncWriterThread(threading.Thread):  # (the name of TensorBoard's writer thread)
+        pass
+
+    seen = []
+    hook = pae.quiet_event_writer_thread(seen.append)
+    hook(types.SimpleNamespace(thread=_AsyncWriterThread()))  # reported by Run.writer_call instead
+    other = types.SimpleNamespace(thread=threading.Thread())
+    hook(other)
+    assert seen == [other]
+
+
 def test_a_signal_during_setup_stops_after_the_first_iteration_with_a_checkpoint(tmp_path, monkeypatch, capsys):
     real = pae.make_envs
 
@@ -884,7 +917,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, mon
     assert f"error: cannot write {ckpt}: No space left on device" in err
     assert not os.path.exists(ckpt + ".tmp")  # the partial file is gone
     if good_saves:
-        assert f"(the last checkpoint is kept: {ckpt})" in err
+        assert f"(last checkpoint kept: {ckpt})" in err
         assert torch.load(ckpt, weights_only=True)["iteration"] == 1
     else:
         assert "(no checkpoint was written)" in err and not os.path.exists(ckpt)
