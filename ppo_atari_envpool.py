@@ -542,6 +542,7 @@ class Run:
         self.rank, self.world, self.device = 0, 1, torch.device("cpu")  # until setup() knows them
         self.ckpt, self.writer, self.wandb, self.envs, self.lock_fd = None, None, False, None, None
         self.checkpoint_path, self.final_saved = None, False  # final_saved: the trained state is in a checkpoint
+        self.write_error: Optional[str] = None  # a failed write of rank 0, which every rank stops on together
         self.first_iteration, self.steps_at_start = 1, 0  # where this process starts (a checkpoint's, if resumed)
         self.recent_returns: list[float] = []
         self.last_stats: dict = {}
@@ -619,26 +620,26 @@ class Run:
     def __exit__(self, exc_type, exc, tb) -> bool:
         clean = exc_type is None
         try:
-            try:
-                if self.envs is not None:
-                    self.envs.close()
-                if self.writer is not None:
-                    self.writer_call("close")
-            except WriteError as e:
-                exc_type, exc = WriteError, e
+            if self.envs is not None:
+                self.envs.close()
+            if self.writer is not None:
+                self.writer_call("close")
             if exc_type is WriteError:
-                print(f"error: {exc} ({self.kept()})", file=sys.stderr)
+                self.write_error = str(exc)
+            if self.world > 1 and torch.distributed.is_initialized():
+                import torch.distributed as dist
+
+                if clean:  # no rank leaves while another still works; a failed write of rank 0 stops them all
+                    self.write_error = next((e for e in gather_objects(self.write_error, self.world) if e), None)
+                dist.destroy_process_group()
+            if self.write_error:  # (said by rank 0 for all ranks)
+                if self.rank == 0:
+                    print(f"error: {self.write_error} ({self.kept()})", file=sys.stderr)
                 self.failed = True
             if self.wandb:
                 import wandb
 
                 wandb.finish(exit_code=int(self.failed or not clean))
-            if self.world > 1 and torch.distributed.is_initialized():
-                import torch.distributed as dist
-
-                if clean:
-                    dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
-                dist.destroy_process_group()
         finally:  # whatever failed above, the process gets back its lock, handlers and torch settings
             if self.lock_fd is not None:
                 release_lock(self.lock_fd)
@@ -720,7 +721,8 @@ class Run:
                              "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
     def writer_call(self, method: str, *a) -> None:
-        """A call of the TensorBoard writer; its background thread's failed write (disk full) surfaces here."""
+        """A call of the TensorBoard writer; its background thread's failed write (disk full) surfaces here. The run
+        stops on it at the end of the iteration (all ranks together), or at its end."""
         try:
             getattr(self.writer, method)(*a)
         except Exception as e:
@@ -728,7 +730,7 @@ class Run:
             if reason is None:
                 raise
             self.writer = None  # nothing more goes to it
-            raise WriteError(f"cannot write the TensorBoard events in {self.run_dir}: {reason}") from None
+            self.write_error = self.write_error or f"cannot write the TensorBoard events in {self.run_dir}: {reason}"
 
     def log(self, tag: str, value: float, step: int) -> None:
         if self.writer is not None:
@@ -747,16 +749,18 @@ class Run:
     def log_iteration(self, iteration: int, global_step: int, lr: float, update_stats: list[dict],
                       rollout_kl: Optional[torch.Tensor], b_values, b_returns, b_mask) -> Optional[dict]:
         """One host sync per iteration: the update's statistics averaged over minibatches and processes, whether the
-        parameters went non-finite, and whether a process got a stop signal. Logs them and prints the progress line.
-        None after a non-finite update (exit 1)."""
+        parameters went non-finite, whether a process got a stop signal and whether rank 0 failed to write its logs
+        (WriteError on every rank). Logs them and prints the progress line. None after a non-finite update (exit 1)."""
         args, world, kl_penalty = self.args, self.world, self.kl_penalty
         names = list(update_stats[0])
         sums = [torch.stack([s[k] for s in update_stats]).sum() for k in names]
         extra = [] if rollout_kl is None else [rollout_kl]
         params_bad = ~torch.stack([torch.isfinite(p).all() for p in self.agent.parameters()]).all()
-        signal_count = torch.tensor(float(len(self.signals)), device=self.device)
-        *values, bad_params, signals = all_ranks_sum(torch.stack([*sums, *extra, params_bad.float(), signal_count]),
-                                                     world).tolist()
+        flags = torch.tensor([float(len(self.signals)), float(self.write_error is not None)], device=self.device)
+        *values, bad_params, signals, write_failed = all_ranks_sum(
+            torch.cat([torch.stack([*sums, *extra, params_bad.float()]), flags]), world).tolist()
+        if write_failed:  # rank 0 could not write its logs: every rank stops here
+            raise WriteError(self.write_error or "rank 0 could not write its logs")
         stats = {k: v / (len(update_stats) * world) for k, v in zip(names, values)}
         if extra:
             stats["kl"] = values[-1] / world
@@ -801,10 +805,16 @@ class Run:
     def checkpoint(self, iteration: int, global_step: int) -> None:
         """Called by every rank at the same iteration; rank 0 writes the states of all ranks."""
         ranks = gather_objects({"rng": rng_state()}, self.world)
-        path = os.path.join(self.run_dir, "checkpoint.pt")
+        path, error = os.path.join(self.run_dir, "checkpoint.pt"), None
         if self.rank == 0:
-            save_checkpoint(path, self.agent, self.optimizer, self.args, global_step, iteration, ranks[1:],
-                            self.kl_penalty.beta if self.kl_penalty else None)
+            try:
+                save_checkpoint(path, self.agent, self.optimizer, self.args, global_step, iteration, ranks[1:],
+                                self.kl_penalty.beta if self.kl_penalty else None)
+            except WriteError as e:
+                error = str(e)
+        error = next((e for e in gather_objects(error, self.world) if e), None)
+        if error:  # every rank stops on a failed save of rank 0
+            raise WriteError(error)
         self.checkpoint_path = path
 
     def end_of_iteration(self, iteration: int, global_step: int) -> bool:
@@ -833,36 +843,48 @@ class Run:
     def finish(self, global_step: int) -> None:
         """After the loop: the final checkpoint (with --save-model, or when the run writes checkpoints along the way,
         so that a --resume of the finished run evaluates instead of training), then --eval-episodes. A signal at the
-        end of the run or during the evaluation stops it with the trained state saved."""
+        end of the run or during the evaluation stops it, and a failed write of its videos ends it, with the trained
+        state saved."""
         args, world, rank = self.args, self.world, self.rank
-        end = max(self.num_iterations, self.first_iteration - 1)
         self.result = {"global_step": global_step, "run_dir": self.run_dir, "stats": self.last_stats,
                        "returns": self.recent_returns}
         if not self.finished:
             return
-        checkpointed = self.ckpt is not None or args.checkpoint_every or args.stop_after
-        if args.save_model or (checkpointed and not self.final_saved):
-            self.checkpoint(end, global_step)
+
+        def save_final() -> None:
+            self.checkpoint(max(self.num_iterations, self.first_iteration - 1), global_step)
             self.final_saved = True
             if rank == 0:
                 print(f"checkpoint written to {self.checkpoint_path}")
+
+        checkpointed = self.ckpt is not None or args.checkpoint_every or args.stop_after
+        if args.save_model or (checkpointed and not self.final_saved):
+            save_final()
         # under torchrun every rank plays its share of the evaluation games; rank 0 logs them all
         share = args.eval_episodes // world + int(rank < args.eval_episodes % world)
-        mine = evaluate(self.agent, args, self.device, share, os.path.join(self.run_dir, "videos"), rank, world,
-                        stop=lambda: bool(self.signals)) if share else []
-        parts = gather_objects((mine, [signal.Signals(s).name for s in self.signals]), world)
-        names = [name for _, sigs in parts for name in sigs]
-        if names:  # a stop at the end of the run: the trained state first
+        mine, error = [], None
+        try:
+            if share:
+                mine = evaluate(self.agent, args, self.device, share, os.path.join(self.run_dir, "videos"), rank,
+                                world, stop=lambda: bool(self.signals))
+        except Exception as e:  # (a full disk under the videos)
+            if os_error(e) is None:
+                raise
+            error = f"cannot write the evaluation videos in {os.path.join(self.run_dir, 'videos')}: {os_error(e)}"
+        parts = gather_objects((mine, [signal.Signals(s).name for s in self.signals], error), world)
+        names, error = [n for _, sigs, _ in parts for n in sigs], next((e for _, _, e in parts if e), None)
+        if names or error:  # the trained state first
             if not self.final_saved:
-                self.checkpoint(end, global_step)
-                self.final_saved = True
+                save_final()
+            if error:
+                raise WriteError(error)
             if rank == 0:
                 print(f"stopped at the end of the run ({names[0]}); the trained model is in {self.checkpoint_path}"
                       + (f"; evaluate it with: {self.launcher()} --resume {self.checkpoint_path} --eval-episodes "
                          f"{args.eval_episodes}" if args.eval_episodes else ""), flush=True)
             return
         if args.eval_episodes:
-            eval_returns = [r for part, _ in parts for r in part]
+            eval_returns = [r for part, _, _ in parts for r in part]
             mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
             self.log("eval/episodic_return", mean, global_step)
             if rank == 0:

@@ -942,6 +942,21 @@ def test_a_full_disk_under_the_tensorboard_events_is_one_line(tmp_path, monkeypa
     assert "error: cannot write the TensorBoard events in" in err and "No space left on device" in err
 
 
+def test_a_full_disk_under_the_evaluation_videos_saves_the_model_and_is_one_line(tmp_path, monkeypatch, capsys):
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pae, "evaluate", full)
+    with pytest.raises(SystemExit) as e:
+        pae.main(tiny(tmp_path, total_timesteps=64, eval_episodes=2))
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1, err
+    assert "cannot write the evaluation videos in" in err and "No space left on device" in err
+    (ckpt,) = glob.glob(str(tmp_path / "Breakout-v5__t__*" / "checkpoint.pt"))
+    assert f"(last checkpoint kept: {ckpt})" in err
+    assert torch.load(ckpt, weights_only=True)["iteration"] == 1  # the trained state, saved first
+
+
 def edited_checkpoint(stopped_run, tmp_path, edit) -> str:
     path = copy_run(stopped_run, tmp_path)
     state = torch.load(path, weights_only=True)
