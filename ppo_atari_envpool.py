@@ -850,8 +850,10 @@ class Run:
                        "returns": self.recent_returns}
         if not self.finished:
             return
+        rng = rng_state()  # the state the trained run ends in, whatever the evaluation draws
 
         def save_final() -> None:
+            set_rng_state(rng, self.device)
             self.checkpoint(max(self.num_iterations, self.first_iteration - 1), global_step)
             self.final_saved = True
             if rank == 0:

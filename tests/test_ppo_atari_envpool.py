@@ -824,6 +824,21 @@ def test_a_signal_during_the_final_save_skips_the_evaluation(tmp_path, monkeypat
     assert "eval_returns" not in res
 
 
+def test_the_checkpoint_of_a_stop_during_the_evaluation_has_the_rng_of_the_trained_run(tmp_path, monkeypatch):
+    full = pae.main(tiny(tmp_path / "full", total_timesteps=64, save_model=True))
+    real = pae.evaluate
+
+    def draw_then_signal(*a, **k):  # the evaluation draws random numbers, then a signal comes
+        torch.rand(100)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    monkeypatch.setattr(pae, "evaluate", draw_then_signal)
+    stopped = pae.main(tiny(tmp_path / "stopped", total_timesteps=64, eval_episodes=3))
+    a, b = (torch.load(os.path.join(r["run_dir"], "checkpoint.pt"), weights_only=True) for r in (full, stopped))
+    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]) and a["iteration"] == b["iteration"] == 1
+
+
 def test_a_second_signal_right_after_the_stop_keeps_the_exit_clean(tmp_path):
     p = subprocess.Popen([sys.executable, SCRIPT, "--total-timesteps", "1e6", *TINY, "--runs-dir", str(tmp_path)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
