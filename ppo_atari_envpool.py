@@ -106,8 +106,9 @@ class Args:  # Count: an int that also reads 1e7 (defined with the command line,
     """seed of the experiment (python, numpy, torch and the environments)"""
     torch_deterministic: bool = True
     """deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only; cuDNN; cuBLAS workspace)"""
-    cuda: bool = dataclasses.field(default_factory=lambda: torch.cuda.is_available())
-    """run the networks on CUDA: the default where torch sees a GPU (as CleanRL's script); --no-cuda forces the CPU"""
+    cuda: bool = dataclasses.field(default_factory=lambda: gpu_for_each_process())
+    """run the networks on CUDA: the default where torch sees a GPU for each process of this machine (as CleanRL's
+    script); --no-cuda forces the CPU"""
     compile: bool = False
     """torch.compile the action sampling and the update step"""
     cudagraphs: bool = False
@@ -993,6 +994,12 @@ def eta_text(seconds: float) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # Distributed (torchrun): data parallel, every rank steps its own envs, DDP averages the gradients
 # ---------------------------------------------------------------------------------------------------------
+def gpu_for_each_process() -> bool:
+    """--cuda's default: whether torch sees a GPU for each process on this machine (torchrun's LOCAL_WORLD_SIZE; one
+    without torchrun). With fewer GPUs than processes the default is the CPU."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
     """Rank, world size and device. Without torchrun (or with one process) no process group is created. Under
     torchrun every process steps its own --num-envs envs (envpool seeds offset by rank * num_envs, so no two ranks
@@ -1006,8 +1013,8 @@ def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cpu")
     if args.cuda:  # one GPU per rank
-        if local_rank >= torch.cuda.device_count():
-            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+        if local_rank >= torch.cuda.device_count():  # (validate refuses fewer GPUs than local processes)
+            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)", every_rank=True)
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     # one hour (NCCL's default is 10 minutes): at the end the ranks wait while rank 0 writes its videos and the
@@ -1314,9 +1321,10 @@ def cudagraph_skips() -> int:
 # ---------------------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------------------
-def die(msg: str) -> None:
-    """Bad input: one line on stderr (rank 0's alone under torchrun), exit code 2, no traceback."""
-    if int(os.environ.get("RANK", "0")) == 0:
+def die(msg: str, every_rank: bool = False) -> None:
+    """Bad input: one line on stderr, exit code 2, no traceback. Under torchrun every rank finds the same bad input
+    and rank 0 alone says it, unless only this rank can see the problem (every_rank)."""
+    if every_rank or int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
 
@@ -1376,7 +1384,7 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
             die(f"--resume: no such file {resume}")
         saved = load_checkpoint(resume, keep=True)["args"]
         default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
-        if default.cuda and not torch.cuda.is_available():  # written on a GPU, resumed where there is none
+        if default.cuda and not gpu_for_each_process():  # written on a GPU, resumed where there is none (enough)
             default.cuda, default.cudagraphs, gpu_gone = False, False, True  # (--cuda by name is refused below)
     err = io.StringIO()
     try:
@@ -1397,7 +1405,9 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
             message.append(ln)
         die(" ".join(message) or "invalid arguments (see --help)")
     if gpu_gone and not args.cuda and int(os.environ.get("RANK", "0")) == 0:
-        print(f"note: {resume} was written on a GPU and torch finds none here: the run resumes on the CPU")
+        found = (f"{torch.cuda.device_count()} GPU(s) for {os.environ.get('LOCAL_WORLD_SIZE', '1')} processes"
+                 if torch.cuda.is_available() else "none")
+        print(f"note: {resume} was written on a GPU and torch finds {found} here: the run resumes on the CPU")
     validate(args)
     return args
 
@@ -1454,6 +1464,9 @@ def validate(args: Args) -> None:
         die("--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
     if args.cudagraphs and world > 1:
         die("--cudagraphs is not supported under torchrun (DDP's gradient all-reduce runs outside the graph)")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun: processes on this machine, one GPU each
+    if args.cuda and torch.cuda.is_available() and torch.cuda.device_count() < local:
+        die(f"--cuda with {local} processes on this machine but {torch.cuda.device_count()} GPU(s)")
     if args.cuda and not torch.cuda.is_available():
         die("--cuda given but torch finds no CUDA device (without the flag the script uses the GPU if there is one)")
     check_env_id(args.env_id)

@@ -1051,6 +1051,7 @@ def test_the_nan_stop_says_when_no_checkpoint_exists(tmp_path, monkeypatch, caps
 # --------------------------------------------------------------------------------------------------------------
 def test_the_gpu_is_the_default_where_torch_sees_one(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert pae.parse_args(["--total-timesteps", "1e7"]).cuda is True and pae.Args().cuda is True
     assert pae.parse_args(["--no-cuda"]).cuda is False
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -1076,5 +1077,42 @@ def test_a_gpu_checkpoint_resumes_on_the_cpu_where_there_is_none(stopped_run, tm
     captured = capsys.readouterr()
     assert e.value.code == 2 and captured.err.count("\n") == 1 and not captured.out, captured
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # where there is a GPU it resumes there, silently
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     args = pae.parse_args(["--resume", path])
     assert args.cuda is True and args.cudagraphs is True and not capsys.readouterr().out
+
+
+def test_the_gpu_default_needs_a_gpu_for_each_process_of_the_machine(stopped_run, tmp_path, monkeypatch, capsys):
+    """`torchrun --nproc-per-node 4` where torch sees 1 GPU: the CPU by default (not 3 ranks without a GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert pae.parse_args([]).cuda is False and pae.Args().cuda is False
+    path = edited_checkpoint(stopped_run, tmp_path, lambda s: s["args"].update(cuda=True))  # a GPU's
+    assert pae.parse_args(["--resume", path, "--total-timesteps", "1024"]).cuda is False  # (a rollout of 4 processes)
+    assert "written on a GPU and torch finds 1 GPU(s) for 4 processes here: the run resumes on the CPU" in \
+        capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert pae.parse_args([]).cuda is True and pae.Args().cuda is True
+
+
+def test_more_local_processes_than_gpus_is_one_line_error(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        pae.parse_args(["--cuda"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--cuda with 2 processes on this machine but 1 GPU(s)" in err
+
+
+def test_a_rank_without_a_gpu_says_so_itself(monkeypatch, capsys):
+    """Only that rank sees it (rank 0 has its GPU): its error line is not left to rank 0."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "1"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as e:
+        pae.setup_distributed(pae.Args(cuda=True))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == "error: local rank 1 has no GPU (1 visible)\n", err
