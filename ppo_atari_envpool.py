@@ -106,8 +106,9 @@ class Args:  # Count: an int that also reads 1e7 (defined with the command line,
     """seed of the experiment (python, numpy, torch and the environments)"""
     torch_deterministic: bool = True
     """deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only; cuDNN; cuBLAS workspace)"""
-    cuda: bool = dataclasses.field(default_factory=lambda: torch.cuda.is_available())
-    """run the networks on CUDA: the default where torch sees a GPU (as CleanRL's script); --no-cuda forces the CPU"""
+    cuda: bool = dataclasses.field(default_factory=lambda: gpu_for_each_process())
+    """run the networks on CUDA: the default where torch sees a GPU for each process of this machine (as CleanRL's
+    script); --no-cuda forces the CPU"""
     compile: bool = False
     """torch.compile the action sampling and the update step"""
     cudagraphs: bool = False
@@ -542,6 +543,7 @@ class Run:
         self.rank, self.world, self.device = 0, 1, torch.device("cpu")  # until setup() knows them
         self.ckpt, self.writer, self.wandb, self.envs, self.lock_fd = None, None, False, None, None
         self.checkpoint_path, self.final_saved = None, False  # final_saved: the trained state is in a checkpoint
+        self.write_error: Optional[str] = None  # a failed write of rank 0, which every rank stops on together
         self.first_iteration, self.steps_at_start = 1, 0  # where this process starts (a checkpoint's, if resumed)
         self.recent_returns: list[float] = []
         self.last_stats: dict = {}
@@ -551,7 +553,8 @@ class Run:
     def __enter__(self) -> Run:
         self.previous = {sig: signal.signal(sig, lambda signum, frame: self.signals.append(signum))
                          for sig in STOP_SIGNALS}
-        self.previous_hook, threading.excepthook = threading.excepthook, quiet_event_writer_thread
+        self.previous_hook = threading.excepthook
+        threading.excepthook = quiet_event_writer_thread(self.previous_hook)
         self.previous_deterministic = (torch.are_deterministic_algorithms_enabled(),
                                        torch.is_deterministic_algorithms_warn_only_enabled())
         try:
@@ -567,6 +570,7 @@ class Run:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.rank, self.world, self.device = setup_distributed(args)
         if args.resume:
+            self.ckpt_key = checkpoint_key(args.resume)
             self.ckpt = load_checkpoint(args.resume, args.env_id)
             check_resume(self.ckpt, args, self.world)
             self.first_iteration, self.steps_at_start = self.ckpt["iteration"] + 1, self.ckpt["global_step"]
@@ -602,6 +606,9 @@ class Run:
         if self.rank == 0 and error is None:
             try:
                 self.lock_fd = lock_run_dir(run_dir)
+                if self.ckpt is not None and checkpoint_key(args.resume) != self.ckpt_key:
+                    error = (f"{args.resume} was rewritten by another process while this one started (a job still "
+                             "running?); start again to resume the new checkpoint")
             except OSError as e:
                 error = f"cannot write in run directory {run_dir}: {e.strerror or e}"
             except RunDirBusy as e:
@@ -618,29 +625,30 @@ class Run:
                 self.envs.close()
             if self.writer is not None:
                 self.writer_call("close")
-        except WriteError as e:
-            exc_type, exc = WriteError, e
-        if exc_type is WriteError:
-            kept = (f"the last checkpoint is kept: {self.checkpoint_path}" if self.checkpoint_path
-                    else "no checkpoint was written")
-            print(f"error: {exc} ({kept})", file=sys.stderr)
-            self.failed = True
-        if self.wandb:
-            import wandb
+            if exc_type is WriteError:
+                self.write_error = str(exc)
+            if self.world > 1 and torch.distributed.is_initialized():
+                import torch.distributed as dist
 
-            wandb.finish(exit_code=int(self.failed or not clean))
-        if self.world > 1 and torch.distributed.is_initialized():
-            import torch.distributed as dist
+                if clean:  # no rank leaves while another still works; a failed write of rank 0 stops them all
+                    self.write_error = next((e for e in gather_objects(self.write_error, self.world) if e), None)
+                dist.destroy_process_group()
+            if self.write_error:  # (said by rank 0 for all ranks)
+                if self.rank == 0:
+                    print(f"error: {self.write_error} ({self.kept()})", file=sys.stderr)
+                self.failed = True
+            if self.wandb:
+                import wandb
 
-            if clean:
-                dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
-            dist.destroy_process_group()
-        if self.lock_fd is not None:
-            os.close(self.lock_fd)  # releases the lock
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        threading.excepthook = self.previous_hook
-        torch.use_deterministic_algorithms(self.previous_deterministic[0], warn_only=self.previous_deterministic[1])
+                wandb.finish(exit_code=int(self.failed or not clean))
+        finally:  # whatever failed above, the process gets back its lock, handlers and torch settings
+            if self.lock_fd is not None:
+                release_lock(self.lock_fd)
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler)
+            threading.excepthook = self.previous_hook
+            torch.use_deterministic_algorithms(*self.previous_deterministic[:1],
+                                               warn_only=self.previous_deterministic[1])
         if self.failed:
             if self.world > 1:  # as at the end of __main__: skip the teardown where gloo's threads can abort
                 sys.stdout.flush(), sys.stderr.flush()
@@ -648,9 +656,13 @@ class Run:
             raise SystemExit(1)
         return False
 
+    def kept(self) -> str:
+        return f"last checkpoint kept: {self.checkpoint_path}" if self.checkpoint_path else "no checkpoint was written"
+
     # --- the state a run starts from --------------------------------------------------------------------------
     def start(self, envs, agent: Agent, optimizer, kl_penalty: Optional[KLPenalty], num_iterations: int):
-        """Networks, optimizer, RNG and the KL coefficient from the checkpoint (if any), then the logs. Returns
+        """Networks, optimizer, RNG and the KL coefficient from the checkpoint (if any; a state that does not fit is
+        one line, exit 2, before anything is logged), then the logs. Returns
         (first iteration, global step). envpool's emulator state cannot be saved: a resumed run plays new games, so
         a stopped and resumed run is not identical to an uninterrupted one (the updates that follow see other
         games); everything else continues where it stopped."""
@@ -658,12 +670,13 @@ class Run:
         self.envs, self.agent, self.optimizer, self.kl_penalty = envs, agent, optimizer, kl_penalty
         self.num_iterations = num_iterations
         if ckpt is not None:
-            try:
+            try:  # whatever torch raises on a checkpoint that does not fit is one line
                 agent.load_state_dict(ckpt["model"])
                 load_optimizer_state(optimizer, ckpt["optimizer"], self.device)
-            except (RuntimeError, ValueError, KeyError, TypeError) as e:
-                die(f"checkpoint {args.resume} does not fit this network: {str(e).splitlines()[0]}")
-            set_rng_state((ckpt if rank == 0 else ckpt["other_ranks"][rank - 1])["rng"], self.device)  # this rank's
+                set_rng_state((ckpt if rank == 0 else ckpt["other_ranks"][rank - 1])["rng"], self.device)  # this rank's
+            except Exception as e:
+                die(f"checkpoint {args.resume} does not fit this run: {type(e).__name__}: "
+                    f"{(str(e).splitlines() or [''])[0]}")
             if kl_penalty is not None and args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
                 kl_penalty.beta = ckpt["kl_coef"]  # the adapted value goes on
                 kl_penalty.coef.fill_(kl_penalty.beta)
@@ -709,7 +722,8 @@ class Run:
                              "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
     def writer_call(self, method: str, *a) -> None:
-        """A call of the TensorBoard writer; its background thread's failed write (disk full) surfaces here."""
+        """A call of the TensorBoard writer; its background thread's failed write (disk full) surfaces here. The run
+        stops on it at the end of the iteration (all ranks together), or at its end."""
         try:
             getattr(self.writer, method)(*a)
         except Exception as e:
@@ -717,7 +731,7 @@ class Run:
             if reason is None:
                 raise
             self.writer = None  # nothing more goes to it
-            raise WriteError(f"cannot write the TensorBoard events in {self.run_dir}: {reason}") from None
+            self.write_error = self.write_error or f"cannot write the TensorBoard events in {self.run_dir}: {reason}"
 
     def log(self, tag: str, value: float, step: int) -> None:
         if self.writer is not None:
@@ -736,16 +750,18 @@ class Run:
     def log_iteration(self, iteration: int, global_step: int, lr: float, update_stats: list[dict],
                       rollout_kl: Optional[torch.Tensor], b_values, b_returns, b_mask) -> Optional[dict]:
         """One host sync per iteration: the update's statistics averaged over minibatches and processes, whether the
-        parameters went non-finite, and whether a process got a stop signal. Logs them and prints the progress line.
-        None after a non-finite update (exit 1)."""
+        parameters went non-finite, whether a process got a stop signal and whether rank 0 failed to write its logs
+        (WriteError on every rank). Logs them and prints the progress line. None after a non-finite update (exit 1)."""
         args, world, kl_penalty = self.args, self.world, self.kl_penalty
         names = list(update_stats[0])
         sums = [torch.stack([s[k] for s in update_stats]).sum() for k in names]
         extra = [] if rollout_kl is None else [rollout_kl]
         params_bad = ~torch.stack([torch.isfinite(p).all() for p in self.agent.parameters()]).all()
-        signal_count = torch.tensor(float(len(self.signals)), device=self.device)
-        *values, bad_params, signals = all_ranks_sum(torch.stack([*sums, *extra, params_bad.float(), signal_count]),
-                                                     world).tolist()
+        flags = torch.tensor([float(len(self.signals)), float(self.write_error is not None)], device=self.device)
+        *values, bad_params, signals, write_failed = all_ranks_sum(
+            torch.cat([torch.stack([*sums, *extra, params_bad.float()]), flags]), world).tolist()
+        if write_failed:  # rank 0 could not write its logs: every rank stops here
+            raise WriteError(self.write_error or "rank 0 could not write its logs")
         stats = {k: v / (len(update_stats) * world) for k, v in zip(names, values)}
         if extra:
             stats["kl"] = values[-1] / world
@@ -755,16 +771,14 @@ class Run:
         bad = [k for k, v in stats.items() if not math.isfinite(v)]
         if bad:  # stop before a checkpoint of this update
             if self.rank == 0:  # (every rank sees the same all-reduced statistics)
-                kept = (f"last checkpoint kept: {self.checkpoint_path}" if self.checkpoint_path
-                        else "no checkpoint was written")
-                print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping ({kept})",
+                print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping ({self.kept()})",
                       file=sys.stderr)
             self.finished, self.failed = False, True  # no final checkpoint and no evaluation; exit 1 at the end
             return None
         mask, values_np, returns_np = torch.stack([b_mask, b_values, b_returns]).cpu().numpy()
         valid = mask > 0  # envpool's reset steps are no transitions: left out, as from the losses
         stats["explained_variance"] = explained_variance(values_np[valid], returns_np[valid])
-        rate = (global_step - self.steps_at_start) / (time.time() - self.start_time)  # steps/s of this process
+        rate = (global_step - self.steps_at_start) / (time.time() - self.start_time)  # steps/s, all processes
         self.log("charts/learning_rate", lr, global_step)
         for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
                   "explained_variance"):
@@ -792,10 +806,16 @@ class Run:
     def checkpoint(self, iteration: int, global_step: int) -> None:
         """Called by every rank at the same iteration; rank 0 writes the states of all ranks."""
         ranks = gather_objects({"rng": rng_state()}, self.world)
-        path = os.path.join(self.run_dir, "checkpoint.pt")
+        path, error = os.path.join(self.run_dir, "checkpoint.pt"), None
         if self.rank == 0:
-            save_checkpoint(path, self.agent, self.optimizer, self.args, global_step, iteration, ranks[1:],
-                            self.kl_penalty.beta if self.kl_penalty else None)
+            try:
+                save_checkpoint(path, self.agent, self.optimizer, self.args, global_step, iteration, ranks[1:],
+                                self.kl_penalty.beta if self.kl_penalty else None)
+            except WriteError as e:
+                error = str(e)
+        error = next((e for e in gather_objects(error, self.world) if e), None)
+        if error:  # every rank stops on a failed save of rank 0
+            raise WriteError(error)
         self.checkpoint_path = path
 
     def end_of_iteration(self, iteration: int, global_step: int) -> bool:
@@ -824,36 +844,50 @@ class Run:
     def finish(self, global_step: int) -> None:
         """After the loop: the final checkpoint (with --save-model, or when the run writes checkpoints along the way,
         so that a --resume of the finished run evaluates instead of training), then --eval-episodes. A signal at the
-        end of the run or during the evaluation stops it with the trained state saved."""
+        end of the run or during the evaluation stops it, and a failed write of its videos ends it, with the trained
+        state saved."""
         args, world, rank = self.args, self.world, self.rank
-        end = max(self.num_iterations, self.first_iteration - 1)
         self.result = {"global_step": global_step, "run_dir": self.run_dir, "stats": self.last_stats,
                        "returns": self.recent_returns}
         if not self.finished:
             return
-        checkpointed = self.ckpt is not None or args.checkpoint_every or args.stop_after
-        if args.save_model or (checkpointed and not self.final_saved):
-            self.checkpoint(end, global_step)
+        rng = rng_state()  # the state the trained run ends in, whatever the evaluation draws
+
+        def save_final() -> None:
+            set_rng_state(rng, self.device)
+            self.checkpoint(max(self.num_iterations, self.first_iteration - 1), global_step)
             self.final_saved = True
             if rank == 0:
                 print(f"checkpoint written to {self.checkpoint_path}")
+
+        checkpointed = self.ckpt is not None or args.checkpoint_every or args.stop_after
+        if args.save_model or (checkpointed and not self.final_saved):
+            save_final()
         # under torchrun every rank plays its share of the evaluation games; rank 0 logs them all
         share = args.eval_episodes // world + int(rank < args.eval_episodes % world)
-        mine = evaluate(self.agent, args, self.device, share, os.path.join(self.run_dir, "videos"), rank, world,
-                        stop=lambda: bool(self.signals)) if share else []
-        parts = gather_objects((mine, [signal.Signals(s).name for s in self.signals]), world)
-        names = [name for _, sigs in parts for name in sigs]
-        if names:  # a stop at the end of the run: the trained state first
+        mine, error = [], None
+        try:
+            if share:
+                mine = evaluate(self.agent, args, self.device, share, os.path.join(self.run_dir, "videos"), rank,
+                                world, stop=lambda: bool(self.signals))
+        except Exception as e:  # (a full disk under the videos)
+            if os_error(e) is None:
+                raise
+            error = f"cannot write the evaluation videos in {os.path.join(self.run_dir, 'videos')}: {os_error(e)}"
+        parts = gather_objects((mine, [signal.Signals(s).name for s in self.signals], error), world)
+        names, error = [n for _, sigs, _ in parts for n in sigs], next((e for _, _, e in parts if e), None)
+        if names or error:  # the trained state first
             if not self.final_saved:
-                self.checkpoint(end, global_step)
-                self.final_saved = True
+                save_final()
+            if error:
+                raise WriteError(error)
             if rank == 0:
                 print(f"stopped at the end of the run ({names[0]}); the trained model is in {self.checkpoint_path}"
                       + (f"; evaluate it with: {self.launcher()} --resume {self.checkpoint_path} --eval-episodes "
                          f"{args.eval_episodes}" if args.eval_episodes else ""), flush=True)
             return
         if args.eval_episodes:
-            eval_returns = [r for part, _ in parts for r in part]
+            eval_returns = [r for part, _, _ in parts for r in part]
             mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
             self.log("eval/episodic_return", mean, global_step)
             if rank == 0:
@@ -888,11 +922,10 @@ class EpisodeStats:
         return finished
 
 
-def quiet_event_writer_thread(hook_args) -> None:
+def quiet_event_writer_thread(previous):
     """threading.excepthook during a run: TensorBoard's writer thread re-raises a failed write (disk full), which the
-    main thread's next call of the writer reports in one line (Run.writer_call); other threads report as usual."""
-    if type(hook_args.thread).__name__ != "_AsyncWriterThread":
-        sys.__excepthook__(hook_args.exc_type, hook_args.exc_value, hook_args.exc_traceback)
+    main thread's next call of the writer reports in one line (Run.writer_call); other threads go to `previous`."""
+    return lambda hook_args: None if type(hook_args.thread).__name__ == "_AsyncWriterThread" else previous(hook_args)
 
 
 class RunDirBusy(Exception):
@@ -910,6 +943,10 @@ def make_new_dir(path: str) -> bool:
         raise
 
 
+LOCK_FDS: set = set()  # the run-directory locks this process holds; a forked child drops them (envpool forks none)
+os.register_at_fork(after_in_child=lambda: [os.close(fd) for fd in LOCK_FDS] and LOCK_FDS.clear())
+
+
 def lock_run_dir(run_dir: str) -> int:
     """Hold an exclusive lock on run_dir/.lock for the life of this process (the OS releases it, even after kill -9);
     RunDirBusy if another live process holds it."""
@@ -923,7 +960,13 @@ def lock_run_dir(run_dir: str) -> int:
                          "stop it first") from None
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
+    LOCK_FDS.add(fd)
     return fd
+
+
+def release_lock(fd: int) -> None:
+    LOCK_FDS.discard(fd)
+    os.close(fd)
 
 
 def os_error(e: BaseException) -> Optional[str]:
@@ -951,6 +994,12 @@ def eta_text(seconds: float) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # Distributed (torchrun): data parallel, every rank steps its own envs, DDP averages the gradients
 # ---------------------------------------------------------------------------------------------------------
+def gpu_for_each_process() -> bool:
+    """--cuda's default: whether torch sees a GPU for each process on this machine (torchrun's LOCAL_WORLD_SIZE; one
+    without torchrun). With fewer GPUs than processes the default is the CPU."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
     """Rank, world size and device. Without torchrun (or with one process) no process group is created. Under
     torchrun every process steps its own --num-envs envs (envpool seeds offset by rank * num_envs, so no two ranks
@@ -964,8 +1013,8 @@ def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cpu")
     if args.cuda:  # one GPU per rank
-        if local_rank >= torch.cuda.device_count():
-            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+        if local_rank >= torch.cuda.device_count():  # (validate refuses fewer GPUs than local processes)
+            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)", every_rank=True)
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     # one hour (NCCL's default is 10 minutes): at the end the ranks wait while rank 0 writes its videos and the
@@ -1000,24 +1049,28 @@ def gather_objects(obj, world: int) -> list:
 # schedule), the KL-penalty coefficient and the args; not envpool's games (their emulator state cannot be saved)
 # ---------------------------------------------------------------------------------------------------------
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:
-    """optimizer.load_state_dict, keeping this run's settings: torch restores the saved ones (capturable, fused,
-    foreach, and lr as a tensor on the CPU after map_location), so a checkpoint of a CUDA-graph run would not
-    resume on the CPU, nor a CPU one stay free of host syncs on CUDA. Adam's step counters go where this run's
-    settings want them, as copies (the checkpoint read stays as it was read)."""
-    own = [{k: g[k] for k in ("capturable", "fused", "foreach", "differentiable") if k in g}
-           for g in optimizer.param_groups]
+    """optimizer.load_state_dict for Adam's moments and step counters, keeping this run's settings: torch restores the
+    saved ones (capturable, fused, foreach, betas; lr as a tensor on the CPU after map_location), so a checkpoint of a
+    CUDA-graph run would not resume on the CPU, nor a CPU one stay free of host syncs on CUDA. The step counters go
+    where this run's settings want them, as copies (the checkpoint read stays as it was read); moments that do not
+    fit their parameters are refused (ValueError: the fused CPU Adam would write past a moment of the wrong size)."""
+    own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for g, settings in zip(optimizer.param_groups, own):
         g.update(settings)
         g["lr"] = torch.tensor(float(g["lr"]), device=device)
         for p in g["params"]:
             st = optimizer.state.get(p, {})
+            if st and not all(torch.is_tensor(st.get(k)) and st[k].shape == p.shape for k in ("exp_avg", "exp_avg_sq")):
+                raise ValueError(f"Adam's moments do not fit a parameter of shape {tuple(p.shape)}")
             for k, v in st.items():  # moments in the parameter's memory layout (channels_last on the CPU, not on
                 if torch.is_tensor(v) and v.shape == p.shape:  # CUDA): the fused kernel pairs them by raw memory
                     st[k] = torch.empty_like(p).copy_(v)
             if torch.is_tensor(st.get("step")):
                 on_param = g.get("capturable") or g.get("fused")
                 st["step"] = st["step"].to(p.device if on_param else torch.device("cpu"), torch.float32, copy=True)
+            elif st:
+                raise ValueError("Adam's step counter is missing")
 
 
 def rng_state() -> dict:
@@ -1073,14 +1126,19 @@ CHECKPOINT_KEYS = {"env_id": str, "model": dict, "optimizer": dict, "global_step
 _read_checkpoints: dict = {}  # parse_args reads a checkpoint for its flags and keeps it here for main's states
 
 
-def load_checkpoint(path: str, env_id: Optional[str] = None, keep: bool = False) -> dict:
-    """Read and check a checkpoint; whatever is wrong with it is one line, exit 2. keep: hold it for the next call
-    (parse_args for main), which takes it over: the optimizer's state shares its tensors and training changes them."""
+def checkpoint_key(path: str) -> tuple:
+    """Which version of the file: path, modification time, size."""
     try:
         st = os.stat(path)
     except OSError as e:
         die(f"cannot read checkpoint {path}: {e.strerror}")
-    key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+    return os.path.abspath(path), st.st_mtime_ns, st.st_size
+
+
+def load_checkpoint(path: str, env_id: Optional[str] = None, keep: bool = False) -> dict:
+    """Read and check a checkpoint; whatever is wrong with it is one line, exit 2. keep: hold it for the next call
+    (parse_args for main), which takes it over: the optimizer's state shares its tensors and training changes them."""
+    key = checkpoint_key(path)
     ckpt = _read_checkpoints.pop(key, None) or read_checkpoint(path)
     _read_checkpoints.clear()
     if keep:
@@ -1105,8 +1163,11 @@ def read_checkpoint(path: str) -> dict:
     for key, kind in CHECKPOINT_KEYS.items():
         if not isinstance(ckpt.get(key), kind) or isinstance(ckpt.get(key), bool):
             damaged(f"{key} is {type(ckpt[key]).__name__}, not {kind.__name__}" if key in ckpt else f"no {key}")
-    if not fits(ckpt.get("kl_coef"), Optional[float]):
-        damaged(f"kl_coef is {ckpt['kl_coef']!r}, not a number")
+    if not (ckpt.get("kl_coef") is None or fits(ckpt["kl_coef"], float) and 0 < ckpt["kl_coef"] < math.inf):
+        damaged(f"kl_coef is {ckpt['kl_coef']!r}, not a positive number")
+    for key in ("iteration", "global_step"):
+        if ckpt[key] < 0:
+            damaged(f"{key} is {ckpt[key]}")
     hints = typing.get_type_hints(Args, include_extras=True)
     for name, value in ckpt["args"].items():
         if name in hints and not fits(value, hints[name]):
@@ -1260,9 +1321,10 @@ def cudagraph_skips() -> int:
 # ---------------------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------------------
-def die(msg: str) -> None:
-    """Bad input: one line on stderr (rank 0's alone under torchrun), exit code 2, no traceback."""
-    if int(os.environ.get("RANK", "0")) == 0:
+def die(msg: str, every_rank: bool = False) -> None:
+    """Bad input: one line on stderr, exit code 2, no traceback. Under torchrun every rank finds the same bad input
+    and rank 0 alone says it, unless only this rank can see the problem (every_rank)."""
+    if every_rank or int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
 
@@ -1322,7 +1384,7 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
             die(f"--resume: no such file {resume}")
         saved = load_checkpoint(resume, keep=True)["args"]
         default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
-        if default.cuda and not torch.cuda.is_available():  # written on a GPU, resumed where there is none
+        if default.cuda and not gpu_for_each_process():  # written on a GPU, resumed where there is none (enough)
             default.cuda, default.cudagraphs, gpu_gone = False, False, True  # (--cuda by name is refused below)
     err = io.StringIO()
     try:
@@ -1343,7 +1405,9 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
             message.append(ln)
         die(" ".join(message) or "invalid arguments (see --help)")
     if gpu_gone and not args.cuda and int(os.environ.get("RANK", "0")) == 0:
-        print(f"note: {resume} was written on a GPU and torch finds none here: the run resumes on the CPU")
+        found = (f"{torch.cuda.device_count()} GPU(s) for {os.environ.get('LOCAL_WORLD_SIZE', '1')} processes"
+                 if torch.cuda.is_available() else "none")
+        print(f"note: {resume} was written on a GPU and torch finds {found} here: the run resumes on the CPU")
     validate(args)
     return args
 
@@ -1400,10 +1464,11 @@ def validate(args: Args) -> None:
         die("--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
     if args.cudagraphs and world > 1:
         die("--cudagraphs is not supported under torchrun (DDP's gradient all-reduce runs outside the graph)")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun: processes on this machine, one GPU each
+    if args.cuda and torch.cuda.is_available() and torch.cuda.device_count() < local:
+        die(f"--cuda with {local} processes on this machine but {torch.cuda.device_count()} GPU(s)")
     if args.cuda and not torch.cuda.is_available():
         die("--cuda given but torch finds no CUDA device (without the flag the script uses the GPU if there is one)")
-    if args.resume is not None and not os.path.isfile(args.resume):
-        die(f"--resume: no such file {args.resume}")
     check_env_id(args.env_id)
 
 

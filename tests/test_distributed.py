@@ -85,7 +85,12 @@ def test_bad_input_under_torchrun_is_said_once(tmp_path, script):
     assert not os.listdir(tmp_path)
 
 
-def test_a_full_disk_under_torchrun_stops_every_rank_in_one_line(tmp_path):
+@pytest.mark.parametrize("script, argv", [
+    ("ppo.py", ["--total-timesteps", "8192", "--num-steps", "128"]),
+    ("ppo_atari_envpool.py", ["--total-timesteps", "384", "--num-envs", "2", "--num-steps", "32", "--num-minibatches",
+                              "2", "--update-epochs", "1", "--torch-threads", "1", "--num-threads", "1"]),
+])
+def test_a_full_disk_under_torchrun_stops_every_rank_in_one_line(tmp_path, script, argv):
     """Rank 0 alone writes; its failed save must stop the other ranks with it, not leave them in a collective."""
     import resource
 
@@ -93,13 +98,12 @@ def test_a_full_disk_under_torchrun_stops_every_rank_in_one_line(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000))
 
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                          os.path.join(ROOT, "ppo.py"), "--total-timesteps", "8192", "--num-steps", "128",
-                          "--checkpoint-every", "1", "--runs-dir", str(tmp_path)],
+                          os.path.join(ROOT, script), *argv, "--checkpoint-every", "1", "--runs-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=240, env=ENV, cwd=ROOT, preexec_fn=small_files)
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
     assert res.returncode == 1 and len(errors) == 1 and "File too large" in errors[0], res.stderr[-3000:]
     assert "cannot write" in errors[0] and "checkpoint.pt" in errors[0]
-    assert 'ppo.py", line' not in res.stderr, res.stderr[-3000:]  # no traceback of a worker (the launcher has its own)
+    assert f'{script}", line' not in res.stderr, res.stderr[-3000:]  # no worker's traceback (the launcher has its own)
 
 
 def test_cudagraphs_under_torchrun_is_one_line_error(monkeypatch, capsys):

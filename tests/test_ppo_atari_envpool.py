@@ -8,9 +8,12 @@ import math
 import os
 import re
 import signal
+import struct
 import subprocess
+import threading
 import time
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -739,6 +742,37 @@ def test_handlers_and_torch_settings_are_restored_when_the_loop_raises(tmp_path,
     assert seen == [True] and handlers() == before and not torch.are_deterministic_algorithms_enabled()
 
 
+def test_the_teardown_gives_everything_back_when_a_step_of_it_fails(tmp_path, monkeypatch):
+    """Run.__exit__: a close that raises still releases the lock and restores the handlers and torch's settings."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    real_close = SummaryWriter.close
+
+    def close_then_fail(self):
+        real_close(self)
+        raise RuntimeError("close failed")
+
+    monkeypatch.setattr(SummaryWriter, "close", close_then_fail)
+    monkeypatch.setattr(pae, "compute_gae", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("broken")))
+    before, hook = handlers(), threading.excepthook
+    with pytest.raises(RuntimeError, match="close failed"):
+        pae.main(tiny(tmp_path, total_timesteps=64))
+    assert handlers() == before and threading.excepthook is hook and not torch.are_deterministic_algorithms_enabled()
+    assert not pae.LOCK_FDS  # the run directory's lock is released
+
+
+def test_thread_errors_during_a_run_go_to_the_previous_hook_but_tensorboards_writer():
+    class _AsyncWriterThread(threading.Thread):  # (the name of TensorBoard's writer thread)
+        pass
+
+    seen = []
+    hook = pae.quiet_event_writer_thread(seen.append)
+    hook(types.SimpleNamespace(thread=_AsyncWriterThread()))  # reported by Run.writer_call instead
+    other = types.SimpleNamespace(thread=threading.Thread())
+    hook(other)
+    assert seen == [other]
+
+
 def test_a_signal_during_setup_stops_after_the_first_iteration_with_a_checkpoint(tmp_path, monkeypatch, capsys):
     real = pae.make_envs
 
@@ -791,6 +825,21 @@ def test_a_signal_during_the_final_save_skips_the_evaluation(tmp_path, monkeypat
     assert "eval_returns" not in res
 
 
+def test_the_checkpoint_of_a_stop_during_the_evaluation_has_the_rng_of_the_trained_run(tmp_path, monkeypatch):
+    full = pae.main(tiny(tmp_path / "full", total_timesteps=64, save_model=True))
+    real = pae.evaluate
+
+    def draw_then_signal(*a, **k):  # the evaluation draws random numbers, then a signal comes
+        torch.rand(100)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    monkeypatch.setattr(pae, "evaluate", draw_then_signal)
+    stopped = pae.main(tiny(tmp_path / "stopped", total_timesteps=64, eval_episodes=3))
+    a, b = (torch.load(os.path.join(r["run_dir"], "checkpoint.pt"), weights_only=True) for r in (full, stopped))
+    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]) and a["iteration"] == b["iteration"] == 1
+
+
 def test_a_second_signal_right_after_the_stop_keeps_the_exit_clean(tmp_path):
     p = subprocess.Popen([sys.executable, SCRIPT, "--total-timesteps", "1e6", *TINY, "--runs-dir", str(tmp_path)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
@@ -833,6 +882,39 @@ def test_a_run_directory_held_by_a_live_process_is_refused(stopped_run, tmp_path
     assert pae.main(pae.parse_args(["--resume", ckpt]))["global_step"] == 128  # free again: it resumes
 
 
+def test_a_forked_child_does_not_hold_the_run_directory_lock(tmp_path):
+    import multiprocessing
+
+    fd = pae.lock_run_dir(str(tmp_path))
+    try:
+        ctx = multiprocessing.get_context("fork")
+        child = ctx.Process(target=lambda: os._exit(0 if fd not in pae.LOCK_FDS else 3))
+        child.start()
+        child.join()
+        assert child.exitcode == 0
+    finally:
+        pae.release_lock(fd)
+    assert fd not in pae.LOCK_FDS
+
+
+def test_a_checkpoint_rewritten_between_reading_and_locking_is_refused(stopped_run, tmp_path, monkeypatch, capsys):
+    """A requeued job read checkpoint k; before it took the lock, the old job wrote k+1 and ended: resuming k would
+    overwrite k+1."""
+    ckpt = copy_run(stopped_run, tmp_path)
+    real = pae.lock_run_dir
+
+    def old_job_writes_first(run_dir):
+        torch.save(torch.load(ckpt, weights_only=True), ckpt)  # (stands for the old job's next checkpoint)
+        return real(run_dir)
+
+    monkeypatch.setattr(pae, "lock_run_dir", old_job_writes_first)
+    with pytest.raises(SystemExit) as e:
+        pae.main(pae.parse_args(["--resume", ckpt]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert "was rewritten by another process while this one started" in err, err
+
+
 @pytest.mark.parametrize("good_saves", [0, 1])
 def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys, good_saves):
     real, calls = torch.save, []
@@ -851,7 +933,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, mon
     assert f"error: cannot write {ckpt}: No space left on device" in err
     assert not os.path.exists(ckpt + ".tmp")  # the partial file is gone
     if good_saves:
-        assert f"(the last checkpoint is kept: {ckpt})" in err
+        assert f"(last checkpoint kept: {ckpt})" in err
         assert torch.load(ckpt, weights_only=True)["iteration"] == 1
     else:
         assert "(no checkpoint was written)" in err and not os.path.exists(ckpt)
@@ -874,6 +956,21 @@ def test_a_full_disk_under_the_tensorboard_events_is_one_line(tmp_path, monkeypa
     err = capsys.readouterr().err
     assert e.value.code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
     assert "error: cannot write the TensorBoard events in" in err and "No space left on device" in err
+
+
+def test_a_full_disk_under_the_evaluation_videos_saves_the_model_and_is_one_line(tmp_path, monkeypatch, capsys):
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pae, "evaluate", full)
+    with pytest.raises(SystemExit) as e:
+        pae.main(tiny(tmp_path, total_timesteps=64, eval_episodes=2))
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1, err
+    assert "cannot write the evaluation videos in" in err and "No space left on device" in err
+    (ckpt,) = glob.glob(str(tmp_path / "Breakout-v5__t__*" / "checkpoint.pt"))
+    assert f"(last checkpoint kept: {ckpt})" in err
+    assert torch.load(ckpt, weights_only=True)["iteration"] == 1  # the trained state, saved first
 
 
 def edited_checkpoint(stopped_run, tmp_path, edit) -> str:
@@ -903,6 +1000,27 @@ def test_an_edited_checkpoint_is_one_line_exit_2(stopped_run, tmp_path, capsys, 
     assert e.value.code == 2 and err.count("\n") == 1 and "is damaged or was edited" in err and needle in err, err
 
 
+@pytest.mark.parametrize("edit,needle", [
+    (lambda s: s["rng"].update(torch=s["rng"]["torch"].float()), "RNG state"),  # the right size, the wrong kind
+    (lambda s: s["rng"].update(torch=torch.zeros_like(s["rng"]["torch"])), "mt19937"),
+    (lambda s: [st.pop("exp_avg_sq") for st in s["optimizer"]["state"].values()], "moments do not fit"),
+    (lambda s: [st.update(exp_avg=torch.zeros(1)) for st in s["optimizer"]["state"].values()], "moments do not fit"),
+    (lambda s: [st.pop("step") for st in s["optimizer"]["state"].values()], "does not fit this run"),
+    (lambda s: s.update(kl_coef=-1.0), "kl_coef is -1.0, not a positive number"),
+    (lambda s: s.update(iteration=-3), "iteration is -3"),
+    (lambda s: s.update(global_step=-64), "global_step is -64"),
+])
+def test_a_checkpoint_whose_states_do_not_load_is_one_line_exit_2(stopped_run, tmp_path, capsys, edit, needle):
+    path = edited_checkpoint(stopped_run, tmp_path, edit)
+    events = glob.glob(os.path.join(os.path.dirname(path), "events.out.tfevents.*"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        pae.main(pae.parse_args(["--resume", path]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and needle in err and "Traceback" not in err, err
+    assert glob.glob(os.path.join(os.path.dirname(path), "events.out.tfevents.*")) == events  # nothing logged
+
+
 def test_a_flipped_bit_in_a_stored_weight_is_found(stopped_run, tmp_path, capsys):
     import zipfile
 
@@ -910,7 +1028,8 @@ def test_a_flipped_bit_in_a_stored_weight_is_found(stopped_run, tmp_path, capsys
     data = bytearray(open(path, "rb").read())
     with zipfile.ZipFile(path) as z:
         info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)  # the record's bytes
+    name_len, extra_len = struct.unpack("<HH", bytes(data[info.header_offset + 26:info.header_offset + 30]))
+    start = info.header_offset + 30 + name_len + extra_len  # the record's bytes (after its local header)
     data[start + info.file_size // 2] ^= 0x01
     open(path, "wb").write(bytes(data))
     assert torch.load(path, weights_only=True)["iteration"] == 1  # torch itself loads it silently
@@ -934,6 +1053,7 @@ def test_the_nan_stop_says_when_no_checkpoint_exists(tmp_path, monkeypatch, caps
 # --------------------------------------------------------------------------------------------------------------
 def test_the_gpu_is_the_default_where_torch_sees_one(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert pae.parse_args(["--total-timesteps", "1e7"]).cuda is True and pae.Args().cuda is True
     assert pae.parse_args(["--no-cuda"]).cuda is False
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -959,5 +1079,42 @@ def test_a_gpu_checkpoint_resumes_on_the_cpu_where_there_is_none(stopped_run, tm
     captured = capsys.readouterr()
     assert e.value.code == 2 and captured.err.count("\n") == 1 and not captured.out, captured
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # where there is a GPU it resumes there, silently
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     args = pae.parse_args(["--resume", path])
     assert args.cuda is True and args.cudagraphs is True and not capsys.readouterr().out
+
+
+def test_the_gpu_default_needs_a_gpu_for_each_process_of_the_machine(stopped_run, tmp_path, monkeypatch, capsys):
+    """`torchrun --nproc-per-node 4` where torch sees 1 GPU: the CPU by default (not 3 ranks without a GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert pae.parse_args([]).cuda is False and pae.Args().cuda is False
+    path = edited_checkpoint(stopped_run, tmp_path, lambda s: s["args"].update(cuda=True))  # a GPU's
+    assert pae.parse_args(["--resume", path, "--total-timesteps", "1024"]).cuda is False  # (a rollout of 4 processes)
+    assert "written on a GPU and torch finds 1 GPU(s) for 4 processes here: the run resumes on the CPU" in \
+        capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert pae.parse_args([]).cuda is True and pae.Args().cuda is True
+
+
+def test_more_local_processes_than_gpus_is_one_line_error(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        pae.parse_args(["--cuda"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--cuda with 2 processes on this machine but 1 GPU(s)" in err
+
+
+def test_a_rank_without_a_gpu_says_so_itself(monkeypatch, capsys):
+    """Only that rank sees it (rank 0 has its GPU): its error line is not left to rank 0."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "1"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as e:
+        pae.setup_distributed(pae.Args(cuda=True))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == "error: local rank 1 has no GPU (1 visible)\n", err
