@@ -796,8 +796,8 @@ class Run:
             return
         rng = rng_state()  # the state the trained run ends in, whatever the evaluation draws
 
-        def save_final() -> None:
-            if not self.final_saved:
+        def save_final(again: bool = False) -> None:  # again: --save-model rewrites a finished run's checkpoint too
+            if again or not self.final_saved:
                 set_rng_state(rng, self.device)
                 self.checkpoint(max(self.num_iterations, self.first_iteration - 1), global_step, next_obs, next_done)
                 self.final_saved = True
@@ -805,7 +805,7 @@ class Run:
                     print(f"checkpoint written to {self.checkpoint_path}")
 
         if args.save_model or args.checkpoint_every or args.stop_after or self.ckpt is not None:
-            save_final()
+            save_final(again=args.save_model)
         # under torchrun every rank plays its share of the evaluation episodes; rank 0 logs them all
         share = args.eval_episodes // world + int(rank < args.eval_episodes % world)
         mine, error = [], None

@@ -1103,3 +1103,14 @@ def test_async_workers_ignore_the_signals_meant_for_the_main_process():
         assert envs.call("handlers") == ((signal.SIG_IGN, signal.SIG_IGN),) * 2
     finally:
         envs.close()
+
+
+def test_save_model_on_a_finished_run_writes_its_checkpoint_again(tmp_path):
+    res = ppo.main(small_args(tmp_path, total_timesteps=256, save_model=True))
+    ckpt = os.path.join(res["run_dir"], "checkpoint.pt")
+    before = os.stat(ckpt).st_mtime_ns
+    ppo.main(ppo.parse_args(["--resume", ckpt]))  # the checkpoint's --save-model: written again
+    assert os.stat(ckpt).st_mtime_ns != before
+    before = os.stat(ckpt).st_mtime_ns
+    ppo.main(ppo.parse_args(["--resume", ckpt, "--no-save-model"]))  # nothing to train, nothing to write
+    assert os.stat(ckpt).st_mtime_ns == before
