@@ -635,6 +635,7 @@ class Run:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.rank, self.world, self.device = setup_distributed(args)
         if args.resume:
+            self.ckpt_key = checkpoint_key(args.resume)
             self.ckpt = load_checkpoint(args.resume, args.env_id)
             check_resume(self.ckpt, args, self.world)
         check_env(args.env_id)
@@ -671,6 +672,9 @@ class Run:
         if self.rank == 0 and error is None:
             try:
                 self.lock_fd = lock_run_dir(run_dir)
+                if self.ckpt is not None and checkpoint_key(args.resume) != self.ckpt_key:
+                    error = (f"{args.resume} was rewritten by another process while this one started (a job still "
+                             "running?); start again to resume the new checkpoint")
             except OSError as e:
                 error = f"cannot write in run directory {run_dir}: {e.strerror or e}"
             except RunDirBusy as e:
@@ -728,22 +732,46 @@ class Run:
         self.envs, self.agent, self.optimizer, self.norm, self.kl_penalty = envs, agent, optimizer, norm, kl_penalty
         self.num_iterations, first, global_step = num_iterations, 1, 0
         mine = ckpt if rank == 0 or ckpt is None else ckpt["other_ranks"][rank - 1]  # this rank's RNG and envs
+        exact = False  # the episodes in flight continue (exact resume)
+        next_obs_np, _ = envs.reset(seed=[args.seed + (ckpt["global_step"] if ckpt else 0) + rank * args.num_envs + i
+                                          for i in range(args.num_envs)])
+        next_done = np.zeros(args.num_envs, dtype=np.float32)
+        self.ep_return, self.ep_length = np.zeros(args.num_envs), np.zeros(args.num_envs, dtype=np.int64)
         if ckpt is not None:
-            try:
+            error = None
+            try:  # whatever torch or the envs raise on a checkpoint that does not fit is one line
                 agent.load_state_dict(ckpt["model"])
                 load_optimizer_state(optimizer, ckpt["optimizer"], device)
                 norm.obs_rms.load_state_dict(ckpt["obs_rms"])
                 norm.reward_scaler.rms.load_state_dict(ckpt["return_rms"])
-            except (RuntimeError, ValueError, KeyError, TypeError) as e:
-                die(f"checkpoint {args.resume} does not fit this network: {str(e).splitlines()[0]}")
+                set_rng_state(mine["rng"], device)
+                saved = mine["rollout"]
+                exact = saved["envs"] is not None and args.vector_mode == "sync"
+                if exact:  # the episodes in flight continue where they stopped
+                    load_env_state(envs, saved["envs"])
+                    next_obs = fitted(saved["next_obs"], next_obs_np.shape).to(device, torch.float32)  # normalised
+                    next_done = fitted(saved["next_done"], next_done.shape).numpy().astype(np.float32)
+                    self.ep_return, self.ep_length = (fitted(saved[k], x.shape).numpy().astype(x.dtype) for k, x in
+                                                      (("ep_return", self.ep_return), ("ep_length", self.ep_length)))
+                    norm.reward_scaler.ret = fitted(saved["reward_ret"], norm.reward_scaler.ret.shape).numpy().astype(
+                        np.float64)
+            except Exception as e:
+                error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            # under torchrun each rank restores its own states: a state that only one rank finds unfit stops them all
+            errors = gather_objects(error, self.world)
+            r, error = next(((r, e) for r, e in enumerate(errors) if e), (0, None))
+            if error:
+                die(f"checkpoint {args.resume} does not fit this run{f' (the state of rank {r})' if r else ''}: "
+                    f"{error}")
             first, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
-            set_rng_state(mine["rng"], device)
             if kl_penalty is not None and args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
                 kl_penalty.beta = ckpt["kl_coef"]  # the adapted value goes on
                 kl_penalty.coef.fill_(kl_penalty.beta)
         if self.world > 1:  # each rank's statistics see its own data during a rollout; merge_ranks combines them
             norm.obs_rms.track_additions()
             norm.reward_scaler.rms.track_additions()
+        if not exact:
+            next_obs = norm.obs(next_obs_np, update=first <= num_iterations)
         self.open_logs()
         if ckpt is not None and rank == 0:
             print(f"resumed {args.resume} at iteration {first - 1}, global step {global_step}")
@@ -754,27 +782,9 @@ class Run:
             if args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
                 print(f"note: the adaptive KL-penalty coefficient goes on from the checkpoint's {ckpt['kl_coef']:.3g} "
                       "(--kl-penalty-coef sets the start of a new run only)")
-
-        next_obs_np, _ = envs.reset(seed=[args.seed + global_step + rank * args.num_envs + i
-                                          for i in range(args.num_envs)])
-        next_done = np.zeros(args.num_envs, dtype=np.float32)
-        self.ep_return, self.ep_length = np.zeros(args.num_envs), np.zeros(args.num_envs, dtype=np.int64)
-        saved = mine.get("rollout") if ckpt is not None else None
-        if saved is not None and saved["envs"] is not None and args.vector_mode == "sync":
-            # exact resume: the episodes in flight continue where they stopped
-            try:
-                load_env_state(envs, saved["envs"])
-            except (ValueError, KeyError, AttributeError, TypeError) as e:
-                die(f"checkpoint {args.resume}: cannot restore the environments: {e}")
-            next_obs = saved["next_obs"].to(device)  # normalised already
-            next_done = saved["next_done"].numpy().astype(np.float32)
-            self.ep_return, self.ep_length = saved["ep_return"].numpy().copy(), saved["ep_length"].numpy().copy()
-            norm.reward_scaler.ret = saved["reward_ret"].numpy().astype(np.float64)
-        else:
-            if ckpt is not None and rank == 0:
+            if not exact:
                 print("note: environments start new episodes (exact resume needs --vector-mode sync, then and now, "
                       "and an env whose whole state the script saves)")
-            next_obs = norm.obs(next_obs_np, update=first <= num_iterations)
         self.first_iteration, self.steps_at_start = first, global_step
         self.final_saved = ckpt is not None and first > num_iterations  # a finished run's checkpoint: final already
         self.start_time, self.last_print = time.time(), 0.0
@@ -1195,21 +1205,24 @@ def load_env_state(envs, snapshot: list) -> None:
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:
-    """optimizer.load_state_dict, keeping this run's settings: torch restores the saved ones (capturable, fused,
-    foreach, and lr as a tensor on the CPU after map_location), so a checkpoint of a CUDA-graph run would not
-    resume on the CPU, nor a CPU one stay free of host syncs on CUDA. Adam's step counters go where this run's
-    settings want them."""
-    own = [{k: g[k] for k in ("capturable", "fused", "foreach", "differentiable") if k in g}
-           for g in optimizer.param_groups]
+    """optimizer.load_state_dict for Adam's moments and step counters, keeping this run's settings: torch restores the
+    saved ones (capturable, fused, foreach, betas; lr as a tensor on the CPU after map_location), so a checkpoint of a
+    CUDA-graph run would not resume on the CPU, nor a CPU one stay free of host syncs on CUDA. The step counters go
+    where this run's settings want them; moments that do not fit their parameters are refused (ValueError)."""
+    own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for g, settings in zip(optimizer.param_groups, own):
         g.update(settings)
         g["lr"] = torch.tensor(float(g["lr"]), device=device)
         for p in g["params"]:
             st = optimizer.state.get(p, {})
+            if st and not all(torch.is_tensor(st.get(k)) and st[k].shape == p.shape for k in ("exp_avg", "exp_avg_sq")):
+                raise ValueError(f"Adam's moments do not fit a parameter of shape {tuple(p.shape)}")
             if torch.is_tensor(st.get("step")):
                 on_param = g.get("capturable") or g.get("fused")
-                st["step"] = st["step"].to(p.device if on_param else torch.device("cpu"), torch.float32)
+                st["step"] = st["step"].to(p.device if on_param else torch.device("cpu"), torch.float32, copy=True)
+            elif st:
+                raise ValueError("Adam's step counter is missing")
 
 
 def rng_state() -> dict:
@@ -1274,14 +1287,26 @@ ROLLOUT_KEYS = ("envs", "next_obs", "next_done", "ep_return", "ep_length", "rewa
 _read_checkpoints: dict = {}  # parse_args reads a checkpoint for its flags and keeps it here for main's states
 
 
-def load_checkpoint(path: str, env_id: Optional[str] = None, keep: bool = False) -> dict:
-    """Read and check a checkpoint; whatever is wrong with it is one line, exit 2. keep: hold it for the next call
-    (parse_args for main), which takes it over: the optimizer's state shares its tensors and training changes them."""
+def checkpoint_key(path: str) -> tuple:
+    """Which version of the file: path, modification time, size."""
     try:
         st = os.stat(path)
     except OSError as e:
         die(f"cannot read checkpoint {path}: {e.strerror}")
-    key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+    return os.path.abspath(path), st.st_mtime_ns, st.st_size
+
+
+def fitted(x, shape: tuple) -> torch.Tensor:
+    """A saved tensor of the shape this run needs (ValueError otherwise)."""
+    if not torch.is_tensor(x) or tuple(x.shape) != tuple(shape):
+        raise ValueError(f"a saved rollout state of shape {tuple(getattr(x, 'shape', ()))}, expected {tuple(shape)}")
+    return x
+
+
+def load_checkpoint(path: str, env_id: Optional[str] = None, keep: bool = False) -> dict:
+    """Read and check a checkpoint; whatever is wrong with it is one line, exit 2. keep: hold it for the next call
+    (parse_args for main), which takes it over: the optimizer's state shares its tensors and training changes them."""
+    key = checkpoint_key(path)
     ckpt = _read_checkpoints.pop(key, None) or read_checkpoint(path)
     _read_checkpoints.clear()
     if keep:
@@ -1306,8 +1331,11 @@ def read_checkpoint(path: str) -> dict:
     for key, kind in CHECKPOINT_KEYS.items():
         if not isinstance(ckpt.get(key), kind) or isinstance(ckpt.get(key), bool):
             damaged(f"{key} is {type(ckpt[key]).__name__}, not {kind.__name__}" if key in ckpt else f"no {key}")
-    if not fits(ckpt.get("kl_coef"), Optional[float]):
-        damaged(f"kl_coef is {ckpt['kl_coef']!r}, not a number")
+    if not (ckpt.get("kl_coef") is None or fits(ckpt["kl_coef"], float) and 0 < ckpt["kl_coef"] < math.inf):
+        damaged(f"kl_coef is {ckpt['kl_coef']!r}, not a positive number")
+    for key in ("iteration", "global_step"):
+        if ckpt[key] < 0:
+            damaged(f"{key} is {ckpt[key]}")
     for key in ("obs_rms", "return_rms"):  # mean and var of one shape, count > 0, all finite, var >= 0
         st = {k: ckpt[key].get(k) for k in ("mean", "var", "count")}
         if not (all(torch.is_tensor(t) and t.is_floating_point() for t in st.values()) and st["count"].ndim == 0
@@ -1645,8 +1673,6 @@ def validate(args: Args) -> None:
     if args.cuda and not torch.cuda.is_available():
         die("--cuda given (or taken from the checkpoint: --no-cuda resumes on the CPU) but torch finds no CUDA "
             "device")
-    if args.resume is not None and not os.path.isfile(args.resume):
-        die(f"--resume: no such file {args.resume}")
 
 
 def check_env(env_id: str) -> None:

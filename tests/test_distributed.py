@@ -102,6 +102,21 @@ def test_a_full_disk_under_torchrun_stops_every_rank_in_one_line(tmp_path):
     assert 'ppo.py", line' not in res.stderr, res.stderr[-3000:]  # no traceback of a worker (the launcher has its own)
 
 
+def test_ppo_continuous_a_state_of_rank_1_that_does_not_fit_stops_every_rank_in_one_line(tmp_path):
+    """Each rank restores its own envs and RNG: a state only rank 1 finds unfit is said once, and no rank trains."""
+    argv = ["--env-id", "Hopper-v5", "--total-timesteps", "384", "--num-steps", "64", "--num-minibatches", "2",
+            "--update-epochs", "1"]
+    ckpt, state = stop_after_one_iteration("ppo_continuous.py", argv, tmp_path)
+    state["other_ranks"][0]["rollout"]["next_obs"] = torch.zeros(3, 11)
+    torch.save(state, ckpt)
+    res = torchrun(os.path.join(ROOT, "ppo_continuous.py"), "--resume", ckpt)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert res.returncode == 1 and len(errors) == 1, res.stderr[-3000:]
+    assert "does not fit this run (the state of rank 1)" in errors[0] and "expected (1, 11)" in errors[0], errors
+    assert 'ppo_continuous.py", line' not in res.stderr, res.stderr[-3000:]
+    assert len(glob.glob(str(tmp_path / "*" / "events.out.tfevents.*"))) == 1  # the first run's: nothing logged
+
+
 def test_cudagraphs_under_torchrun_is_one_line_error(monkeypatch, capsys):
     sys.path.insert(0, ROOT)
     import ppo

@@ -970,7 +970,7 @@ def test_statistics_that_do_not_fit_the_env_are_one_line_exit_2(tmp_path, capsys
 
     code, err = resume_error(capsys, edited_copy(tmp_path, stopped_checkpoint, other_shape))
     assert code == 2 and len(error_lines(err)) == 1 and "Traceback" not in err, err
-    assert "does not fit this network: normalisation statistics of shape (5,), expected (11,)" in err
+    assert "does not fit this run: ValueError: normalisation statistics of shape (5,), expected (11,)" in err
 
 
 def test_a_flipped_bit_in_a_stored_weight_is_found(tmp_path, capsys, stopped_checkpoint):
@@ -997,3 +997,47 @@ def test_the_nan_stop_says_when_no_checkpoint_exists(tmp_path, monkeypatch, caps
         pc.main(tiny(tmp_path))
     err = capsys.readouterr().err
     assert e.value.code == 1 and "at iteration 1; stopping (no checkpoint was written)" in err, err
+
+
+def wrong_mujoco_state(s):
+    s["rollout"]["envs"][0]["mujoco"]["integration"] = torch.zeros(3, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda s: s["rng"].update(torch=s["rng"]["torch"].float()), "RNG state"),
+    (lambda s: s["rng"].update(torch=torch.zeros_like(s["rng"]["torch"])), "mt19937"),
+    (lambda s: s["rollout"].update(next_obs=torch.zeros(3, 11)), "expected (2, 11)"),
+    (lambda s: s["rollout"].update(ep_return=[0.0, 0.0]), "expected (2,)"),
+    (lambda s: s["rollout"].update(reward_ret=torch.zeros(3, dtype=torch.float64)), "expected (2,)"),
+    (lambda s: s["rollout"].update(envs="abc"), "does not fit this run"),
+    (wrong_mujoco_state, "MuJoCo state of size 3"),
+    (lambda s: s["return_rms"].update(mean=torch.zeros(2, dtype=torch.float64),
+                                      var=torch.ones(2, dtype=torch.float64)), "statistics of shape (2,), expected ()"),
+    (lambda s: [st.pop("exp_avg_sq") for st in s["optimizer"]["state"].values()], "moments do not fit"),
+    (lambda s: [st.update(exp_avg=torch.zeros(1)) for st in s["optimizer"]["state"].values()], "moments do not fit"),
+    (lambda s: s.update(kl_coef=-1.0), "kl_coef is -1.0, not a positive number"),
+    (lambda s: s.update(iteration=-3), "iteration is -3"),
+    (lambda s: s.update(global_step=-1), "global_step is -1"),
+])
+def test_a_checkpoint_whose_states_do_not_load_is_one_line_exit_2(tmp_path, capsys, stopped_checkpoint, edit, needle):
+    path = edited_copy(tmp_path, stopped_checkpoint, edit)
+    code, err = resume_error(capsys, path)
+    assert code == 2 and len(error_lines(err)) == 1 and needle in err and "Traceback" not in err, err
+    assert not glob.glob(os.path.join(os.path.dirname(path), "events.*"))  # restored before anything is logged
+
+
+def test_a_checkpoint_rewritten_between_reading_and_locking_is_refused(tmp_path, monkeypatch, capsys):
+    """A requeued job read checkpoint k; before it took the lock, the old job wrote k+1 and ended: resuming k would
+    overwrite k+1."""
+    first = pc.main(tiny(tmp_path, total_timesteps=256, stop_after=1))
+    ckpt = os.path.join(first["run_dir"], "checkpoint.pt")
+    real = pc.lock_run_dir
+
+    def old_job_writes_first(run_dir):
+        torch.save(torch.load(ckpt, weights_only=True), ckpt)  # (stands for the old job's next checkpoint)
+        return real(run_dir)
+
+    monkeypatch.setattr(pc, "lock_run_dir", old_job_writes_first)
+    code, err = resume_error(capsys, ckpt)
+    assert code == 2 and "was rewritten by another process while this one started" in err, err
+    assert len(error_lines(err)) == 1
