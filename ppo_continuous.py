@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import typing
+import warnings
 import zipfile
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
@@ -611,6 +612,7 @@ class Run:
         self.rank, self.world, self.device = 0, 1, torch.device("cpu")  # until setup() knows them
         self.ckpt, self.writer, self.wandb, self.envs, self.lock_fd = None, None, False, None, None
         self.checkpoint_path, self.final_saved = None, False  # final_saved: the trained state is in a checkpoint
+        self.write_error: Optional[str] = None  # a failed write of rank 0, which every rank stops on together
         self.recent_returns: list[float] = []
         self.last_stats: dict = {}
         self.result: dict = {}
@@ -619,7 +621,8 @@ class Run:
     def __enter__(self) -> Run:
         self.previous = {sig: signal.signal(sig, lambda signum, frame: self.signals.append(signum))
                          for sig in STOP_SIGNALS}
-        self.previous_hook, threading.excepthook = threading.excepthook, quiet_event_writer_thread
+        self.previous_hook = threading.excepthook
+        threading.excepthook = quiet_event_writer_thread(self.previous_hook)
         self.previous_deterministic = (torch.are_deterministic_algorithms_enabled(),
                                        torch.is_deterministic_algorithms_warn_only_enabled())
         try:
@@ -685,41 +688,48 @@ class Run:
         return run_dir
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        args, clean = self.args, exc_type is None
+        clean = exc_type is None
         try:
             if self.envs is not None:
-                self.envs.close()
+                close_envs(self.envs, clean)
+            worker_died = isinstance(exc, (EOFError, ConnectionError)) and self.args.vector_mode == "async"
+            if worker_died:  # (killed: by the OOM killer?)
+                self.write_error = f"an environment worker process died ({exc_type.__name__})"
             if self.writer is not None:
                 self.writer_call("close")
-        except WriteError as e:
-            exc_type, exc = WriteError, e
-        if exc_type is WriteError:
-            kept = (f"the last checkpoint is kept: {self.checkpoint_path}" if self.checkpoint_path
-                    else "no checkpoint was written")
-            print(f"error: {exc} ({kept})", file=sys.stderr)
-            self.failed = True
-        if self.wandb:
-            import wandb
+            if exc_type is WriteError:
+                self.write_error = str(exc)
+            if self.world > 1 and torch.distributed.is_initialized():
+                import torch.distributed as dist
 
-            wandb.finish(exit_code=int(self.failed or not clean))
-        if self.world > 1 and torch.distributed.is_initialized():
-            import torch.distributed as dist
+                if clean:  # no rank leaves while another still works; a failed write of rank 0 stops them all
+                    self.write_error = next((e for e in gather_objects(self.write_error, self.world) if e), None)
+                dist.destroy_process_group()
+            if self.write_error:  # (a failed write, said by rank 0 for all; or this rank's dead env worker)
+                if self.rank == 0 or worker_died:
+                    print(f"error: {self.write_error} ({self.kept()})", file=sys.stderr)
+                self.failed = True
+            if self.wandb:
+                import wandb
 
-            if clean:
-                dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
-            dist.destroy_process_group()
-        if self.lock_fd is not None:
-            os.close(self.lock_fd)  # releases the lock
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        threading.excepthook = self.previous_hook
-        torch.use_deterministic_algorithms(self.previous_deterministic[0], warn_only=self.previous_deterministic[1])
+                wandb.finish(exit_code=int(self.failed or not clean))
+        finally:
+            if self.lock_fd is not None:
+                release_lock(self.lock_fd)
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler)
+            threading.excepthook = self.previous_hook
+            torch.use_deterministic_algorithms(*self.previous_deterministic[:1],
+                                               warn_only=self.previous_deterministic[1])
         if self.failed:
             if self.world > 1:  # as at the end of __main__: skip the teardown where gloo's threads can abort
                 sys.stdout.flush(), sys.stderr.flush()
                 os._exit(1)
             raise SystemExit(1)
         return False
+
+    def kept(self) -> str:
+        return f"last checkpoint kept: {self.checkpoint_path}" if self.checkpoint_path else "no checkpoint was written"
 
     # --- the state a run starts from --------------------------------------------------------------------------
     def start(self, envs, agent: Agent, optimizer, norm: Normalizer, kl_penalty: Optional[KLPenalty],
@@ -817,7 +827,8 @@ class Run:
                              "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
     def writer_call(self, method: str, *a) -> None:
-        """A call of the TensorBoard writer; its background thread's failed write (disk full) surfaces here."""
+        """A call of the TensorBoard writer; its background thread's failed write (disk full) surfaces here. The run
+        stops on it at the end of the iteration (all ranks together), or at its end."""
         try:
             getattr(self.writer, method)(*a)
         except Exception as e:
@@ -825,7 +836,7 @@ class Run:
             if reason is None:
                 raise
             self.writer = None  # nothing more goes to it
-            raise WriteError(f"cannot write the TensorBoard events in {self.run_dir}: {reason}") from None
+            self.write_error = self.write_error or f"cannot write the TensorBoard events in {self.run_dir}: {reason}"
 
     def log(self, tag: str, value: float, step: int) -> None:
         if self.writer is not None:
@@ -854,9 +865,11 @@ class Run:
         sums = [torch.stack([s[k] for s in update_stats]).sum() for k in names]
         extra = [] if rollout_kl is None else [rollout_kl]
         finite = torch.stack([torch.isfinite(p).all() for p in self.agent.parameters()]).all().float()
-        signal_count = torch.tensor(float(len(self.signals)), device=self.device)
-        *values, finite_ranks, signals = all_ranks_sum(torch.stack([*sums, *extra, finite, signal_count]),
-                                                       world).tolist()
+        flags = torch.tensor([float(len(self.signals)), float(self.write_error is not None)], device=self.device)
+        *values, finite_ranks, signals, write_failed = all_ranks_sum(
+            torch.cat([torch.stack([*sums, *extra, finite]), flags]), world).tolist()
+        if write_failed:  # rank 0 could not write its logs: every rank stops here
+            raise WriteError(self.write_error or "rank 0 could not write its logs")
         stats = {k: v / (len(update_stats) * world) for k, v in zip(names, values)}
         if extra:
             stats["kl"] = values[-1] / world
@@ -866,14 +879,12 @@ class Run:
         bad = [k for k, v in stats.items() if not math.isfinite(v)]
         if bad:
             if self.rank == 0:  # (every rank sees the same all-reduced statistics)
-                kept = (f"last checkpoint kept: {self.checkpoint_path}" if self.checkpoint_path
-                        else "no checkpoint was written")
-                print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping ({kept})",
+                print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping ({self.kept()})",
                       file=sys.stderr)
             self.finished, self.failed = False, True  # no final checkpoint and no evaluation; exit 1 at the end
             return None
         stats["explained_variance"] = explained_variance(b_values.cpu().numpy(), b_returns.cpu().numpy())
-        rate = (global_step - self.steps_at_start) / (time.time() - self.start_time)  # steps/s of this process
+        rate = (global_step - self.steps_at_start) / (time.time() - self.start_time)  # steps/s, all processes
         self.log("charts/learning_rate", lr, global_step)
         for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
                   "explained_variance"):
@@ -904,11 +915,17 @@ class Run:
                        ep_return=torch.from_numpy(self.ep_return), ep_length=torch.from_numpy(self.ep_length),
                        reward_ret=torch.from_numpy(self.norm.reward_scaler.ret))
         ranks = gather_objects({"rng": rng_state(), "rollout": rollout}, self.world)
-        path = os.path.join(self.run_dir, "checkpoint.pt")
+        path, error = os.path.join(self.run_dir, "checkpoint.pt"), None
         if self.rank == 0:
-            save_checkpoint(path, self.agent, self.optimizer, self.args, global_step, iteration, self.norm.obs_rms,
-                            self.norm.reward_scaler, rollout, ranks[1:],
-                            self.kl_penalty.beta if self.kl_penalty else None)
+            try:
+                save_checkpoint(path, self.agent, self.optimizer, self.args, global_step, iteration, self.norm.obs_rms,
+                                self.norm.reward_scaler, rollout, ranks[1:],
+                                self.kl_penalty.beta if self.kl_penalty else None)
+            except WriteError as e:
+                error = str(e)
+        error = next((e for e in gather_objects(error, self.world) if e), None)
+        if error:  # every rank stops on a failed save of rank 0
+            raise WriteError(error)
         self.checkpoint_path = path
 
     def end_of_iteration(self, iteration: int, global_step: int, next_obs, next_done) -> bool:
@@ -937,38 +954,51 @@ class Run:
     def finish(self, global_step: int, next_obs, next_done) -> None:
         """After the loop: the final checkpoint (with --save-model, or when the run writes checkpoints along the way,
         so that a --resume of the finished run evaluates instead of training), then --eval-episodes. A signal at the
-        end of the run or during the evaluation stops it with the trained state saved."""
+        end of the run or during the evaluation stops it, and a failed write of its videos ends it, with the trained
+        state saved."""
         args, world, rank = self.args, self.world, self.rank
-        end = max(self.num_iterations, self.first_iteration - 1)
         self.result = {"global_step": global_step, "run_dir": self.run_dir, "stats": self.last_stats,
                        "returns": self.recent_returns, "agent": self.agent, "obs_rms": self.norm.obs_rms,
                        "return_rms": self.norm.reward_scaler.rms,
                        "sps": int((global_step - self.steps_at_start) / (time.time() - self.start_time))}
         if not self.finished:
             return
-        checkpointed = self.ckpt is not None or args.checkpoint_every or args.stop_after
-        if args.save_model or (checkpointed and not self.final_saved):
-            self.checkpoint(end, global_step, next_obs, next_done)
-            self.final_saved = True
-            if rank == 0:
-                print(f"checkpoint written to {self.checkpoint_path}")
+        rng = rng_state()  # the state the trained run ends in, whatever the evaluation draws
+
+        def save_final() -> None:
+            if not self.final_saved:
+                set_rng_state(rng, self.device)
+                self.checkpoint(max(self.num_iterations, self.first_iteration - 1), global_step, next_obs, next_done)
+                self.final_saved = True
+                if rank == 0:
+                    print(f"checkpoint written to {self.checkpoint_path}")
+
+        if args.save_model or args.checkpoint_every or args.stop_after or self.ckpt is not None:
+            save_final()
         # under torchrun every rank plays its share of the evaluation episodes; rank 0 logs them all
         share = args.eval_episodes // world + int(rank < args.eval_episodes % world)
-        mine = evaluate(self.agent, args, self.device, share, self.norm.obs_rms, os.path.join(self.run_dir, "videos"),
-                        rank, stop=lambda: bool(self.signals)) if share else []
-        parts = gather_objects((mine, [signal.Signals(s).name for s in self.signals]), world)
-        names = [name for _, sigs in parts for name in sigs]
-        if names:  # a stop at the end of the run: the trained state first
-            if not self.final_saved:
-                self.checkpoint(end, global_step, next_obs, next_done)
-                self.final_saved = True
+        mine, error = [], None
+        try:
+            if share:
+                mine = evaluate(self.agent, args, self.device, share, self.norm.obs_rms,
+                                os.path.join(self.run_dir, "videos"), rank, stop=lambda: bool(self.signals))
+        except Exception as e:  # (a full disk under the videos)
+            if os_error(e) is None:
+                raise
+            error = f"cannot write the evaluation videos in {os.path.join(self.run_dir, 'videos')}: {os_error(e)}"
+        parts = gather_objects((mine, [signal.Signals(s).name for s in self.signals], error), world)
+        names, error = [n for _, sigs, _ in parts for n in sigs], next((e for _, _, e in parts if e), None)
+        if names or error:  # the trained state first
+            save_final()
+            if error:
+                raise WriteError(error)
             if rank == 0:
                 print(f"stopped at the end of the run ({names[0]}); the trained model is in {self.checkpoint_path}"
                       + (f"; evaluate it with: {self.launcher()} --resume {self.checkpoint_path} --eval-episodes "
                          f"{args.eval_episodes}" if args.eval_episodes else ""), flush=True)
             return
         if args.eval_episodes:
-            eval_returns = [r for part, _ in parts for r in part]
+            eval_returns = [r for part, _, _ in parts for r in part]
             mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
             self.log("eval/episodic_return", mean, global_step)
             if rank == 0:
@@ -977,11 +1007,24 @@ class Run:
             self.result["eval_returns"] = eval_returns
 
 
-def quiet_event_writer_thread(hook_args) -> None:
+def quiet_event_writer_thread(previous):
     """threading.excepthook during a run: TensorBoard's writer thread re-raises a failed write (disk full), which the
-    main thread's next call of the writer reports in one line (Run.writer_call); other threads report as usual."""
-    if type(hook_args.thread).__name__ != "_AsyncWriterThread":
-        sys.__excepthook__(hook_args.exc_type, hook_args.exc_value, hook_args.exc_traceback)
+    main thread's next call of the writer reports in one line (Run.writer_call); other threads go to `previous`."""
+    return lambda hook_args: None if type(hook_args.thread).__name__ == "_AsyncWriterThread" else previous(hook_args)
+
+
+def close_envs(envs, clean: bool) -> None:
+    """Close the vector env; after an error, when an async worker may be gone, end the workers without waiting on
+    them (waiting on a dead worker's pipe would hang the exit)."""
+    if clean:
+        envs.close()
+        return
+    for process in getattr(envs, "processes", []):
+        process.kill()  # (the workers ignore SIGTERM: leave_signals_to_main)
+    with contextlib.suppress(Exception), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ("Calling close while waiting for a pending call to step")
+        envs.close(terminate=True)
+    envs.closed = True
 
 
 def leave_signals_to_main(make):
@@ -1012,6 +1055,10 @@ def make_new_dir(path: str) -> bool:
         raise
 
 
+LOCK_FDS: set = set()  # the run-directory locks this process holds; a forked child (an async env worker) drops them
+os.register_at_fork(after_in_child=lambda: [os.close(fd) for fd in LOCK_FDS] and LOCK_FDS.clear())
+
+
 def lock_run_dir(run_dir: str) -> int:
     """Hold an exclusive lock on run_dir/.lock for the life of this process (the OS releases it, even after kill -9);
     RunDirBusy if another live process holds it."""
@@ -1025,7 +1072,13 @@ def lock_run_dir(run_dir: str) -> int:
                          "stop it first") from None
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
+    LOCK_FDS.add(fd)
     return fd
+
+
+def release_lock(fd: int) -> None:
+    LOCK_FDS.discard(fd)
+    os.close(fd)
 
 
 def os_error(e: BaseException) -> Optional[str]:

@@ -102,6 +102,24 @@ def test_a_full_disk_under_torchrun_stops_every_rank_in_one_line(tmp_path):
     assert 'ppo.py", line' not in res.stderr, res.stderr[-3000:]  # no traceback of a worker (the launcher has its own)
 
 
+def test_ppo_continuous_full_disk_under_torchrun_stops_every_rank_in_one_line(tmp_path):
+    """As ppo.py's: rank 0's failed save (both ranks' MuJoCo states in it) stops rank 1 with it, in one line."""
+    import resource
+
+    def small_files():  # a file-size limit stands for the full disk (writes past it fail with EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000))
+
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                          os.path.join(ROOT, "ppo_continuous.py"), "--env-id", "Hopper-v5", "--total-timesteps", "1024",
+                          "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "1", "--checkpoint-every",
+                          "1", "--runs-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=240, env=ENV, cwd=ROOT, preexec_fn=small_files)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert res.returncode == 1 and len(errors) == 1 and "File too large" in errors[0], res.stderr[-3000:]
+    assert "cannot write" in errors[0] and "checkpoint.pt" in errors[0] and "(no checkpoint was written)" in errors[0]
+    assert 'ppo_continuous.py", line' not in res.stderr, res.stderr[-3000:]  # no traceback of a worker
+
+
 def test_ppo_continuous_a_state_of_rank_1_that_does_not_fit_stops_every_rank_in_one_line(tmp_path):
     """Each rank restores its own envs and RNG: a state only rank 1 finds unfit is said once, and no rank trains."""
     argv = ["--env-id", "Hopper-v5", "--total-timesteps", "384", "--num-steps", "64", "--num-minibatches", "2",

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/shared.py
 import ppo_continuous as pc  # noqa: E402
-from shared import ctrl_c_after_first_iteration, reference_gae  # noqa: E402  (tests/shared.py)
+from shared import FullDisk, ctrl_c_after_first_iteration, reference_gae  # noqa: E402  (tests/shared.py)
 
 SCRIPT = os.path.join(ROOT, "ppo_continuous.py")
 
@@ -857,22 +857,6 @@ def test_a_run_directory_held_by_a_live_process_is_refused(tmp_path, capsys):
     assert pc.main(pc.parse_args(["--resume", ckpt]))["global_step"] == 256  # free again: it resumes
 
 
-class FullDisk:
-    """A file that takes `room` bytes, then fails as a full disk does."""
-
-    def __init__(self, f, room):
-        self.f, self.room = f, room
-
-    def write(self, b):
-        if len(b) > self.room:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self.room -= len(b)
-        return self.f.write(b)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-
 @pytest.mark.parametrize("good_saves", [0, 1])
 def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys, good_saves):
     real, calls = torch.save, []
@@ -891,7 +875,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, mon
     assert f"error: cannot write {ckpt}: No space left on device" in err
     assert not os.path.exists(ckpt + ".tmp")  # the partial file is gone
     if good_saves:
-        assert f"(the last checkpoint is kept: {ckpt})" in err
+        assert f"(last checkpoint kept: {ckpt})" in err
         assert torch.load(ckpt, weights_only=True)["iteration"] == 1
     else:
         assert "(no checkpoint was written)" in err and not os.path.exists(ckpt)
@@ -999,6 +983,20 @@ def test_the_nan_stop_says_when_no_checkpoint_exists(tmp_path, monkeypatch, caps
     assert e.value.code == 1 and "at iteration 1; stopping (no checkpoint was written)" in err, err
 
 
+def test_a_dead_env_worker_ends_the_run_in_one_line_instead_of_hanging(tmp_path):
+    """An async worker killed (the OOM killer, say): the main process must not wait on it forever at the exit."""
+    p = subprocess.Popen([sys.executable, SCRIPT, "--env-id", "Hopper-v5", "--total-timesteps", "1e7", "--vector-mode",
+                          "async", "--num-envs", "2", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs",
+                          "1", "--runs-dir", str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    assert p.stdout.readline().startswith("iter 1/"), p.stderr.read()
+    workers = [int(c) for c in open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()]
+    os.kill(workers[0], signal.SIGKILL)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 1 and "Traceback" not in err, err
+    assert "error: an environment worker process died" in err and len(error_lines(err)) == 1, err
+
+
 def wrong_mujoco_state(s):
     s["rollout"]["envs"][0]["mujoco"]["integration"] = torch.zeros(3, dtype=torch.float64)
 
@@ -1041,3 +1039,62 @@ def test_a_checkpoint_rewritten_between_reading_and_locking_is_refused(tmp_path,
     code, err = resume_error(capsys, ckpt)
     assert code == 2 and "was rewritten by another process while this one started" in err, err
     assert len(error_lines(err)) == 1
+
+
+def test_a_full_disk_under_the_evaluation_videos_saves_the_model_and_is_one_line(tmp_path, monkeypatch, capsys):
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pc, "evaluate", full)
+    with pytest.raises(SystemExit) as e:
+        pc.main(tiny(tmp_path, eval_episodes=2))
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and len(error_lines(err)) == 1 and "Traceback" not in err, err
+    assert "cannot write the evaluation videos in" in err and "No space left on device" in err
+    (ckpt,) = glob.glob(str(tmp_path / "Hopper-v5__t__*" / "checkpoint.pt"))
+    assert f"(last checkpoint kept: {ckpt})" in err
+    assert torch.load(ckpt, weights_only=True)["iteration"] == 6  # the trained state, saved first
+
+
+def test_the_checkpoint_of_a_stop_during_the_evaluation_has_the_rng_of_the_trained_run(tmp_path, monkeypatch):
+    full = pc.main(tiny(tmp_path / "full", save_model=True))
+    real = pc.evaluate
+
+    def draw_then_signal(*a, **k):  # the evaluation draws random numbers, then a signal comes
+        torch.rand(100)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    monkeypatch.setattr(pc, "evaluate", draw_then_signal)
+    stopped = pc.main(tiny(tmp_path / "stopped", eval_episodes=3))
+    a, b = (torch.load(os.path.join(r["run_dir"], "checkpoint.pt"), weights_only=True) for r in (full, stopped))
+    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]) and a["iteration"] == b["iteration"] == 6
+
+
+def test_a_forked_child_does_not_hold_the_run_directory_lock(tmp_path):
+    import multiprocessing
+
+    fd = pc.lock_run_dir(str(tmp_path))
+    try:
+        ctx = multiprocessing.get_context("fork")
+        child = ctx.Process(target=lambda: os._exit(0 if fd not in pc.LOCK_FDS else 3))
+        child.start()
+        child.join()
+        assert child.exitcode == 0
+    finally:
+        pc.release_lock(fd)
+    assert fd not in pc.LOCK_FDS
+
+
+def test_async_workers_ignore_the_signals_meant_for_the_main_process():
+    class ReportsHandlers(gym.Env):  # says, from its worker process, what SIGINT and SIGTERM do there
+        observation_space, action_space = gym.spaces.Box(-1, 1, (1,)), gym.spaces.Box(-1, 1, (1,))
+
+        def handlers(self):
+            return signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+
+    envs = gym.vector.AsyncVectorEnv([pc.leave_signals_to_main(ReportsHandlers)] * 2)
+    try:
+        assert envs.call("handlers") == ((signal.SIG_IGN, signal.SIG_IGN),) * 2
+    finally:
+        envs.close()
