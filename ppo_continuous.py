@@ -642,9 +642,11 @@ class Run:
             self.ckpt = load_checkpoint(args.resume, args.env_id)
             check_resume(self.ckpt, args, self.world)
         check_env(args.env_id)
-        if args.capture_video and self.rank == 0:  # fail before training, not after it (rank 0 alone records)
-            print(f"video: MUJOCO_GL={setup_rendering(args.env_id)}" + ("" if args.eval_episodes else
-                  " (videos are recorded of the --eval-episodes only; none asked)"))
+        if args.capture_video:  # fail before training, not after it (rank 0 alone records; every rank stops with it)
+            gl = setup_rendering(args.env_id, self.rank, self.world)
+            if self.rank == 0:
+                print(f"video: MUJOCO_GL={gl}" + ("" if args.eval_episodes else
+                      " (videos are recorded of the --eval-episodes only; none asked)"))
         self.run_dir = self.make_run_dir()
         self.run_name = os.path.basename(self.run_dir)
         if self.ckpt is not None:
@@ -1116,8 +1118,8 @@ def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cpu")
     if args.cuda:  # one GPU per rank
-        if local_rank >= torch.cuda.device_count():
-            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+        if local_rank >= torch.cuda.device_count():  # (validate refuses fewer GPUs than local processes)
+            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)", every_rank=True)
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     # one hour (NCCL's default is 10 minutes): at the end the ranks wait while rank 0 writes its videos and the
@@ -1485,34 +1487,42 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_
     return returns
 
 
-def setup_rendering(env_id: str) -> str:
+def setup_rendering(env_id: str, rank: int = 0, world: int = 1) -> str:
     """Find a GL backend that renders env_id offscreen and export it as MUJOCO_GL (read when the renderer is made).
 
     MuJoCo renders through GLFW (needs a display), EGL (libEGL: a GPU driver or Mesa) or OSMesa (libOSMesa, software).
     A headless machine needs MUJOCO_GL=egl or MUJOCO_GL=osmesa. The probe runs in a child process because a broken GL
-    backend can abort the process that tries it."""
-    code = ("import gymnasium as gym, moviepy\n"
-            f"e = gym.make({env_id!r}, render_mode='rgb_array'); e.reset(seed=0); assert e.render().size > 0")
-    if os.environ.get("MUJOCO_GL"):
-        candidates = [os.environ["MUJOCO_GL"]]
-    else:
-        candidates = (["glfw"] if os.environ.get("DISPLAY") else []) + ["egl", "osmesa"]
-    last = ""
-    for gl in candidates:
-        try:
-            r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, MUJOCO_GL=gl),
-                               capture_output=True, text=True, timeout=120)
-        except subprocess.TimeoutExpired:
-            last = f"MUJOCO_GL={gl}: timed out"
-            continue
-        if r.returncode == 0:
-            os.environ["MUJOCO_GL"] = gl
-            return gl
-        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-        last = f"MUJOCO_GL={gl}: {lines[-1].strip() if lines else f'exit code {r.returncode}'}"
-    die(f"--capture-video: cannot render {env_id} offscreen (tried MUJOCO_GL={'/'.join(candidates)}; last: {last}); "
-        "install EGL (libegl1) or OSMesa (libosmesa6) and set MUJOCO_GL=egl or MUJOCO_GL=osmesa")
-    return ""
+    backend can abort the process that tries it. Under torchrun rank 0 alone records, and probes; every rank stops
+    with its failure (one line, rank 0's), none is left waiting for the others in a collective."""
+    gl, error = "", None
+    if rank == 0:
+        code = ("import gymnasium as gym, moviepy\n"
+                f"e = gym.make({env_id!r}, render_mode='rgb_array'); e.reset(seed=0); assert e.render().size > 0")
+        if os.environ.get("MUJOCO_GL"):
+            candidates = [os.environ["MUJOCO_GL"]]
+        else:
+            candidates = (["glfw"] if os.environ.get("DISPLAY") else []) + ["egl", "osmesa"]
+        last = ""
+        for candidate in candidates:
+            try:
+                r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, MUJOCO_GL=candidate),
+                                   capture_output=True, text=True, timeout=120)
+            except subprocess.TimeoutExpired:
+                last = f"MUJOCO_GL={candidate}: timed out"
+                continue
+            if r.returncode == 0:
+                os.environ["MUJOCO_GL"] = gl = candidate
+                break
+            lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+            last = f"MUJOCO_GL={candidate}: {lines[-1].strip() if lines else f'exit code {r.returncode}'}"
+        if not gl:
+            error = (f"--capture-video: cannot render {env_id} offscreen (tried MUJOCO_GL={'/'.join(candidates)}; "
+                     f"last: {last}); install EGL (libegl1) or OSMesa (libosmesa6) and set MUJOCO_GL=egl or "
+                     "MUJOCO_GL=osmesa")
+    error = gather_objects(error, world)[0]
+    if error:
+        die(error)
+    return gl
 
 
 def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
@@ -1588,9 +1598,10 @@ def cudagraph_skips() -> int:
 # ---------------------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------------------
-def die(msg: str) -> None:
-    """Bad input: one line on stderr (rank 0's alone under torchrun), exit code 2, no traceback."""
-    if int(os.environ.get("RANK", "0")) == 0:
+def die(msg: str, every_rank: bool = False) -> None:
+    """Bad input: one line on stderr, exit code 2, no traceback. Under torchrun every rank finds the same bad input
+    and rank 0 alone says it, unless only this rank can see the problem (every_rank)."""
+    if every_rank or int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
 
@@ -1723,6 +1734,9 @@ def validate(args: Args) -> None:
         die("--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
     if args.cudagraphs and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         die("--cudagraphs is not supported under torchrun (DDP's gradient all-reduce runs outside the graph)")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun: processes on this machine, one GPU each
+    if args.cuda and torch.cuda.is_available() and torch.cuda.device_count() < local:
+        die(f"--cuda with {local} processes on this machine but {torch.cuda.device_count()} GPU(s)")
     if args.cuda and not torch.cuda.is_available():
         die("--cuda given (or taken from the checkpoint: --no-cuda resumes on the CPU) but torch finds no CUDA "
             "device")

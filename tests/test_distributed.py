@@ -120,6 +120,21 @@ def test_ppo_continuous_full_disk_under_torchrun_stops_every_rank_in_one_line(tm
     assert 'ppo_continuous.py", line' not in res.stderr, res.stderr[-3000:]  # no traceback of a worker
 
 
+def test_ppo_continuous_capture_video_without_a_renderer_under_torchrun_is_said_once(tmp_path):
+    """Rank 0 alone probes the renderer; rank 1 stops with it (not in a collective rank 0 never joins)."""
+    without_display = {k: v for k, v in ENV.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
+    without_display["MUJOCO_GL"] = "glfw"  # (GLFW cannot render without a display)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                          os.path.join(ROOT, "ppo_continuous.py"), "--env-id", "Hopper-v5", "--capture-video",
+                          "--eval-episodes", "2", "--runs-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=240, env=without_display, cwd=ROOT)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert res.returncode == 1 and len(errors) == 1, res.stderr[-3000:]
+    assert errors[0].startswith("error: --capture-video: cannot render Hopper-v5 offscreen"), errors
+    assert 'ppo_continuous.py", line' not in res.stderr and "gloo" not in res.stderr.lower(), res.stderr[-3000:]
+    assert not os.listdir(tmp_path)
+
+
 def test_ppo_continuous_a_state_of_rank_1_that_does_not_fit_stops_every_rank_in_one_line(tmp_path):
     """Each rank restores its own envs and RNG: a state only rank 1 finds unfit is said once, and no rank trains."""
     argv = ["--env-id", "Hopper-v5", "--total-timesteps", "384", "--num-steps", "64", "--num-minibatches", "2",

@@ -1041,6 +1041,14 @@ def test_a_checkpoint_rewritten_between_reading_and_locking_is_refused(tmp_path,
     assert len(error_lines(err)) == 1
 
 
+def test_more_local_processes_than_gpus_is_one_line_error(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    err = one_line_error(capsys, pc.parse_args, ["--cuda"])
+    assert "--cuda with 2 processes on this machine but 1 GPU(s)" in err
+
+
 def test_a_full_disk_under_the_evaluation_videos_saves_the_model_and_is_one_line(tmp_path, monkeypatch, capsys):
     def full(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
