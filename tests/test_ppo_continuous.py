@@ -9,6 +9,7 @@ import math
 import os
 import re
 import signal
+import struct
 import time
 import subprocess
 import sys
@@ -964,7 +965,8 @@ def test_a_flipped_bit_in_a_stored_weight_is_found(tmp_path, capsys, stopped_che
     data = bytearray(open(stopped_checkpoint, "rb").read())
     with zipfile.ZipFile(stopped_checkpoint) as z:
         info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)  # the record's bytes
+    name_len, extra_len = struct.unpack("<HH", bytes(data[info.header_offset + 26:info.header_offset + 30]))
+    start = info.header_offset + 30 + name_len + extra_len  # the record's bytes (after its local header)
     data[start + info.file_size // 2] ^= 0x01
     open(path, "wb").write(bytes(data))
     assert torch.load(path, weights_only=True)["iteration"] == 1  # torch itself loads it silently
