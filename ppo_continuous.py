@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import typing
+import warnings
 import zipfile
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
@@ -611,6 +612,7 @@ class Run:
         self.rank, self.world, self.device = 0, 1, torch.device("cpu")  # until setup() knows them
         self.ckpt, self.writer, self.wandb, self.envs, self.lock_fd = None, None, False, None, None
         self.checkpoint_path, self.final_saved = None, False  # final_saved: the trained state is in a checkpoint
+        self.write_error: Optional[str] = None  # a failed write of rank 0, which every rank stops on together
         self.recent_returns: list[float] = []
         self.last_stats: dict = {}
         self.result: dict = {}
@@ -619,7 +621,8 @@ class Run:
     def __enter__(self) -> Run:
         self.previous = {sig: signal.signal(sig, lambda signum, frame: self.signals.append(signum))
                          for sig in STOP_SIGNALS}
-        self.previous_hook, threading.excepthook = threading.excepthook, quiet_event_writer_thread
+        self.previous_hook = threading.excepthook
+        threading.excepthook = quiet_event_writer_thread(self.previous_hook)
         self.previous_deterministic = (torch.are_deterministic_algorithms_enabled(),
                                        torch.is_deterministic_algorithms_warn_only_enabled())
         try:
@@ -635,12 +638,15 @@ class Run:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.rank, self.world, self.device = setup_distributed(args)
         if args.resume:
+            self.ckpt_key = checkpoint_key(args.resume)
             self.ckpt = load_checkpoint(args.resume, args.env_id)
             check_resume(self.ckpt, args, self.world)
         check_env(args.env_id)
-        if args.capture_video and self.rank == 0:  # fail before training, not after it (rank 0 alone records)
-            print(f"video: MUJOCO_GL={setup_rendering(args.env_id)}" + ("" if args.eval_episodes else
-                  " (videos are recorded of the --eval-episodes only; none asked)"))
+        if args.capture_video:  # fail before training, not after it (rank 0 alone records; every rank stops with it)
+            gl = setup_rendering(args.env_id, self.rank, self.world)
+            if self.rank == 0:
+                print(f"video: MUJOCO_GL={gl}" + ("" if args.eval_episodes else
+                      " (videos are recorded of the --eval-episodes only; none asked)"))
         self.run_dir = self.make_run_dir()
         self.run_name = os.path.basename(self.run_dir)
         if self.ckpt is not None:
@@ -671,6 +677,9 @@ class Run:
         if self.rank == 0 and error is None:
             try:
                 self.lock_fd = lock_run_dir(run_dir)
+                if self.ckpt is not None and checkpoint_key(args.resume) != self.ckpt_key:
+                    error = (f"{args.resume} was rewritten by another process while this one started (a job still "
+                             "running?); start again to resume the new checkpoint")
             except OSError as e:
                 error = f"cannot write in run directory {run_dir}: {e.strerror or e}"
             except RunDirBusy as e:
@@ -681,41 +690,48 @@ class Run:
         return run_dir
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        args, clean = self.args, exc_type is None
+        clean = exc_type is None
         try:
             if self.envs is not None:
-                self.envs.close()
+                close_envs(self.envs, clean)
+            worker_died = isinstance(exc, (EOFError, ConnectionError)) and self.args.vector_mode == "async"
+            if worker_died:  # (killed: by the OOM killer?)
+                self.write_error = f"an environment worker process died ({exc_type.__name__})"
             if self.writer is not None:
                 self.writer_call("close")
-        except WriteError as e:
-            exc_type, exc = WriteError, e
-        if exc_type is WriteError:
-            kept = (f"the last checkpoint is kept: {self.checkpoint_path}" if self.checkpoint_path
-                    else "no checkpoint was written")
-            print(f"error: {exc} ({kept})", file=sys.stderr)
-            self.failed = True
-        if self.wandb:
-            import wandb
+            if exc_type is WriteError:
+                self.write_error = str(exc)
+            if self.world > 1 and torch.distributed.is_initialized():
+                import torch.distributed as dist
 
-            wandb.finish(exit_code=int(self.failed or not clean))
-        if self.world > 1 and torch.distributed.is_initialized():
-            import torch.distributed as dist
+                if clean:  # no rank leaves while another still works; a failed write of rank 0 stops them all
+                    self.write_error = next((e for e in gather_objects(self.write_error, self.world) if e), None)
+                dist.destroy_process_group()
+            if self.write_error:  # (a failed write, said by rank 0 for all; or this rank's dead env worker)
+                if self.rank == 0 or worker_died:
+                    print(f"error: {self.write_error} ({self.kept()})", file=sys.stderr)
+                self.failed = True
+            if self.wandb:
+                import wandb
 
-            if clean:
-                dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
-            dist.destroy_process_group()
-        if self.lock_fd is not None:
-            os.close(self.lock_fd)  # releases the lock
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        threading.excepthook = self.previous_hook
-        torch.use_deterministic_algorithms(self.previous_deterministic[0], warn_only=self.previous_deterministic[1])
+                wandb.finish(exit_code=int(self.failed or not clean))
+        finally:
+            if self.lock_fd is not None:
+                release_lock(self.lock_fd)
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler)
+            threading.excepthook = self.previous_hook
+            torch.use_deterministic_algorithms(*self.previous_deterministic[:1],
+                                               warn_only=self.previous_deterministic[1])
         if self.failed:
             if self.world > 1:  # as at the end of __main__: skip the teardown where gloo's threads can abort
                 sys.stdout.flush(), sys.stderr.flush()
                 os._exit(1)
             raise SystemExit(1)
         return False
+
+    def kept(self) -> str:
+        return f"last checkpoint kept: {self.checkpoint_path}" if self.checkpoint_path else "no checkpoint was written"
 
     # --- the state a run starts from --------------------------------------------------------------------------
     def start(self, envs, agent: Agent, optimizer, norm: Normalizer, kl_penalty: Optional[KLPenalty],
@@ -728,22 +744,46 @@ class Run:
         self.envs, self.agent, self.optimizer, self.norm, self.kl_penalty = envs, agent, optimizer, norm, kl_penalty
         self.num_iterations, first, global_step = num_iterations, 1, 0
         mine = ckpt if rank == 0 or ckpt is None else ckpt["other_ranks"][rank - 1]  # this rank's RNG and envs
+        exact = False  # the episodes in flight continue (exact resume)
+        next_obs_np, _ = envs.reset(seed=[args.seed + (ckpt["global_step"] if ckpt else 0) + rank * args.num_envs + i
+                                          for i in range(args.num_envs)])
+        next_done = np.zeros(args.num_envs, dtype=np.float32)
+        self.ep_return, self.ep_length = np.zeros(args.num_envs), np.zeros(args.num_envs, dtype=np.int64)
         if ckpt is not None:
-            try:
+            error = None
+            try:  # whatever torch or the envs raise on a checkpoint that does not fit is one line
                 agent.load_state_dict(ckpt["model"])
                 load_optimizer_state(optimizer, ckpt["optimizer"], device)
                 norm.obs_rms.load_state_dict(ckpt["obs_rms"])
                 norm.reward_scaler.rms.load_state_dict(ckpt["return_rms"])
-            except (RuntimeError, ValueError, KeyError, TypeError) as e:
-                die(f"checkpoint {args.resume} does not fit this network: {str(e).splitlines()[0]}")
+                set_rng_state(mine["rng"], device)
+                saved = mine["rollout"]
+                exact = saved["envs"] is not None and args.vector_mode == "sync"
+                if exact:  # the episodes in flight continue where they stopped
+                    load_env_state(envs, saved["envs"])
+                    next_obs = fitted(saved["next_obs"], next_obs_np.shape).to(device, torch.float32)  # normalised
+                    next_done = fitted(saved["next_done"], next_done.shape).numpy().astype(np.float32)
+                    self.ep_return, self.ep_length = (fitted(saved[k], x.shape).numpy().astype(x.dtype) for k, x in
+                                                      (("ep_return", self.ep_return), ("ep_length", self.ep_length)))
+                    norm.reward_scaler.ret = fitted(saved["reward_ret"], norm.reward_scaler.ret.shape).numpy().astype(
+                        np.float64)
+            except Exception as e:
+                error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            # under torchrun each rank restores its own states: a state that only one rank finds unfit stops them all
+            errors = gather_objects(error, self.world)
+            r, error = next(((r, e) for r, e in enumerate(errors) if e), (0, None))
+            if error:
+                die(f"checkpoint {args.resume} does not fit this run{f' (the state of rank {r})' if r else ''}: "
+                    f"{error}")
             first, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
-            set_rng_state(mine["rng"], device)
             if kl_penalty is not None and args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
                 kl_penalty.beta = ckpt["kl_coef"]  # the adapted value goes on
                 kl_penalty.coef.fill_(kl_penalty.beta)
         if self.world > 1:  # each rank's statistics see its own data during a rollout; merge_ranks combines them
             norm.obs_rms.track_additions()
             norm.reward_scaler.rms.track_additions()
+        if not exact:
+            next_obs = norm.obs(next_obs_np, update=first <= num_iterations)
         self.open_logs()
         if ckpt is not None and rank == 0:
             print(f"resumed {args.resume} at iteration {first - 1}, global step {global_step}")
@@ -754,27 +794,9 @@ class Run:
             if args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
                 print(f"note: the adaptive KL-penalty coefficient goes on from the checkpoint's {ckpt['kl_coef']:.3g} "
                       "(--kl-penalty-coef sets the start of a new run only)")
-
-        next_obs_np, _ = envs.reset(seed=[args.seed + global_step + rank * args.num_envs + i
-                                          for i in range(args.num_envs)])
-        next_done = np.zeros(args.num_envs, dtype=np.float32)
-        self.ep_return, self.ep_length = np.zeros(args.num_envs), np.zeros(args.num_envs, dtype=np.int64)
-        saved = mine.get("rollout") if ckpt is not None else None
-        if saved is not None and saved["envs"] is not None and args.vector_mode == "sync":
-            # exact resume: the episodes in flight continue where they stopped
-            try:
-                load_env_state(envs, saved["envs"])
-            except (ValueError, KeyError, AttributeError, TypeError) as e:
-                die(f"checkpoint {args.resume}: cannot restore the environments: {e}")
-            next_obs = saved["next_obs"].to(device)  # normalised already
-            next_done = saved["next_done"].numpy().astype(np.float32)
-            self.ep_return, self.ep_length = saved["ep_return"].numpy().copy(), saved["ep_length"].numpy().copy()
-            norm.reward_scaler.ret = saved["reward_ret"].numpy().astype(np.float64)
-        else:
-            if ckpt is not None and rank == 0:
+            if not exact:
                 print("note: environments start new episodes (exact resume needs --vector-mode sync, then and now, "
                       "and an env whose whole state the script saves)")
-            next_obs = norm.obs(next_obs_np, update=first <= num_iterations)
         self.first_iteration, self.steps_at_start = first, global_step
         self.final_saved = ckpt is not None and first > num_iterations  # a finished run's checkpoint: final already
         self.start_time, self.last_print = time.time(), 0.0
@@ -807,7 +829,8 @@ class Run:
                              "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
     def writer_call(self, method: str, *a) -> None:
-        """A call of the TensorBoard writer; its background thread's failed write (disk full) surfaces here."""
+        """A call of the TensorBoard writer; its background thread's failed write (disk full) surfaces here. The run
+        stops on it at the end of the iteration (all ranks together), or at its end."""
         try:
             getattr(self.writer, method)(*a)
         except Exception as e:
@@ -815,7 +838,7 @@ class Run:
             if reason is None:
                 raise
             self.writer = None  # nothing more goes to it
-            raise WriteError(f"cannot write the TensorBoard events in {self.run_dir}: {reason}") from None
+            self.write_error = self.write_error or f"cannot write the TensorBoard events in {self.run_dir}: {reason}"
 
     def log(self, tag: str, value: float, step: int) -> None:
         if self.writer is not None:
@@ -844,9 +867,11 @@ class Run:
         sums = [torch.stack([s[k] for s in update_stats]).sum() for k in names]
         extra = [] if rollout_kl is None else [rollout_kl]
         finite = torch.stack([torch.isfinite(p).all() for p in self.agent.parameters()]).all().float()
-        signal_count = torch.tensor(float(len(self.signals)), device=self.device)
-        *values, finite_ranks, signals = all_ranks_sum(torch.stack([*sums, *extra, finite, signal_count]),
-                                                       world).tolist()
+        flags = torch.tensor([float(len(self.signals)), float(self.write_error is not None)], device=self.device)
+        *values, finite_ranks, signals, write_failed = all_ranks_sum(
+            torch.cat([torch.stack([*sums, *extra, finite]), flags]), world).tolist()
+        if write_failed:  # rank 0 could not write its logs: every rank stops here
+            raise WriteError(self.write_error or "rank 0 could not write its logs")
         stats = {k: v / (len(update_stats) * world) for k, v in zip(names, values)}
         if extra:
             stats["kl"] = values[-1] / world
@@ -856,14 +881,12 @@ class Run:
         bad = [k for k, v in stats.items() if not math.isfinite(v)]
         if bad:
             if self.rank == 0:  # (every rank sees the same all-reduced statistics)
-                kept = (f"last checkpoint kept: {self.checkpoint_path}" if self.checkpoint_path
-                        else "no checkpoint was written")
-                print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping ({kept})",
+                print(f"error: non-finite {', '.join(bad)} at iteration {iteration}; stopping ({self.kept()})",
                       file=sys.stderr)
             self.finished, self.failed = False, True  # no final checkpoint and no evaluation; exit 1 at the end
             return None
         stats["explained_variance"] = explained_variance(b_values.cpu().numpy(), b_returns.cpu().numpy())
-        rate = (global_step - self.steps_at_start) / (time.time() - self.start_time)  # steps/s of this process
+        rate = (global_step - self.steps_at_start) / (time.time() - self.start_time)  # steps/s, all processes
         self.log("charts/learning_rate", lr, global_step)
         for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
                   "explained_variance"):
@@ -894,11 +917,17 @@ class Run:
                        ep_return=torch.from_numpy(self.ep_return), ep_length=torch.from_numpy(self.ep_length),
                        reward_ret=torch.from_numpy(self.norm.reward_scaler.ret))
         ranks = gather_objects({"rng": rng_state(), "rollout": rollout}, self.world)
-        path = os.path.join(self.run_dir, "checkpoint.pt")
+        path, error = os.path.join(self.run_dir, "checkpoint.pt"), None
         if self.rank == 0:
-            save_checkpoint(path, self.agent, self.optimizer, self.args, global_step, iteration, self.norm.obs_rms,
-                            self.norm.reward_scaler, rollout, ranks[1:],
-                            self.kl_penalty.beta if self.kl_penalty else None)
+            try:
+                save_checkpoint(path, self.agent, self.optimizer, self.args, global_step, iteration, self.norm.obs_rms,
+                                self.norm.reward_scaler, rollout, ranks[1:],
+                                self.kl_penalty.beta if self.kl_penalty else None)
+            except WriteError as e:
+                error = str(e)
+        error = next((e for e in gather_objects(error, self.world) if e), None)
+        if error:  # every rank stops on a failed save of rank 0
+            raise WriteError(error)
         self.checkpoint_path = path
 
     def end_of_iteration(self, iteration: int, global_step: int, next_obs, next_done) -> bool:
@@ -927,38 +956,51 @@ class Run:
     def finish(self, global_step: int, next_obs, next_done) -> None:
         """After the loop: the final checkpoint (with --save-model, or when the run writes checkpoints along the way,
         so that a --resume of the finished run evaluates instead of training), then --eval-episodes. A signal at the
-        end of the run or during the evaluation stops it with the trained state saved."""
+        end of the run or during the evaluation stops it, and a failed write of its videos ends it, with the trained
+        state saved."""
         args, world, rank = self.args, self.world, self.rank
-        end = max(self.num_iterations, self.first_iteration - 1)
         self.result = {"global_step": global_step, "run_dir": self.run_dir, "stats": self.last_stats,
                        "returns": self.recent_returns, "agent": self.agent, "obs_rms": self.norm.obs_rms,
                        "return_rms": self.norm.reward_scaler.rms,
                        "sps": int((global_step - self.steps_at_start) / (time.time() - self.start_time))}
         if not self.finished:
             return
-        checkpointed = self.ckpt is not None or args.checkpoint_every or args.stop_after
-        if args.save_model or (checkpointed and not self.final_saved):
-            self.checkpoint(end, global_step, next_obs, next_done)
-            self.final_saved = True
-            if rank == 0:
-                print(f"checkpoint written to {self.checkpoint_path}")
+        rng = rng_state()  # the state the trained run ends in, whatever the evaluation draws
+
+        def save_final() -> None:
+            if not self.final_saved:
+                set_rng_state(rng, self.device)
+                self.checkpoint(max(self.num_iterations, self.first_iteration - 1), global_step, next_obs, next_done)
+                self.final_saved = True
+                if rank == 0:
+                    print(f"checkpoint written to {self.checkpoint_path}")
+
+        if args.save_model or args.checkpoint_every or args.stop_after or self.ckpt is not None:
+            save_final()
         # under torchrun every rank plays its share of the evaluation episodes; rank 0 logs them all
         share = args.eval_episodes // world + int(rank < args.eval_episodes % world)
-        mine = evaluate(self.agent, args, self.device, share, self.norm.obs_rms, os.path.join(self.run_dir, "videos"),
-                        rank, stop=lambda: bool(self.signals)) if share else []
-        parts = gather_objects((mine, [signal.Signals(s).name for s in self.signals]), world)
-        names = [name for _, sigs in parts for name in sigs]
-        if names:  # a stop at the end of the run: the trained state first
-            if not self.final_saved:
-                self.checkpoint(end, global_step, next_obs, next_done)
-                self.final_saved = True
+        mine, error = [], None
+        try:
+            if share:
+                mine = evaluate(self.agent, args, self.device, share, self.norm.obs_rms,
+                                os.path.join(self.run_dir, "videos"), rank, stop=lambda: bool(self.signals))
+        except Exception as e:  # (a full disk under the videos)
+            if os_error(e) is None:
+                raise
+            error = f"cannot write the evaluation videos in {os.path.join(self.run_dir, 'videos')}: {os_error(e)}"
+        parts = gather_objects((mine, [signal.Signals(s).name for s in self.signals], error), world)
+        names, error = [n for _, sigs, _ in parts for n in sigs], next((e for _, _, e in parts if e), None)
+        if names or error:  # the trained state first
+            save_final()
+            if error:
+                raise WriteError(error)
             if rank == 0:
                 print(f"stopped at the end of the run ({names[0]}); the trained model is in {self.checkpoint_path}"
                       + (f"; evaluate it with: {self.launcher()} --resume {self.checkpoint_path} --eval-episodes "
                          f"{args.eval_episodes}" if args.eval_episodes else ""), flush=True)
             return
         if args.eval_episodes:
-            eval_returns = [r for part, _ in parts for r in part]
+            eval_returns = [r for part, _, _ in parts for r in part]
             mean, std = float(np.mean(eval_returns)), float(np.std(eval_returns))
             self.log("eval/episodic_return", mean, global_step)
             if rank == 0:
@@ -967,11 +1009,24 @@ class Run:
             self.result["eval_returns"] = eval_returns
 
 
-def quiet_event_writer_thread(hook_args) -> None:
+def quiet_event_writer_thread(previous):
     """threading.excepthook during a run: TensorBoard's writer thread re-raises a failed write (disk full), which the
-    main thread's next call of the writer reports in one line (Run.writer_call); other threads report as usual."""
-    if type(hook_args.thread).__name__ != "_AsyncWriterThread":
-        sys.__excepthook__(hook_args.exc_type, hook_args.exc_value, hook_args.exc_traceback)
+    main thread's next call of the writer reports in one line (Run.writer_call); other threads go to `previous`."""
+    return lambda hook_args: None if type(hook_args.thread).__name__ == "_AsyncWriterThread" else previous(hook_args)
+
+
+def close_envs(envs, clean: bool) -> None:
+    """Close the vector env; after an error, when an async worker may be gone, end the workers without waiting on
+    them (waiting on a dead worker's pipe would hang the exit)."""
+    if clean:
+        envs.close()
+        return
+    for process in getattr(envs, "processes", []):
+        process.kill()  # (the workers ignore SIGTERM: leave_signals_to_main)
+    with contextlib.suppress(Exception), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ("Calling close while waiting for a pending call to step")
+        envs.close(terminate=True)
+    envs.closed = True
 
 
 def leave_signals_to_main(make):
@@ -1002,6 +1057,10 @@ def make_new_dir(path: str) -> bool:
         raise
 
 
+LOCK_FDS: set = set()  # the run-directory locks this process holds; a forked child (an async env worker) drops them
+os.register_at_fork(after_in_child=lambda: [os.close(fd) for fd in LOCK_FDS] and LOCK_FDS.clear())
+
+
 def lock_run_dir(run_dir: str) -> int:
     """Hold an exclusive lock on run_dir/.lock for the life of this process (the OS releases it, even after kill -9);
     RunDirBusy if another live process holds it."""
@@ -1015,7 +1074,13 @@ def lock_run_dir(run_dir: str) -> int:
                          "stop it first") from None
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
+    LOCK_FDS.add(fd)
     return fd
+
+
+def release_lock(fd: int) -> None:
+    LOCK_FDS.discard(fd)
+    os.close(fd)
 
 
 def os_error(e: BaseException) -> Optional[str]:
@@ -1053,8 +1118,8 @@ def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cpu")
     if args.cuda:  # one GPU per rank
-        if local_rank >= torch.cuda.device_count():
-            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+        if local_rank >= torch.cuda.device_count():  # (validate refuses fewer GPUs than local processes)
+            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)", every_rank=True)
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     # one hour (NCCL's default is 10 minutes): at the end the ranks wait while rank 0 writes its videos and the
@@ -1195,21 +1260,24 @@ def load_env_state(envs, snapshot: list) -> None:
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:
-    """optimizer.load_state_dict, keeping this run's settings: torch restores the saved ones (capturable, fused,
-    foreach, and lr as a tensor on the CPU after map_location), so a checkpoint of a CUDA-graph run would not
-    resume on the CPU, nor a CPU one stay free of host syncs on CUDA. Adam's step counters go where this run's
-    settings want them."""
-    own = [{k: g[k] for k in ("capturable", "fused", "foreach", "differentiable") if k in g}
-           for g in optimizer.param_groups]
+    """optimizer.load_state_dict for Adam's moments and step counters, keeping this run's settings: torch restores the
+    saved ones (capturable, fused, foreach, betas; lr as a tensor on the CPU after map_location), so a checkpoint of a
+    CUDA-graph run would not resume on the CPU, nor a CPU one stay free of host syncs on CUDA. The step counters go
+    where this run's settings want them; moments that do not fit their parameters are refused (ValueError)."""
+    own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for g, settings in zip(optimizer.param_groups, own):
         g.update(settings)
         g["lr"] = torch.tensor(float(g["lr"]), device=device)
         for p in g["params"]:
             st = optimizer.state.get(p, {})
+            if st and not all(torch.is_tensor(st.get(k)) and st[k].shape == p.shape for k in ("exp_avg", "exp_avg_sq")):
+                raise ValueError(f"Adam's moments do not fit a parameter of shape {tuple(p.shape)}")
             if torch.is_tensor(st.get("step")):
                 on_param = g.get("capturable") or g.get("fused")
-                st["step"] = st["step"].to(p.device if on_param else torch.device("cpu"), torch.float32)
+                st["step"] = st["step"].to(p.device if on_param else torch.device("cpu"), torch.float32, copy=True)
+            elif st:
+                raise ValueError("Adam's step counter is missing")
 
 
 def rng_state() -> dict:
@@ -1274,14 +1342,26 @@ ROLLOUT_KEYS = ("envs", "next_obs", "next_done", "ep_return", "ep_length", "rewa
 _read_checkpoints: dict = {}  # parse_args reads a checkpoint for its flags and keeps it here for main's states
 
 
-def load_checkpoint(path: str, env_id: Optional[str] = None, keep: bool = False) -> dict:
-    """Read and check a checkpoint; whatever is wrong with it is one line, exit 2. keep: hold it for the next call
-    (parse_args for main), which takes it over: the optimizer's state shares its tensors and training changes them."""
+def checkpoint_key(path: str) -> tuple:
+    """Which version of the file: path, modification time, size."""
     try:
         st = os.stat(path)
     except OSError as e:
         die(f"cannot read checkpoint {path}: {e.strerror}")
-    key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+    return os.path.abspath(path), st.st_mtime_ns, st.st_size
+
+
+def fitted(x, shape: tuple) -> torch.Tensor:
+    """A saved tensor of the shape this run needs (ValueError otherwise)."""
+    if not torch.is_tensor(x) or tuple(x.shape) != tuple(shape):
+        raise ValueError(f"a saved rollout state of shape {tuple(getattr(x, 'shape', ()))}, expected {tuple(shape)}")
+    return x
+
+
+def load_checkpoint(path: str, env_id: Optional[str] = None, keep: bool = False) -> dict:
+    """Read and check a checkpoint; whatever is wrong with it is one line, exit 2. keep: hold it for the next call
+    (parse_args for main), which takes it over: the optimizer's state shares its tensors and training changes them."""
+    key = checkpoint_key(path)
     ckpt = _read_checkpoints.pop(key, None) or read_checkpoint(path)
     _read_checkpoints.clear()
     if keep:
@@ -1306,8 +1386,11 @@ def read_checkpoint(path: str) -> dict:
     for key, kind in CHECKPOINT_KEYS.items():
         if not isinstance(ckpt.get(key), kind) or isinstance(ckpt.get(key), bool):
             damaged(f"{key} is {type(ckpt[key]).__name__}, not {kind.__name__}" if key in ckpt else f"no {key}")
-    if not fits(ckpt.get("kl_coef"), Optional[float]):
-        damaged(f"kl_coef is {ckpt['kl_coef']!r}, not a number")
+    if not (ckpt.get("kl_coef") is None or fits(ckpt["kl_coef"], float) and 0 < ckpt["kl_coef"] < math.inf):
+        damaged(f"kl_coef is {ckpt['kl_coef']!r}, not a positive number")
+    for key in ("iteration", "global_step"):
+        if ckpt[key] < 0:
+            damaged(f"{key} is {ckpt[key]}")
     for key in ("obs_rms", "return_rms"):  # mean and var of one shape, count > 0, all finite, var >= 0
         st = {k: ckpt[key].get(k) for k in ("mean", "var", "count")}
         if not (all(torch.is_tensor(t) and t.is_floating_point() for t in st.values()) and st["count"].ndim == 0
@@ -1404,34 +1487,42 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_
     return returns
 
 
-def setup_rendering(env_id: str) -> str:
+def setup_rendering(env_id: str, rank: int = 0, world: int = 1) -> str:
     """Find a GL backend that renders env_id offscreen and export it as MUJOCO_GL (read when the renderer is made).
 
     MuJoCo renders through GLFW (needs a display), EGL (libEGL: a GPU driver or Mesa) or OSMesa (libOSMesa, software).
     A headless machine needs MUJOCO_GL=egl or MUJOCO_GL=osmesa. The probe runs in a child process because a broken GL
-    backend can abort the process that tries it."""
-    code = ("import gymnasium as gym, moviepy\n"
-            f"e = gym.make({env_id!r}, render_mode='rgb_array'); e.reset(seed=0); assert e.render().size > 0")
-    if os.environ.get("MUJOCO_GL"):
-        candidates = [os.environ["MUJOCO_GL"]]
-    else:
-        candidates = (["glfw"] if os.environ.get("DISPLAY") else []) + ["egl", "osmesa"]
-    last = ""
-    for gl in candidates:
-        try:
-            r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, MUJOCO_GL=gl),
-                               capture_output=True, text=True, timeout=120)
-        except subprocess.TimeoutExpired:
-            last = f"MUJOCO_GL={gl}: timed out"
-            continue
-        if r.returncode == 0:
-            os.environ["MUJOCO_GL"] = gl
-            return gl
-        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-        last = f"MUJOCO_GL={gl}: {lines[-1].strip() if lines else f'exit code {r.returncode}'}"
-    die(f"--capture-video: cannot render {env_id} offscreen (tried MUJOCO_GL={'/'.join(candidates)}; last: {last}); "
-        "install EGL (libegl1) or OSMesa (libosmesa6) and set MUJOCO_GL=egl or MUJOCO_GL=osmesa")
-    return ""
+    backend can abort the process that tries it. Under torchrun rank 0 alone records, and probes; every rank stops
+    with its failure (one line, rank 0's), none is left waiting for the others in a collective."""
+    gl, error = "", None
+    if rank == 0:
+        code = ("import gymnasium as gym, moviepy\n"
+                f"e = gym.make({env_id!r}, render_mode='rgb_array'); e.reset(seed=0); assert e.render().size > 0")
+        if os.environ.get("MUJOCO_GL"):
+            candidates = [os.environ["MUJOCO_GL"]]
+        else:
+            candidates = (["glfw"] if os.environ.get("DISPLAY") else []) + ["egl", "osmesa"]
+        last = ""
+        for candidate in candidates:
+            try:
+                r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, MUJOCO_GL=candidate),
+                                   capture_output=True, text=True, timeout=120)
+            except subprocess.TimeoutExpired:
+                last = f"MUJOCO_GL={candidate}: timed out"
+                continue
+            if r.returncode == 0:
+                os.environ["MUJOCO_GL"] = gl = candidate
+                break
+            lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+            last = f"MUJOCO_GL={candidate}: {lines[-1].strip() if lines else f'exit code {r.returncode}'}"
+        if not gl:
+            error = (f"--capture-video: cannot render {env_id} offscreen (tried MUJOCO_GL={'/'.join(candidates)}; "
+                     f"last: {last}); install EGL (libegl1) or OSMesa (libosmesa6) and set MUJOCO_GL=egl or "
+                     "MUJOCO_GL=osmesa")
+    error = gather_objects(error, world)[0]
+    if error:
+        die(error)
+    return gl
 
 
 def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
@@ -1507,9 +1598,10 @@ def cudagraph_skips() -> int:
 # ---------------------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------------------
-def die(msg: str) -> None:
-    """Bad input: one line on stderr (rank 0's alone under torchrun), exit code 2, no traceback."""
-    if int(os.environ.get("RANK", "0")) == 0:
+def die(msg: str, every_rank: bool = False) -> None:
+    """Bad input: one line on stderr, exit code 2, no traceback. Under torchrun every rank finds the same bad input
+    and rank 0 alone says it, unless only this rank can see the problem (every_rank)."""
+    if every_rank or int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
 
@@ -1642,11 +1734,12 @@ def validate(args: Args) -> None:
         die("--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
     if args.cudagraphs and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         die("--cudagraphs is not supported under torchrun (DDP's gradient all-reduce runs outside the graph)")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun: processes on this machine, one GPU each
+    if args.cuda and torch.cuda.is_available() and torch.cuda.device_count() < local:
+        die(f"--cuda with {local} processes on this machine but {torch.cuda.device_count()} GPU(s)")
     if args.cuda and not torch.cuda.is_available():
         die("--cuda given (or taken from the checkpoint: --no-cuda resumes on the CPU) but torch finds no CUDA "
             "device")
-    if args.resume is not None and not os.path.isfile(args.resume):
-        die(f"--resume: no such file {args.resume}")
 
 
 def check_env(env_id: str) -> None:

@@ -87,6 +87,8 @@ def test_bad_input_under_torchrun_is_said_once(tmp_path, script):
 
 @pytest.mark.parametrize("script, argv", [
     ("ppo.py", ["--total-timesteps", "8192", "--num-steps", "128"]),
+    ("ppo_continuous.py", ["--env-id", "Hopper-v5", "--total-timesteps", "1024", "--num-steps", "64",
+                           "--num-minibatches", "2", "--update-epochs", "1"]),  # (both ranks' MuJoCo states in it)
     ("ppo_atari_envpool.py", ["--total-timesteps", "384", "--num-envs", "2", "--num-steps", "32", "--num-minibatches",
                               "2", "--update-epochs", "1", "--torch-threads", "1", "--num-threads", "1"]),
 ])
@@ -104,6 +106,36 @@ def test_a_full_disk_under_torchrun_stops_every_rank_in_one_line(tmp_path, scrip
     assert res.returncode == 1 and len(errors) == 1 and "File too large" in errors[0], res.stderr[-3000:]
     assert "cannot write" in errors[0] and "checkpoint.pt" in errors[0]
     assert f'{script}", line' not in res.stderr, res.stderr[-3000:]  # no worker's traceback (the launcher has its own)
+
+
+def test_ppo_continuous_capture_video_without_a_renderer_under_torchrun_is_said_once(tmp_path):
+    """Rank 0 alone probes the renderer; rank 1 stops with it (not in a collective rank 0 never joins)."""
+    without_display = {k: v for k, v in ENV.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
+    without_display["MUJOCO_GL"] = "glfw"  # (GLFW cannot render without a display)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                          os.path.join(ROOT, "ppo_continuous.py"), "--env-id", "Hopper-v5", "--capture-video",
+                          "--eval-episodes", "2", "--runs-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=240, env=without_display, cwd=ROOT)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert res.returncode == 1 and len(errors) == 1, res.stderr[-3000:]
+    assert errors[0].startswith("error: --capture-video: cannot render Hopper-v5 offscreen"), errors
+    assert 'ppo_continuous.py", line' not in res.stderr and "gloo" not in res.stderr.lower(), res.stderr[-3000:]
+    assert not os.listdir(tmp_path)
+
+
+def test_ppo_continuous_a_state_of_rank_1_that_does_not_fit_stops_every_rank_in_one_line(tmp_path):
+    """Each rank restores its own envs and RNG: a state only rank 1 finds unfit is said once, and no rank trains."""
+    argv = ["--env-id", "Hopper-v5", "--total-timesteps", "384", "--num-steps", "64", "--num-minibatches", "2",
+            "--update-epochs", "1"]
+    ckpt, state = stop_after_one_iteration("ppo_continuous.py", argv, tmp_path)
+    state["other_ranks"][0]["rollout"]["next_obs"] = torch.zeros(3, 11)
+    torch.save(state, ckpt)
+    res = torchrun(os.path.join(ROOT, "ppo_continuous.py"), "--resume", ckpt)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert res.returncode == 1 and len(errors) == 1, res.stderr[-3000:]
+    assert "does not fit this run (the state of rank 1)" in errors[0] and "expected (1, 11)" in errors[0], errors
+    assert 'ppo_continuous.py", line' not in res.stderr, res.stderr[-3000:]
+    assert len(glob.glob(str(tmp_path / "*" / "events.out.tfevents.*"))) == 1  # the first run's: nothing logged
 
 
 def test_cudagraphs_under_torchrun_is_one_line_error(monkeypatch, capsys):

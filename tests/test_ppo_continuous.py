@@ -9,6 +9,7 @@ import math
 import os
 import re
 import signal
+import struct
 import time
 import subprocess
 import sys
@@ -22,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/shared.py
 import ppo_continuous as pc  # noqa: E402
-from shared import ctrl_c_after_first_iteration, reference_gae  # noqa: E402  (tests/shared.py)
+from shared import FullDisk, ctrl_c_after_first_iteration, reference_gae  # noqa: E402  (tests/shared.py)
 
 SCRIPT = os.path.join(ROOT, "ppo_continuous.py")
 
@@ -857,22 +858,6 @@ def test_a_run_directory_held_by_a_live_process_is_refused(tmp_path, capsys):
     assert pc.main(pc.parse_args(["--resume", ckpt]))["global_step"] == 256  # free again: it resumes
 
 
-class FullDisk:
-    """A file that takes `room` bytes, then fails as a full disk does."""
-
-    def __init__(self, f, room):
-        self.f, self.room = f, room
-
-    def write(self, b):
-        if len(b) > self.room:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self.room -= len(b)
-        return self.f.write(b)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-
 @pytest.mark.parametrize("good_saves", [0, 1])
 def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys, good_saves):
     real, calls = torch.save, []
@@ -891,7 +876,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, mon
     assert f"error: cannot write {ckpt}: No space left on device" in err
     assert not os.path.exists(ckpt + ".tmp")  # the partial file is gone
     if good_saves:
-        assert f"(the last checkpoint is kept: {ckpt})" in err
+        assert f"(last checkpoint kept: {ckpt})" in err
         assert torch.load(ckpt, weights_only=True)["iteration"] == 1
     else:
         assert "(no checkpoint was written)" in err and not os.path.exists(ckpt)
@@ -970,7 +955,7 @@ def test_statistics_that_do_not_fit_the_env_are_one_line_exit_2(tmp_path, capsys
 
     code, err = resume_error(capsys, edited_copy(tmp_path, stopped_checkpoint, other_shape))
     assert code == 2 and len(error_lines(err)) == 1 and "Traceback" not in err, err
-    assert "does not fit this network: normalisation statistics of shape (5,), expected (11,)" in err
+    assert "does not fit this run: ValueError: normalisation statistics of shape (5,), expected (11,)" in err
 
 
 def test_a_flipped_bit_in_a_stored_weight_is_found(tmp_path, capsys, stopped_checkpoint):
@@ -980,7 +965,8 @@ def test_a_flipped_bit_in_a_stored_weight_is_found(tmp_path, capsys, stopped_che
     data = bytearray(open(stopped_checkpoint, "rb").read())
     with zipfile.ZipFile(stopped_checkpoint) as z:
         info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)  # the record's bytes
+    name_len, extra_len = struct.unpack("<HH", bytes(data[info.header_offset + 26:info.header_offset + 30]))
+    start = info.header_offset + 30 + name_len + extra_len  # the record's bytes (after its local header)
     data[start + info.file_size // 2] ^= 0x01
     open(path, "wb").write(bytes(data))
     assert torch.load(path, weights_only=True)["iteration"] == 1  # torch itself loads it silently
@@ -997,3 +983,128 @@ def test_the_nan_stop_says_when_no_checkpoint_exists(tmp_path, monkeypatch, caps
         pc.main(tiny(tmp_path))
     err = capsys.readouterr().err
     assert e.value.code == 1 and "at iteration 1; stopping (no checkpoint was written)" in err, err
+
+
+def test_a_dead_env_worker_ends_the_run_in_one_line_instead_of_hanging(tmp_path):
+    """An async worker killed (the OOM killer, say): the main process must not wait on it forever at the exit."""
+    p = subprocess.Popen([sys.executable, SCRIPT, "--env-id", "Hopper-v5", "--total-timesteps", "1e7", "--vector-mode",
+                          "async", "--num-envs", "2", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs",
+                          "1", "--runs-dir", str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    assert p.stdout.readline().startswith("iter 1/"), p.stderr.read()
+    workers = [int(c) for c in open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()]
+    os.kill(workers[0], signal.SIGKILL)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 1 and "Traceback" not in err, err
+    assert "error: an environment worker process died" in err and len(error_lines(err)) == 1, err
+
+
+def wrong_mujoco_state(s):
+    s["rollout"]["envs"][0]["mujoco"]["integration"] = torch.zeros(3, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda s: s["rng"].update(torch=s["rng"]["torch"].float()), "RNG state"),
+    (lambda s: s["rng"].update(torch=torch.zeros_like(s["rng"]["torch"])), "mt19937"),
+    (lambda s: s["rollout"].update(next_obs=torch.zeros(3, 11)), "expected (2, 11)"),
+    (lambda s: s["rollout"].update(ep_return=[0.0, 0.0]), "expected (2,)"),
+    (lambda s: s["rollout"].update(reward_ret=torch.zeros(3, dtype=torch.float64)), "expected (2,)"),
+    (lambda s: s["rollout"].update(envs="abc"), "does not fit this run"),
+    (wrong_mujoco_state, "MuJoCo state of size 3"),
+    (lambda s: s["return_rms"].update(mean=torch.zeros(2, dtype=torch.float64),
+                                      var=torch.ones(2, dtype=torch.float64)), "statistics of shape (2,), expected ()"),
+    (lambda s: [st.pop("exp_avg_sq") for st in s["optimizer"]["state"].values()], "moments do not fit"),
+    (lambda s: [st.update(exp_avg=torch.zeros(1)) for st in s["optimizer"]["state"].values()], "moments do not fit"),
+    (lambda s: s.update(kl_coef=-1.0), "kl_coef is -1.0, not a positive number"),
+    (lambda s: s.update(iteration=-3), "iteration is -3"),
+    (lambda s: s.update(global_step=-1), "global_step is -1"),
+])
+def test_a_checkpoint_whose_states_do_not_load_is_one_line_exit_2(tmp_path, capsys, stopped_checkpoint, edit, needle):
+    path = edited_copy(tmp_path, stopped_checkpoint, edit)
+    code, err = resume_error(capsys, path)
+    assert code == 2 and len(error_lines(err)) == 1 and needle in err and "Traceback" not in err, err
+    assert not glob.glob(os.path.join(os.path.dirname(path), "events.*"))  # restored before anything is logged
+
+
+def test_a_checkpoint_rewritten_between_reading_and_locking_is_refused(tmp_path, monkeypatch, capsys):
+    """A requeued job read checkpoint k; before it took the lock, the old job wrote k+1 and ended: resuming k would
+    overwrite k+1."""
+    first = pc.main(tiny(tmp_path, total_timesteps=256, stop_after=1))
+    ckpt = os.path.join(first["run_dir"], "checkpoint.pt")
+    real = pc.lock_run_dir
+
+    def old_job_writes_first(run_dir):
+        torch.save(torch.load(ckpt, weights_only=True), ckpt)  # (stands for the old job's next checkpoint)
+        return real(run_dir)
+
+    monkeypatch.setattr(pc, "lock_run_dir", old_job_writes_first)
+    code, err = resume_error(capsys, ckpt)
+    assert code == 2 and "was rewritten by another process while this one started" in err, err
+    assert len(error_lines(err)) == 1
+
+
+def test_more_local_processes_than_gpus_is_one_line_error(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    err = one_line_error(capsys, pc.parse_args, ["--cuda"])
+    assert "--cuda with 2 processes on this machine but 1 GPU(s)" in err
+
+
+def test_a_full_disk_under_the_evaluation_videos_saves_the_model_and_is_one_line(tmp_path, monkeypatch, capsys):
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pc, "evaluate", full)
+    with pytest.raises(SystemExit) as e:
+        pc.main(tiny(tmp_path, eval_episodes=2))
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and len(error_lines(err)) == 1 and "Traceback" not in err, err
+    assert "cannot write the evaluation videos in" in err and "No space left on device" in err
+    (ckpt,) = glob.glob(str(tmp_path / "Hopper-v5__t__*" / "checkpoint.pt"))
+    assert f"(last checkpoint kept: {ckpt})" in err
+    assert torch.load(ckpt, weights_only=True)["iteration"] == 6  # the trained state, saved first
+
+
+def test_the_checkpoint_of_a_stop_during_the_evaluation_has_the_rng_of_the_trained_run(tmp_path, monkeypatch):
+    full = pc.main(tiny(tmp_path / "full", save_model=True))
+    real = pc.evaluate
+
+    def draw_then_signal(*a, **k):  # the evaluation draws random numbers, then a signal comes
+        torch.rand(100)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    monkeypatch.setattr(pc, "evaluate", draw_then_signal)
+    stopped = pc.main(tiny(tmp_path / "stopped", eval_episodes=3))
+    a, b = (torch.load(os.path.join(r["run_dir"], "checkpoint.pt"), weights_only=True) for r in (full, stopped))
+    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]) and a["iteration"] == b["iteration"] == 6
+
+
+def test_a_forked_child_does_not_hold_the_run_directory_lock(tmp_path):
+    import multiprocessing
+
+    fd = pc.lock_run_dir(str(tmp_path))
+    try:
+        ctx = multiprocessing.get_context("fork")
+        child = ctx.Process(target=lambda: os._exit(0 if fd not in pc.LOCK_FDS else 3))
+        child.start()
+        child.join()
+        assert child.exitcode == 0
+    finally:
+        pc.release_lock(fd)
+    assert fd not in pc.LOCK_FDS
+
+
+def test_async_workers_ignore_the_signals_meant_for_the_main_process():
+    class ReportsHandlers(gym.Env):  # says, from its worker process, what SIGINT and SIGTERM do there
+        observation_space, action_space = gym.spaces.Box(-1, 1, (1,)), gym.spaces.Box(-1, 1, (1,))
+
+        def handlers(self):
+            return signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+
+    envs = gym.vector.AsyncVectorEnv([pc.leave_signals_to_main(ReportsHandlers)] * 2)
+    try:
+        assert envs.call("handlers") == ((signal.SIG_IGN, signal.SIG_IGN),) * 2
+    finally:
+        envs.close()
