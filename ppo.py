@@ -602,6 +602,7 @@ class Run:
         next_obs, next_done = obs_tensor(next_obs_np, device), torch.zeros(args.num_envs, device=device)
         self.ep_return, self.ep_length = np.zeros(args.num_envs), np.zeros(args.num_envs, dtype=np.int64)
         if ckpt is not None:
+            error = None
             try:  # whatever torch or the envs raise on a checkpoint that does not fit is one line
                 agent.load_state_dict(ckpt["model"])
                 load_optimizer_state(optimizer, ckpt["optimizer"], device)
@@ -617,7 +618,11 @@ class Run:
                 else:
                     fresh_episodes = True
             except Exception as e:
-                die(f"checkpoint {args.resume} does not fit this run: {type(e).__name__}: {str(e).splitlines()[0]}")
+                error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            # under torchrun each rank restores its own states: a state that only one rank finds unfit stops them all
+            r, error = next(((r, e) for r, e in enumerate(gather_objects(error, self.world)) if e), (0, None))
+            if error:
+                die(f"checkpoint {args.resume} does not fit this run{f' (the state of rank {r})' if r else ''}: {error}")
             first, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
             if kl_penalty is not None and args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
                 kl_penalty.beta = ckpt["kl_coef"]  # the adapted value goes on

@@ -670,13 +670,17 @@ class Run:
         self.envs, self.agent, self.optimizer, self.kl_penalty = envs, agent, optimizer, kl_penalty
         self.num_iterations = num_iterations
         if ckpt is not None:
+            error = None
             try:  # whatever torch raises on a checkpoint that does not fit is one line
                 agent.load_state_dict(ckpt["model"])
                 load_optimizer_state(optimizer, ckpt["optimizer"], self.device)
                 set_rng_state((ckpt if rank == 0 else ckpt["other_ranks"][rank - 1])["rng"], self.device)  # this rank's
             except Exception as e:
-                die(f"checkpoint {args.resume} does not fit this run: {type(e).__name__}: "
-                    f"{(str(e).splitlines() or [''])[0]}")
+                error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            # under torchrun each rank restores its own RNG: a state that only one rank finds unfit stops them all
+            r, error = next(((r, e) for r, e in enumerate(gather_objects(error, self.world)) if e), (0, None))
+            if error:
+                die(f"checkpoint {args.resume} does not fit this run{f' (the state of rank {r})' if r else ''}: {error}")
             if kl_penalty is not None and args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
                 kl_penalty.beta = ckpt["kl_coef"]  # the adapted value goes on
                 kl_penalty.coef.fill_(kl_penalty.beta)
