@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/shared.py
 import ppo_atari_envpool as pae  # noqa: E402
-from shared import FullDisk, reference_gae  # noqa: E402  (tests/shared.py)
+from shared import FullDisk, copy_run, edited_copy, handlers, reference_gae  # noqa: E402  (tests/shared.py)
 
 SCRIPT = os.path.join(ROOT, "ppo_atari_envpool.py")
 
@@ -709,22 +709,11 @@ def test_eta_text():
 # --------------------------------------------------------------------------------------------------------------
 # What a cluster does to a job: signals at any moment, name collisions, full disks, damaged checkpoints
 # --------------------------------------------------------------------------------------------------------------
-def handlers():
-    return signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-
-
 @pytest.fixture(scope="module")
 def stopped_run(tmp_path_factory):
     """One run stopped after the first of its 2 iterations: the tests that resume, edit or damage a checkpoint each
     take a copy of its directory (copy_run), so that only one Atari run is trained for all of them."""
     return pae.main(tiny(tmp_path_factory.mktemp("stopped"), total_timesteps=128, stop_after=1))["run_dir"]
-
-
-def copy_run(stopped_run, tmp_path) -> str:
-    import shutil
-
-    run_dir = shutil.copytree(stopped_run, tmp_path / os.path.basename(stopped_run))
-    return os.path.join(run_dir, "checkpoint.pt")
 
 
 def test_handlers_and_torch_settings_are_restored_when_the_loop_raises(tmp_path, monkeypatch):
@@ -973,14 +962,6 @@ def test_a_full_disk_under_the_evaluation_videos_saves_the_model_and_is_one_line
     assert torch.load(ckpt, weights_only=True)["iteration"] == 1  # the trained state, saved first
 
 
-def edited_checkpoint(stopped_run, tmp_path, edit) -> str:
-    path = copy_run(stopped_run, tmp_path)
-    state = torch.load(path, weights_only=True)
-    edit(state)
-    torch.save(state, path)
-    return path
-
-
 @pytest.mark.parametrize("edit,needle", [
     (lambda s: s["args"].update(num_envs="abc"), "args.num_envs is 'abc'"),
     (lambda s: s["args"].update(norm_adv_scope="everything"), "args.norm_adv_scope is 'everything'"),
@@ -993,7 +974,7 @@ def edited_checkpoint(stopped_run, tmp_path, edit) -> str:
     (lambda s: s.update(kl_coef="big"), "kl_coef is 'big'"),
 ])
 def test_an_edited_checkpoint_is_one_line_exit_2(stopped_run, tmp_path, capsys, edit, needle):
-    path = edited_checkpoint(stopped_run, tmp_path, edit)
+    path = edited_copy(stopped_run, tmp_path, edit)
     with pytest.raises(SystemExit) as e:
         pae.main(pae.parse_args(["--resume", path]))
     err = capsys.readouterr().err
@@ -1011,7 +992,7 @@ def test_an_edited_checkpoint_is_one_line_exit_2(stopped_run, tmp_path, capsys, 
     (lambda s: s.update(global_step=-64), "global_step is -64"),
 ])
 def test_a_checkpoint_whose_states_do_not_load_is_one_line_exit_2(stopped_run, tmp_path, capsys, edit, needle):
-    path = edited_checkpoint(stopped_run, tmp_path, edit)
+    path = edited_copy(stopped_run, tmp_path, edit)
     events = glob.glob(os.path.join(os.path.dirname(path), "events.out.tfevents.*"))
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
@@ -1069,7 +1050,7 @@ def test_the_gpu_is_the_default_where_torch_sees_one(monkeypatch, capsys):
 
 
 def test_a_gpu_checkpoint_resumes_on_the_cpu_where_there_is_none(stopped_run, tmp_path, monkeypatch, capsys):
-    path = edited_checkpoint(stopped_run, tmp_path, lambda s: s["args"].update(cuda=True, cudagraphs=True))  # a GPU's
+    path = edited_copy(stopped_run, tmp_path, lambda s: s["args"].update(cuda=True, cudagraphs=True))  # a GPU's
     args = pae.parse_args(["--resume", path])
     assert args.cuda is False and args.cudagraphs is False
     out = capsys.readouterr().out
@@ -1091,7 +1072,7 @@ def test_the_gpu_default_needs_a_gpu_for_each_process_of_the_machine(stopped_run
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert pae.parse_args([]).cuda is False and pae.Args().cuda is False
-    path = edited_checkpoint(stopped_run, tmp_path, lambda s: s["args"].update(cuda=True))  # a GPU's
+    path = edited_copy(stopped_run, tmp_path, lambda s: s["args"].update(cuda=True))  # a GPU's
     assert pae.parse_args(["--resume", path, "--total-timesteps", "1024"]).cuda is False  # (a rollout of 4 processes)
     assert "written on a GPU and torch finds 1 GPU(s) for 4 processes here: the run resumes on the CPU" in \
         capsys.readouterr().out

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/shared.py
 import ppo_continuous as pc  # noqa: E402
-from shared import FullDisk, ctrl_c_after_first_iteration, reference_gae  # noqa: E402  (tests/shared.py)
+from shared import FullDisk, ctrl_c_after_first_iteration, error_lines, handlers, reference_gae  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "ppo_continuous.py")
 
@@ -411,15 +411,6 @@ def test_capture_video_without_a_gl_backend_fails_clearly(capsys, monkeypatch):
 # ---------------------------------------------------------------------------------------------------------
 # Reliability: bad input from the command line, SIGTERM, exact resume, same seed same run, non-finite updates
 # ---------------------------------------------------------------------------------------------------------
-# MuJoCo 4.0 prints this deprecation warning (and a blank line) on stderr whenever it compiles gymnasium's model
-# files, which it does for the env checks that need a made env; it is not ours and not part of the error.
-MUJOCO_WARNING = "WARNING: compiler attribute 'settotalmass' is deprecated"
-
-
-def error_lines(stderr):
-    return [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith(MUJOCO_WARNING)]
-
-
 @pytest.mark.parametrize("argv, needle", [
     (["--num-envs", "abc"], "not a number"),
     (["--total-timesteps", "1.5"], "not a whole number"),
@@ -732,10 +723,6 @@ def test_eta_text():
 # --------------------------------------------------------------------------------------------------------------
 # What a cluster does to a job: signals at any moment, name collisions, full disks, damaged checkpoints
 # --------------------------------------------------------------------------------------------------------------
-def handlers():
-    return signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-
-
 def test_handlers_and_torch_settings_are_restored_when_the_loop_raises(tmp_path, monkeypatch):
     seen = []
 
