@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/shared.py
 import ppo  # noqa: E402
+import ppo_atari_envpool  # noqa: E402
 import ppo_continuous  # noqa: E402
 from shared import FullDisk, copy_run, edited_copy, error_lines, handlers  # noqa: E402
 
@@ -65,6 +66,8 @@ SCRIPTS = [
     Script(ppo, dict(env_id="CartPole-v1", num_envs=2, num_steps=64), 128, "make_vector_env", async_workers=True),
     Script(ppo_continuous, dict(env_id="Hopper-v5", num_envs=2, num_steps=64, num_minibatches=2, update_epochs=1),
            128, "make_vector_env", async_workers=True, mujoco_warning=True),  # Hopper: short episodes
+    Script(ppo_atari_envpool, dict(env_id="Breakout-v5", num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1,
+                                   torch_threads=1, num_threads=1), 64, "make_envs"),
 ]
 
 
