@@ -1,8 +1,10 @@
 """What the tests of more than one script share: slow, obviously correct references (plain Python floats), a helper
-that runs a script the way a user does, and a file that fills as a full disk does."""
+that runs a script the way a user does, a file that fills as a full disk does, and what the tests of a damaged or
+interrupted run look at (signal handlers, stderr's lines, copies of a stopped run)."""
 
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,3 +58,34 @@ class FullDisk:
 
     def __getattr__(self, name):
         return getattr(self.f, name)
+
+
+def handlers() -> tuple:
+    """The process's SIGTERM and SIGINT handlers (a run must give them back as it found them)."""
+    return signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+
+
+# MuJoCo 4.0 prints this deprecation warning (and a blank line) on stderr whenever it compiles gymnasium's model
+# files, which ppo_continuous.py does for the env checks that need a made env; it is not ours and not part of the error.
+MUJOCO_WARNING = "WARNING: compiler attribute 'settotalmass' is deprecated"
+
+
+def error_lines(stderr: str) -> list:
+    """stderr's lines, without blank ones and MuJoCo's warning."""
+    return [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith(MUJOCO_WARNING)]
+
+
+def copy_run(run_dir: str, tmp_path) -> str:
+    """A copy of a run directory (its checkpoint and logs) under tmp_path: the path of the copy's checkpoint."""
+    return os.path.join(shutil.copytree(run_dir, tmp_path / os.path.basename(run_dir)), "checkpoint.pt")
+
+
+def edited_copy(run_dir: str, tmp_path, edit) -> str:
+    """copy_run, with edit(state) applied to the copy's checkpoint."""
+    import torch
+
+    path = copy_run(run_dir, tmp_path)
+    state = torch.load(path, weights_only=True)
+    edit(state)
+    torch.save(state, path)
+    return path

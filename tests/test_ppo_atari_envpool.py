@@ -2,13 +2,11 @@
 functions against plain loops, a smoke run, stop -> resume, and 2 processes under torchrun."""
 
 import copy
-import errno
 import glob
 import math
 import os
 import re
 import signal
-import struct
 import subprocess
 import threading
 import time
@@ -23,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/shared.py
 import ppo_atari_envpool as pae  # noqa: E402
-from shared import FullDisk, reference_gae  # noqa: E402  (tests/shared.py)
+from shared import edited_copy, handlers, reference_gae  # noqa: E402  (tests/shared.py)
 
 SCRIPT = os.path.join(ROOT, "ppo_atari_envpool.py")
 
@@ -707,41 +705,9 @@ def test_eta_text():
 
 
 # --------------------------------------------------------------------------------------------------------------
-# What a cluster does to a job: signals at any moment, name collisions, full disks, damaged checkpoints
+# What a cluster does to a job (signals at any moment, name collisions, full disks, damaged checkpoints):
+# tests/test_faults.py, for the three scripts; here, this script's teardown and thread hook
 # --------------------------------------------------------------------------------------------------------------
-def handlers():
-    return signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-
-
-@pytest.fixture(scope="module")
-def stopped_run(tmp_path_factory):
-    """One run stopped after the first of its 2 iterations: the tests that resume, edit or damage a checkpoint each
-    take a copy of its directory (copy_run), so that only one Atari run is trained for all of them."""
-    return pae.main(tiny(tmp_path_factory.mktemp("stopped"), total_timesteps=128, stop_after=1))["run_dir"]
-
-
-def copy_run(stopped_run, tmp_path) -> str:
-    import shutil
-
-    run_dir = shutil.copytree(stopped_run, tmp_path / os.path.basename(stopped_run))
-    return os.path.join(run_dir, "checkpoint.pt")
-
-
-def test_handlers_and_torch_settings_are_restored_when_the_loop_raises(tmp_path, monkeypatch):
-    seen = []
-
-    def broken_gae(*a, **k):  # the loop runs with torch's deterministic algorithms, then breaks
-        seen.append(torch.are_deterministic_algorithms_enabled())
-        raise RuntimeError("broken")
-
-    monkeypatch.setattr(pae, "compute_gae", broken_gae)
-    before = handlers()
-    assert not torch.are_deterministic_algorithms_enabled()
-    with pytest.raises(RuntimeError, match="broken"):
-        pae.main(tiny(tmp_path, total_timesteps=64))
-    assert seen == [True] and handlers() == before and not torch.are_deterministic_algorithms_enabled()
-
-
 def test_the_teardown_gives_everything_back_when_a_step_of_it_fails(tmp_path, monkeypatch):
     """Run.__exit__: a close that raises still releases the lock and restores the handlers and torch's settings."""
     from torch.utils.tensorboard import SummaryWriter
@@ -773,284 +739,17 @@ def test_thread_errors_during_a_run_go_to_the_previous_hook_but_tensorboards_wri
     assert seen == [other]
 
 
-def test_a_signal_during_setup_stops_after_the_first_iteration_with_a_checkpoint(tmp_path, monkeypatch, capsys):
-    real = pae.make_envs
-
-    def make_then_signal(*a, **k):  # SIGTERM arrives while the run is being set up
-        envs = real(*a, **k)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return envs
-
-    monkeypatch.setattr(pae, "make_envs", make_then_signal)
-    before = handlers()
-    res = pae.main(tiny(tmp_path, total_timesteps=128))
-    out = capsys.readouterr().out
-    assert res["global_step"] == 64 and handlers() == before
-    assert "stopped at iteration 1 (SIGTERM); continue with: python ppo_atari_envpool.py --resume" in out
-    assert torch.load(os.path.join(res["run_dir"], "checkpoint.pt"), weights_only=True)["iteration"] == 1
-
-
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_during_the_evaluation_saves_the_trained_model_and_stops_cleanly(tmp_path, sig):
-    p = subprocess.Popen([sys.executable, SCRIPT, "--total-timesteps", "128", *TINY, "--eval-episodes", "100000",
-                          "--runs-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         cwd=tmp_path)
-    line = ""
-    while not line.startswith("iter 2/2"):  # the last iteration: the evaluation follows
-        line = p.stdout.readline()
-        assert line, p.stderr.read()
-    time.sleep(1.0)
-    p.send_signal(sig)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 0 and "Traceback" not in err, err
-    name = signal.Signals(sig).name
-    assert f"stopped at the end of the run ({name}); the trained model is in" in out
-    assert "evaluate it with: python ppo_atari_envpool.py --resume" in out and "--eval-episodes 100000" in out
-    (ckpt,) = glob.glob(str(tmp_path / "Breakout-v5__ppo_atari_envpool__1__*" / "checkpoint.pt"))
-    assert torch.load(ckpt, weights_only=True)["iteration"] == 2  # the trained state, though no --save-model
-
-
-def test_a_signal_during_the_final_save_skips_the_evaluation(tmp_path, monkeypatch, capsys):
-    real = pae.save_checkpoint
-
-    def save_and_signal(*a, **k):
-        real(*a, **k)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(pae, "save_checkpoint", save_and_signal)
-    monkeypatch.setattr(pae, "evaluate", lambda *a, stop, **k: [] if stop() else pytest.fail("evaluated anyway"))
-    res = pae.main(tiny(tmp_path, total_timesteps=64, save_model=True, eval_episodes=3))
-    out = capsys.readouterr().out
-    assert "checkpoint written to" in out and "stopped at the end of the run (SIGTERM)" in out
-    assert "eval_returns" not in res
-
-
-def test_the_checkpoint_of_a_stop_during_the_evaluation_has_the_rng_of_the_trained_run(tmp_path, monkeypatch):
-    full = pae.main(tiny(tmp_path / "full", total_timesteps=64, save_model=True))
-    real = pae.evaluate
-
-    def draw_then_signal(*a, **k):  # the evaluation draws random numbers, then a signal comes
-        torch.rand(100)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return real(*a, **k)
-
-    monkeypatch.setattr(pae, "evaluate", draw_then_signal)
-    stopped = pae.main(tiny(tmp_path / "stopped", total_timesteps=64, eval_episodes=3))
-    a, b = (torch.load(os.path.join(r["run_dir"], "checkpoint.pt"), weights_only=True) for r in (full, stopped))
-    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]) and a["iteration"] == b["iteration"] == 1
-
-
-def test_a_second_signal_right_after_the_stop_keeps_the_exit_clean(tmp_path):
-    p = subprocess.Popen([sys.executable, SCRIPT, "--total-timesteps", "1e6", *TINY, "--runs-dir", str(tmp_path)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    assert p.stdout.readline().startswith("iter 1/"), p.stderr.read()
-    p.send_signal(signal.SIGTERM)
-    line = ""
-    while "stopped at iteration" not in line:
-        line = p.stdout.readline()
-        assert line, p.stderr.read()
-    time.sleep(0.02)  # the teardown has begun
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 0, (p.returncode, err)
-
-
-def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path):
-    now = int(time.time())
-    for t in range(now - 1, now + 30):  # the name a run started now would take
-        (tmp_path / f"Breakout-v5__t__1__{t}").mkdir()
-    res = pae.main(tiny(tmp_path, total_timesteps=64, save_model=True))
-    assert re.fullmatch(r"Breakout-v5__t__1__\d+-2", os.path.basename(res["run_dir"])), res["run_dir"]
-    assert os.path.isfile(os.path.join(res["run_dir"], "checkpoint.pt"))
-
-
-def test_a_run_directory_held_by_a_live_process_is_refused(stopped_run, tmp_path, capsys):
-    import fcntl
-
-    ckpt = copy_run(stopped_run, tmp_path)
-    with open(os.path.join(os.path.dirname(ckpt), ".lock"), "w") as held:  # another process resumed it already
-        fcntl.flock(held, fcntl.LOCK_EX)
-        held.write("4242")
-        held.flush()
-        before = os.stat(ckpt).st_mtime_ns
-        with pytest.raises(SystemExit) as e:
-            pae.main(pae.parse_args(["--resume", ckpt]))
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and err.count("\n") == 1, err
-        assert f"run directory {os.path.dirname(ckpt)} is in use by another process (pid 4242)" in err
-        assert os.stat(ckpt).st_mtime_ns == before
-    assert pae.main(pae.parse_args(["--resume", ckpt]))["global_step"] == 128  # free again: it resumes
-
-
-def test_a_forked_child_does_not_hold_the_run_directory_lock(tmp_path):
-    import multiprocessing
-
-    fd = pae.lock_run_dir(str(tmp_path))
-    try:
-        ctx = multiprocessing.get_context("fork")
-        child = ctx.Process(target=lambda: os._exit(0 if fd not in pae.LOCK_FDS else 3))
-        child.start()
-        child.join()
-        assert child.exitcode == 0
-    finally:
-        pae.release_lock(fd)
-    assert fd not in pae.LOCK_FDS
-
-
-def test_a_checkpoint_rewritten_between_reading_and_locking_is_refused(stopped_run, tmp_path, monkeypatch, capsys):
-    """A requeued job read checkpoint k; before it took the lock, the old job wrote k+1 and ended: resuming k would
-    overwrite k+1."""
-    ckpt = copy_run(stopped_run, tmp_path)
-    real = pae.lock_run_dir
-
-    def old_job_writes_first(run_dir):
-        torch.save(torch.load(ckpt, weights_only=True), ckpt)  # (stands for the old job's next checkpoint)
-        return real(run_dir)
-
-    monkeypatch.setattr(pae, "lock_run_dir", old_job_writes_first)
-    with pytest.raises(SystemExit) as e:
-        pae.main(pae.parse_args(["--resume", ckpt]))
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1, err
-    assert "was rewritten by another process while this one started" in err, err
-
-
-@pytest.mark.parametrize("good_saves", [0, 1])
-def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys, good_saves):
-    real, calls = torch.save, []
-
-    def save(obj, f, *a, **k):  # the real torch.save, onto a disk that fills after `good_saves` checkpoints
-        calls.append(1)
-        return real(obj, f if len(calls) <= good_saves else FullDisk(f, 1000), *a, **k)
-
-    monkeypatch.setattr(torch, "save", save)
-    with pytest.raises(SystemExit) as e:
-        pae.main(tiny(tmp_path, total_timesteps=64 * (1 + good_saves), checkpoint_every=1))
-    err = capsys.readouterr().err
-    assert e.value.code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
-    (run_dir,) = glob.glob(str(tmp_path / "Breakout-v5__t__*"))
-    ckpt = os.path.join(run_dir, "checkpoint.pt")
-    assert f"error: cannot write {ckpt}: No space left on device" in err
-    assert not os.path.exists(ckpt + ".tmp")  # the partial file is gone
-    if good_saves:
-        assert f"(last checkpoint kept: {ckpt})" in err
-        assert torch.load(ckpt, weights_only=True)["iteration"] == 1
-    else:
-        assert "(no checkpoint was written)" in err and not os.path.exists(ckpt)
-
-
-def test_a_full_disk_under_the_tensorboard_events_is_one_line(tmp_path, monkeypatch, capsys):
-    from tensorboard.summary.writer import record_writer
-
-    real, writes = record_writer.RecordWriter.write, []
-
-    def write(self, data):
-        writes.append(1)
-        if len(writes) > 12:  # in the second iteration's scalars
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(self, data)
-
-    monkeypatch.setattr(record_writer.RecordWriter, "write", write)
-    with pytest.raises(SystemExit) as e:
-        pae.main(tiny(tmp_path, total_timesteps=128))
-    err = capsys.readouterr().err
-    assert e.value.code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
-    assert "error: cannot write the TensorBoard events in" in err and "No space left on device" in err
-
-
-def test_a_full_disk_under_the_evaluation_videos_saves_the_model_and_is_one_line(tmp_path, monkeypatch, capsys):
-    def full(*a, **k):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(pae, "evaluate", full)
-    with pytest.raises(SystemExit) as e:
-        pae.main(tiny(tmp_path, total_timesteps=64, eval_episodes=2))
-    err = capsys.readouterr().err
-    assert e.value.code == 1 and err.count("\n") == 1, err
-    assert "cannot write the evaluation videos in" in err and "No space left on device" in err
-    (ckpt,) = glob.glob(str(tmp_path / "Breakout-v5__t__*" / "checkpoint.pt"))
-    assert f"(last checkpoint kept: {ckpt})" in err
-    assert torch.load(ckpt, weights_only=True)["iteration"] == 1  # the trained state, saved first
-
-
-def edited_checkpoint(stopped_run, tmp_path, edit) -> str:
-    path = copy_run(stopped_run, tmp_path)
-    state = torch.load(path, weights_only=True)
-    edit(state)
-    torch.save(state, path)
-    return path
-
-
-@pytest.mark.parametrize("edit,needle", [
-    (lambda s: s["args"].update(num_envs="abc"), "args.num_envs is 'abc'"),
-    (lambda s: s["args"].update(norm_adv_scope="everything"), "args.norm_adv_scope is 'everything'"),
-    (lambda s: s.update(args=list(s["args"])), "args is list, not dict"),
-    (lambda s: s.pop("args"), "no args"),
-    (lambda s: s.pop("iteration"), "no iteration"),
-    (lambda s: s.pop("global_step"), "no global_step"),
-    (lambda s: s.pop("rng"), "no rng"),
-    (lambda s: s["rng"].update(torch=torch.zeros(7, dtype=torch.uint8)), "RNG state of rank 0"),
-    (lambda s: s.update(kl_coef="big"), "kl_coef is 'big'"),
-])
-def test_an_edited_checkpoint_is_one_line_exit_2(stopped_run, tmp_path, capsys, edit, needle):
-    path = edited_checkpoint(stopped_run, tmp_path, edit)
-    with pytest.raises(SystemExit) as e:
-        pae.main(pae.parse_args(["--resume", path]))
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and "is damaged or was edited" in err and needle in err, err
-
-
-@pytest.mark.parametrize("edit,needle", [
-    (lambda s: s["rng"].update(torch=s["rng"]["torch"].float()), "RNG state"),  # the right size, the wrong kind
-    (lambda s: s["rng"].update(torch=torch.zeros_like(s["rng"]["torch"])), "mt19937"),
-    (lambda s: [st.pop("exp_avg_sq") for st in s["optimizer"]["state"].values()], "moments do not fit"),
-    (lambda s: [st.update(exp_avg=torch.zeros(1)) for st in s["optimizer"]["state"].values()], "moments do not fit"),
-    (lambda s: [st.pop("step") for st in s["optimizer"]["state"].values()], "does not fit this run"),
-    (lambda s: s.update(kl_coef=-1.0), "kl_coef is -1.0, not a positive number"),
-    (lambda s: s.update(iteration=-3), "iteration is -3"),
-    (lambda s: s.update(global_step=-64), "global_step is -64"),
-])
-def test_a_checkpoint_whose_states_do_not_load_is_one_line_exit_2(stopped_run, tmp_path, capsys, edit, needle):
-    path = edited_checkpoint(stopped_run, tmp_path, edit)
-    events = glob.glob(os.path.join(os.path.dirname(path), "events.out.tfevents.*"))
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        pae.main(pae.parse_args(["--resume", path]))
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and needle in err and "Traceback" not in err, err
-    assert glob.glob(os.path.join(os.path.dirname(path), "events.out.tfevents.*")) == events  # nothing logged
-
-
-def test_a_flipped_bit_in_a_stored_weight_is_found(stopped_run, tmp_path, capsys):
-    import zipfile
-
-    path = copy_run(stopped_run, tmp_path)
-    data = bytearray(open(path, "rb").read())
-    with zipfile.ZipFile(path) as z:
-        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    name_len, extra_len = struct.unpack("<HH", bytes(data[info.header_offset + 26:info.header_offset + 30]))
-    start = info.header_offset + 30 + name_len + extra_len  # the record's bytes (after its local header)
-    data[start + info.file_size // 2] ^= 0x01
-    open(path, "wb").write(bytes(data))
-    assert torch.load(path, weights_only=True)["iteration"] == 1  # torch itself loads it silently
-    with pytest.raises(SystemExit) as e:
-        pae.parse_args(["--resume", path])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and "is damaged" in err and "CRC" in err, err
-
-
-def test_the_nan_stop_says_when_no_checkpoint_exists(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(pae, "compute_gae", lambda *a, **k: (torch.full_like(a[0], float("nan")), a[1]))
-    with pytest.raises(SystemExit) as e:
-        pae.main(tiny(tmp_path, total_timesteps=64))
-    err = capsys.readouterr().err
-    assert e.value.code == 1 and "at iteration 1; stopping (no checkpoint was written)" in err, err
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Device: the GPU where torch sees one (as CleanRL's script), checked on the CPU with torch's answer patched
 # (parsing and validation only: nothing trains with the patched answer)
 # --------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """One run stopped after the first of its 2 iterations, trained once for the tests below: each reads an edited
+    copy of its checkpoint (shared.edited_copy)."""
+    return pae.main(tiny(tmp_path_factory.mktemp("stopped"), total_timesteps=128, stop_after=1))["run_dir"]
+
+
 def test_the_gpu_is_the_default_where_torch_sees_one(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -1069,7 +768,7 @@ def test_the_gpu_is_the_default_where_torch_sees_one(monkeypatch, capsys):
 
 
 def test_a_gpu_checkpoint_resumes_on_the_cpu_where_there_is_none(stopped_run, tmp_path, monkeypatch, capsys):
-    path = edited_checkpoint(stopped_run, tmp_path, lambda s: s["args"].update(cuda=True, cudagraphs=True))  # a GPU's
+    path = edited_copy(stopped_run, tmp_path, lambda s: s["args"].update(cuda=True, cudagraphs=True))  # a GPU's
     args = pae.parse_args(["--resume", path])
     assert args.cuda is False and args.cudagraphs is False
     out = capsys.readouterr().out
@@ -1091,22 +790,12 @@ def test_the_gpu_default_needs_a_gpu_for_each_process_of_the_machine(stopped_run
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert pae.parse_args([]).cuda is False and pae.Args().cuda is False
-    path = edited_checkpoint(stopped_run, tmp_path, lambda s: s["args"].update(cuda=True))  # a GPU's
+    path = edited_copy(stopped_run, tmp_path, lambda s: s["args"].update(cuda=True))  # a GPU's
     assert pae.parse_args(["--resume", path, "--total-timesteps", "1024"]).cuda is False  # (a rollout of 4 processes)
     assert "written on a GPU and torch finds 1 GPU(s) for 4 processes here: the run resumes on the CPU" in \
         capsys.readouterr().out
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert pae.parse_args([]).cuda is True and pae.Args().cuda is True
-
-
-def test_more_local_processes_than_gpus_is_one_line_error(monkeypatch, capsys):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with pytest.raises(SystemExit) as e:
-        pae.parse_args(["--cuda"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and "--cuda with 2 processes on this machine but 1 GPU(s)" in err
 
 
 def test_a_rank_without_a_gpu_says_so_itself(monkeypatch, capsys):
