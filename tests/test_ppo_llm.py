@@ -1223,16 +1223,24 @@ def test_non_finite_update_stops_and_keeps_the_last_good_checkpoint(tmp_path, mo
     assert f"stopping (last checkpoint kept: {tmp_path / run / 'checkpoint.pt'})" in err
 
 
-def test_checkpoint_killed_during_save_keeps_the_previous_one(tmp_path, monkeypatch):
-    """A save that dies halfway (here: while writing the critic) leaves the previous checkpoint whole."""
+def tiny_saver(tmp_path, *size):
+    """A tiny policy (also the reference), its critic and their optimisers; save(it) writes their checkpoint."""
     tok = P.build_char_tokenizer()
-    m = P.build_tiny_model(tok, 0, *SMALL)
+    m = P.build_tiny_model(tok, 0, *size)
     critic = P.make_critic(m)
     opt = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in (m, critic)]  # (one per trained model)
     sch = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for o in opt]
     args = P.parse_args(TINY)
-    save = lambda it: P.save_checkpoint(str(tmp_path), m, m, critic, None, tok, opt, sch, args, it * 8, it,  # noqa
-                                        torch.Generator(), P.FixedKLController(0.1), P.RunningMoments(), {})
+
+    def save(it):
+        return P.save_checkpoint(str(tmp_path), m, m, critic, None, tok, opt, sch, args, it * 8, it,
+                                 torch.Generator(), P.FixedKLController(0.1), P.RunningMoments(), {})
+    return m, critic, save
+
+
+def test_checkpoint_killed_during_save_keeps_the_previous_one(tmp_path, monkeypatch):
+    """A save that dies halfway (here: while writing the critic) leaves the previous checkpoint whole."""
+    m, critic, save = tiny_saver(tmp_path, *SMALL)
     path = save(1)
     before = {k: v.clone() for k, v in m.state_dict().items()}
     with torch.no_grad():
@@ -1591,14 +1599,7 @@ def test_a_full_disk_while_writing_checkpoint_pt_is_one_line_and_keeps_the_previ
 def test_a_full_disk_while_writing_the_models_removes_what_the_save_wrote(tmp_path, monkeypatch):
     import errno
 
-    tok = P.build_char_tokenizer()
-    m = P.build_tiny_model(tok, 0, 32, 1)
-    critic = P.make_critic(m)
-    opt = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in (m, critic)]  # (one per trained model)
-    sch = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for o in opt]
-    args = P.parse_args(TINY)
-    save = lambda it: P.save_checkpoint(str(tmp_path), m, m, critic, None, tok, opt, sch, args, it * 8, it,  # noqa
-                                        torch.Generator(), P.FixedKLController(0.1), P.RunningMoments(), {})
+    m, critic, save = tiny_saver(tmp_path, 32, 1)
     save(1)
 
     def full(path, *a, **k):  # half a file, then the disk is full (safetensors says so in its own words)
