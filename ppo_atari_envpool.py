@@ -107,15 +107,13 @@ class Args:  # Count: an int that also reads 1e7 (defined with the command line,
     torch_deterministic: bool = True
     """deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only; cuDNN; cuBLAS workspace)"""
     cuda: bool = dataclasses.field(default_factory=lambda: gpu_for_each_process())
-    """run the networks on CUDA: the default where torch sees a GPU for each process of this machine (as CleanRL's
-    script); --no-cuda forces the CPU"""
+    """run the networks on CUDA: default where torch sees a GPU for each local process, as CleanRL (--no-cuda: CPU)"""
     compile: bool = False
     """torch.compile the action sampling and the update step"""
     cudagraphs: bool = False
     """capture the action sampling and the update step in CUDA graphs (needs --cuda)"""
     torch_threads: Count = 0
-    """torch CPU threads (0: one per CPU core, shared among the processes of this node under torchrun; the CNN is
-    what costs on CPU)"""
+    """torch CPU threads (0: one per core, shared by this node's torchrun processes; the CNN is what costs on CPU)"""
     track: bool = False
     """log to Weights & Biases (WANDB_MODE=offline works without network)"""
     wandb_project_name: str = "ppo-reference"
@@ -129,8 +127,7 @@ class Args:  # Count: an int that also reads 1e7 (defined with the command line,
     checkpoint_every: Count = 0
     """also write the checkpoint every N iterations (0: only at the end with --save-model)"""
     resume: Optional[str] = None
-    """continue from this checkpoint.pt: same run directory, step count and lr schedule; flags not given on the
-    command line take the checkpoint's values (the games in progress restart: envpool state is not saved)"""
+    """continue from this checkpoint.pt (run dir, steps, lr schedule; games restart); flags not given take its values"""
     stop_after: Count = 0
     """stop this process after N iterations with a checkpoint (0: run to the end); --resume continues"""
     eval_episodes: Count = 0

@@ -129,8 +129,7 @@ class Args:  # Count: an int that also reads 1e6 (defined with the command line,
     checkpoint_every: Count = 0
     """also write the checkpoint every N iterations (0: only at the end with --save-model)"""
     resume: Optional[str] = None
-    """continue from this checkpoint.pt: same run directory, step count, lr schedule and normalisation statistics;
-    flags not given on the command line take the checkpoint's values"""
+    """continue from this checkpoint.pt (run dir, steps, lr schedule, normalisation); flags not given take its values"""
     stop_after: Count = 0
     """stop this process after N iterations with a checkpoint (0: run to the end); --resume continues"""
     eval_episodes: Count = 0

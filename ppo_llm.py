@@ -64,7 +64,7 @@ class Args:
     rollout_batch_size: Annotated[Count, alias("--train-batch-size", "--data.train-batch-size")] = 32
     """prompts per iteration (verl data.train_batch_size, ROLL rollout_batch_size)"""
     n: Annotated[Count, alias("--group-size", "--num-return-sequences-in-group")] = 4
-    """responses per prompt (verl rollout.n, ROLL num_return_sequences_in_group; under torchrun: --group-size)"""
+    """responses per prompt (verl rollout.n); under torchrun write --group-size (torchrun takes --n as its --nnodes)"""
     prompt_length: Annotated[Count, alias("--max-prompt-length")] = 16
     """maximum prompt tokens (longer dataset prompts are dropped)"""
     response_length: Annotated[Count, alias("--max-response-length")] = 8
@@ -83,9 +83,7 @@ class Args:
     # Reward: the rule (verl custom_reward_function, TRL reward_funcs), normalisation and clipping of the scores
     # (ROLL), missing-EOS penalty
     reward_fn: Annotated[Optional[str], alias("--reward-funcs")] = None
-    """rule reward: exact (response == answer), math (GSM8K / MATH final answer: docs/ppo_llm.md) or FILE.py:NAME, a
-    function NAME(prompt, response, answer) -> float; None: exact, and with --reward-model-path the model alone
-    (given with it: their sum, as TRL)"""
+    """rule reward: exact, math (GSM8K/MATH) or FILE.py:NAME(prompt, response, answer); None: exact, or the RM alone"""
     reward_norm: Literal["none", "batch", "group", "running", "null"] = "none"
     """normalise scores over the batch, the prompt's group, or running statistics (ROLL; null: none)"""
     reward_shift: bool = False
@@ -185,7 +183,7 @@ class Args:
 
     # Task and models: policy, reward model, data, supervised warm start
     model_name_or_path: Optional[str] = None
-    """local Hugging Face causal LM + tokenizer directory (default: a tiny Llama built here)"""
+    """local Hugging Face causal LM + tokenizer directory (None: a tiny Llama built here)"""
     tiny_hidden_size: Count = 256
     """hidden size of the tiny Llama built without --model-name-or-path (4 attention heads, MLP 2x wider)"""
     tiny_num_layers: Count = 3
@@ -193,11 +191,11 @@ class Args:
     trust_remote_code: bool = False
     """allow custom model code from --model-name-or-path / --reward-model-path"""
     reward_model_path: Optional[str] = None
-    """local sequence-classification reward model, num_labels=1 (default: none, the --reward-fn rule alone)"""
+    """local sequence-classification reward model, num_labels=1; with --reward-fn the score is their sum (as TRL)"""
     dataset: Annotated[Optional[str], alias("--train-files", "--data.train-files")] = None
-    """.jsonl, .json or .parquet file of prompts (+ answers), read by Hugging Face datasets (default: digit sorting)"""
+    """.jsonl, .json or .parquet file of prompts (+ answers), read by Hugging Face datasets (None: digit sorting)"""
     eval_dataset: Annotated[Optional[str], alias("--val-files", "--data.val-files")] = None
-    """held-out rows with answers to evaluate on, same formats (verl data.val_files; default: first --dataset rows)"""
+    """held-out rows with answers to evaluate on, same formats (verl data.val_files; None: first --dataset rows)"""
     prompt_key: Annotated[str, alias("--data.prompt-key")] = "prompt"
     """column of the prompt: a string, or a list of chat messages {"role", "content"} (then the chat template)"""
     answer_key: str = "answer"
@@ -205,8 +203,7 @@ class Args:
     apply_chat_template: bool = False
     """each prompt as a user turn in the tokenizer's chat template (instruct models); off: plain text (+ BOS)"""
     lora_rank: Annotated[Count, alias("--lora-r")] = 0
-    """train LoRA adapters of this rank on the policy through peft (0: every parameter); the reference is the policy
-    with its adapters off (no copy). A warm start (--sft-steps) trains every parameter, before the adapters go on"""
+    """LoRA adapters of this rank on the policy (peft; 0: none). A warm start (--sft-steps) trains every parameter"""
     lora_alpha: float = 16.0
     """LoRA scaling alpha (the update is alpha / rank * B A)"""
     lora_target_modules: Annotated[str, alias("--target-modules")] = "all-linear"
@@ -236,10 +233,9 @@ class Args:
     seed: Count = 1
     """seed of the experiment (python and torch: tasks, sampling, shuffling, initialisation)"""
     torch_deterministic: bool = True
-    """use deterministic torch algorithms"""
+    """deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only)"""
     cuda: bool = dataclasses.field(default_factory=lambda: gpu_for_each_process())
-    """run on CUDA, with bf16 autocast unless --precision fp32: the default where torch sees a GPU for each process of
-    this machine (--no-cuda: CPU)"""
+    """run on CUDA (bf16 autocast unless --precision fp32): default where torch sees a GPU for each local process"""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """bf16 autocast with fp32 master weights, or fp32 throughout; auto: bf16 with --cuda, fp32 on the CPU"""
     compile: bool = False

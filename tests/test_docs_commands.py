@@ -405,3 +405,26 @@ def test_flags_in_help_reads_option_lines_only():
         """)
     assert flags_in_help(tyro_help) == {"--seed", "--a", "--no-a", "--adv-type", "--algorithm.adv-estimator"}
     assert flags_in_help(argparse_help) == {"--out", "--help"}
+
+
+def field_helps(script: str) -> dict[str, str]:
+    """Each Args field of a script with the docstring under it: what tyro prints as the field's help."""
+    import ast
+
+    tree = ast.parse(open(os.path.join(ROOT, script)).read())
+    args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    helps = {}
+    for field, doc in zip(args.body, args.body[1:]):
+        if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
+            helps[field.target.id] = doc.value.value
+    return helps
+
+
+@pytest.mark.parametrize("script", RL_SCRIPTS)
+def test_help_texts_are_one_line_each_and_leave_the_default_to_tyro(script):
+    """tyro keeps a docstring's line breaks (a help text cut mid-sentence in --help) and prints "(default: ...)"
+    after each help (a second one written in the text reads twice)."""
+    helps = field_helps(script)
+    assert len(helps) > 20, sorted(helps)  # every field has one (the count: the file was read)
+    assert [name for name, text in helps.items() if "\n" in text] == []
+    assert [name for name, text in helps.items() if "(default:" in text] == []
