@@ -1352,7 +1352,7 @@ def main(args: Args) -> dict:
             print(f"the checkpoint is at iteration {ckpt['iteration']} of --num-iterations {args.num_iterations}: "
                   "evaluating it")
         if ckpt is None or finished:
-            run.evaluate(policy, tok, eval_rows, start_iteration - 1, global_step, tracker, all_done)
+            run.evaluate(policy, tok, eval_rows, reward_fn, stops, start_iteration - 1, global_step, tracker, all_done)
         run.check_stop()
 
         def save(iteration: int) -> str:  # every rank calls it at the same iteration; rank 0 writes
@@ -1435,7 +1435,7 @@ def main(args: Args) -> dict:
                 tracker.setdefault("rollout", []).append([iteration, metrics["rollout/accuracy"]])
             run.log_iteration(iteration, global_step, metrics)  # TensorBoard, charts/SPS, the progress line
             if iteration % args.eval_every == 0 or iteration == args.num_iterations:
-                run.evaluate(policy, tok, eval_rows, iteration, global_step, tracker, all_done)
+                run.evaluate(policy, tok, eval_rows, reward_fn, stops, iteration, global_step, tracker, all_done)
             stop = args.stop_after and iteration - start_iteration + 1 >= args.stop_after
             if (stop or signals or run.eval_stopped) and iteration < args.num_iterations:  # (all ranks alike)
                 save(iteration)
@@ -1685,12 +1685,13 @@ class Run:
                   f"train_tok/s={m['perf/train_tokens_per_s']:.0f}  "
                   f"eta={eta_text(per_iteration * (self.args.num_iterations - iteration))}", flush=True)
 
-    def evaluate(self, policy, tok, rows: list, iteration: int, step: int, tracker: dict, all_done=None) -> None:
+    def evaluate(self, policy, tok, rows: list, rule, stops, iteration: int, step: int, tracker: dict,
+                 all_done=None) -> None:
         """Held-out accuracy, greedy and sampled: logged, printed, kept in tracker["curve"]; a signal stops it."""
         if rows:
             gen = torch.Generator(self.device).manual_seed(self.args.seed + 1 + self.rank)
-            ev = evaluate(policy, tok, rows, self.args, gen, self.device, self.rank, self.world, all_done,
-                          self.stop_requested)
+            ev = evaluate(policy, tok, rows, self.args, rule, stops, gen, self.device, self.rank, self.world, all_done,
+                          stop=self.stop_requested)
             self.eval_stopped = ev is None
             if ev is not None:
                 self.fail_if(ev.pop("problem"))
@@ -2189,17 +2190,17 @@ def restore_trainer_state(ckpt: dict, args: Args, optimizers, schedulers, gen, g
 
 # --- Evaluation: held-out accuracy, greedy and sampled; pass@k of --eval-n samples ---------------------------------
 @torch.no_grad()
-def evaluate(policy, tok, rows: list[dict], args: Args, gen, device, rank: int = 0, world: int = 1,
+def evaluate(policy, tok, rows: list[dict], args: Args, rule, stops, gen, device, rank: int = 0, world: int = 1,
              all_done=None, stop=None) -> Optional[dict]:
     """Accuracy on held-out prompts: greedy, and sampled once with the rollout's temperature / top-p / top-k; with
     --eval-n n, n samples per prompt at --eval-temperature give pass@1 (their mean) and pass@k for k = 2, 4, ..., n
-    (pass_at_k). A response is correct when the --reward-fn rule gives it 1 or more. Under torchrun each rank scores
+    (pass_at_k). A response is correct when the --reward-fn rule (rule, as load_reward_fn gives it) scores it 1 or
+    more; stops: the stop tokens (stop_token_ids). Under torchrun each rank scores
     an equal share of the rows (len(rows) // world each) and the sums are added. stop() -> bool is asked before each
     chunk of prompts (a signal came: None). "problem": why the rule failed (the user's function), else None."""
     per_rank = len(rows) // world
     mine = rows[rank * per_rank:(rank + 1) * per_rank]
-    chunk_size, stops, rule = args.rollout_micro_batch_size or 256, stop_token_ids(tok, policy), load_reward_fn(
-        args.reward_fn)
+    chunk_size = args.rollout_micro_batch_size or 256
     problems = []
 
     def correct(rows, greedy: bool, temperature: float) -> Optional[list[bool]]:  # None: a signal came
@@ -2235,9 +2236,6 @@ def evaluate(policy, tok, rows: list[dict], args: Args, gen, device, rank: int =
 
 
 # --- Reward functions: --reward-fn FILE.py:NAME, imported once -----------------------------------------------------
-_REWARD_FNS: dict = {}  # FILE.py:NAME -> its function: imported once per process (main and evaluate ask for it)
-
-
 def load_reward_fn(spec: Optional[str]):
     """The rule of --reward-fn: exact (the default), math, or the function NAME(prompt, response, answer) -> float of
     FILE.py (verl's custom_reward_function.path / .name, TRL's reward_funcs). A file that does not import or has no
@@ -2245,20 +2243,18 @@ def load_reward_fn(spec: Optional[str]):
     spec = spec or "exact"
     if spec in REWARD_RULES:
         return REWARD_RULES[spec]
-    if spec not in _REWARD_FNS:
-        import importlib.util
+    import importlib.util
 
-        path, _, name = spec.rpartition(":")
-        try:
-            module_spec = importlib.util.spec_from_file_location(f"reward_fn_{len(_REWARD_FNS)}", path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        except Exception as e:  # noqa: BLE001 - the user's file: whatever stops it from importing is bad input
-            die(f"--reward-fn {spec}: cannot import {path}: {reason(e)}")
-        if not callable(getattr(module, name, None)):
-            die(f"--reward-fn {spec}: {path} has no function {name!r}")
-        _REWARD_FNS[spec] = getattr(module, name)
-    return _REWARD_FNS[spec]
+    path, _, name = spec.rpartition(":")
+    try:
+        module_spec = importlib.util.spec_from_file_location("reward_fn", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's file: whatever stops it from importing is bad input
+        die(f"--reward-fn {spec}: cannot import {path}: {reason(e)}")
+    if not callable(getattr(module, name, None)):
+        die(f"--reward-fn {spec}: {path} has no function {name!r}")
+    return getattr(module, name)
 
 
 # --- Data files: .jsonl, .json, .parquet through Hugging Face datasets; prompt and answer columns ------------------
@@ -2656,7 +2652,8 @@ def validate(args: Args) -> None:
             die(f"{flag(f.name)} must be a finite number, got {getattr(args, f.name)}")
     for name in ("num_iterations", "rollout_batch_size", "n", "prompt_length", "response_length", "ppo_epochs",
                  "ppo_mini_batch_size", "micro_batch_size", "sft_batch_size", "torch_threads", "eval_every",
-                 "tiny_hidden_size", "tiny_num_layers", "lr", "critic_lr", "sft_lr", "max_grad_norm"):
+                 "tiny_hidden_size", "tiny_num_layers", "lr", "critic_lr", "sft_lr", "max_grad_norm",
+                 "eval_temperature", "lora_alpha"):
         if not getattr(args, name) > 0:
             die(f"{flag(name)} must be positive, got {getattr(args, name)}")
     for name in ("checkpoint_every", "stop_after", "sft_steps", "top_k", "critic_warmup", "lr_warmup_steps",
@@ -2708,6 +2705,8 @@ def validate(args: Args) -> None:
     for name in ("dataset", "eval_dataset"):
         if getattr(args, name) is not None and not os.path.isfile(getattr(args, name)):
             die(f"{flag(name)} {getattr(args, name)}: no such file")
+        if getattr(args, name) is not None and os.path.splitext(getattr(args, name))[1].lower() not in DATA_FORMATS:
+            die(f"{flag(name)} {getattr(args, name)}: not a .jsonl, .json or .parquet file")
     if args.dataset is None and args.eval_prompts > 10_000:
         die(f"--eval-prompts {args.eval_prompts}: the synthetic task holds out at most 10000 of its 100000 prompts")
     if args.cuda and not torch.cuda.is_available():
@@ -2723,11 +2722,6 @@ def validate(args: Args) -> None:
                 "response, answer) -> float in FILE.py)")
         if not os.path.isfile(path):
             die(f"--reward-fn {args.reward_fn}: no such file {path}")
-    for name in ("dataset", "eval_dataset"):
-        if getattr(args, name) is not None and os.path.splitext(getattr(args, name))[1].lower() not in DATA_FORMATS:
-            die(f"{flag(name)} {getattr(args, name)}: not a .jsonl, .json or .parquet file")
-    if args.eval_temperature <= 0 or args.lora_alpha <= 0:
-        die("--eval-temperature and --lora-alpha must be > 0")
     if args.critic_lora and (args.critic != "separate" or not args.lora_rank):
         die("--critic-lora puts LoRA adapters on the separate critic: it needs --critic separate and --lora-rank")
     if args.lora_rank and world > 1:

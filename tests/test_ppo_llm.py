@@ -1514,11 +1514,11 @@ def test_sigterm_before_training_of_a_resumed_run_leaves_its_checkpoint_alone(tm
 def test_a_signal_in_the_last_evaluation_saves_the_trained_model(tmp_path, monkeypatch, capsys):
     evaluate = P.evaluate
 
-    def signalled(policy, tok, rows, args, gen, device, rank, world, all_done, stop):
+    def signalled(*a, stop=None):
         if stop is not None and len(calls) == 2:  # the evaluation after the last iteration
             os.kill(os.getpid(), signal.SIGTERM)
         calls.append(1)
-        return evaluate(policy, tok, rows, args, gen, device, rank, world, all_done, stop)
+        return evaluate(*a, stop=stop)
     calls = []
     monkeypatch.setattr(P, "evaluate", signalled)
     res = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--eval-every", "1"]))  # (--no-save-model)
@@ -2108,7 +2108,8 @@ def test_lora_ratio_one_reference_equals_base_and_exact_resume(tmp_path, monkeyp
 def test_lora_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
     for argv, needle in [(["--critic-lora"], "needs --critic separate and --lora-rank"),
                          (["--lora-rank", "4", "--critic", "shared", "--critic-lora"], "needs --critic separate"),
-                         (["--lora-alpha", "0"], "--lora-alpha must be > 0"),
+                         (["--lora-alpha", "0"], "--lora-alpha must be positive, got 0.0"),
+                         (["--eval-temperature", "-1"], "--eval-temperature must be positive, got -1.0"),
                          (["--lora-rank", "-1"], "--lora-rank must be >= 0")]:
         assert needle in one_line_exit(capsys, 2, P.parse_args, argv)
     err = one_line_exit(capsys, 2, lambda a: P.main(P.parse_args(a)), [
