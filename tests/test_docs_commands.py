@@ -10,10 +10,10 @@ and `&`; redirections (`> file`) are dropped. A command starts at `python` / `py
 `<name>` placeholders and `[...]` optional parts may appear anywhere; a flag in brackets is checked like any other.
 
 Flags: every `--flag` / `--flag=value` before a bare `--` must be listed by `python <script> --help` (run once per
-script, all of them in one process so that torch loads once). That is done for the four ppo*.py (tyro: aliases count,
-and `--a_b` is `--a-b`) and benchmarks/*.py (argparse: the full name, no abbreviations); another script is only
-checked to exist. After a bare `--` the flags go to an RL script (reproduce.py, speed.py, scaling.py): they are
-checked against every script named by `--script` / `--scripts`, or, where none is named, must exist in one ppo*.py.
+script, in a subprocess of its own). That is done for the four ppo*.py (tyro: aliases count, and `--a_b` is
+`--a-b`) and benchmarks/*.py (argparse: the full name, no abbreviations); another script is only checked to exist.
+After a bare `--` the flags go to an RL script (reproduce.py, speed.py, scaling.py): they are checked against every
+script named by `--script` / `--scripts`, or, where none is named, must exist in one ppo*.py.
 
 Paths (the rule): the script must exist, relative to the repository root, where the docs run everything. Any other
 argument (or `--flag=value` value) is a repository path when it ends in `.py` or its first component is a top-level
@@ -24,8 +24,8 @@ Every other path (`prompts.jsonl`, `/models/qwen`, `runs/<run>/checkpoint.pt`) i
 """
 
 import fnmatch
+import functools
 import glob
-import json
 import os
 import re
 import shlex
@@ -167,59 +167,20 @@ def flags_in_help(text: str) -> set[str]:
     return flags
 
 
-_HELP: dict = {}
-
-
 def has_flag_check(script: str) -> bool:
     """Scripts whose --help is run: the four ppo*.py and benchmarks/*.py (never an arbitrary script)."""
     return script in RL_SCRIPTS or (os.path.dirname(script) == "benchmarks" and script.endswith(".py"))
 
 
-# `python S --help` for several scripts in one process (torch is imported once, not once per script): each script
-# runs as __main__ with argv [S, --help], as `python S --help` runs it; prints {script: [exit code, output]} as JSON.
-HELP_RUNNER = textwrap.dedent("""
-    import contextlib, io, json, os, runpy, sys, traceback
-    results, path0 = {}, list(sys.path)
-    for script in sys.argv[1:]:
-        out, code = io.StringIO(), 0
-        sys.argv, sys.path[:] = [script, "--help"], [os.path.dirname(os.path.abspath(script))] + path0
-        try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                runpy.run_path(script, run_name="__main__")
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException:
-            code, _ = 1, out.write(traceback.format_exc())
-        results[script] = [code, out.getvalue()]
-    print(json.dumps(results))
-""")
-
-
-def load_help(scripts) -> None:
-    """The options of every script not yet cached: `--help` run in one process for all of them, and in a process of
-    its own for a script whose --help did not work there."""
-    todo = sorted({s for s in scripts if has_flag_check(s) and s not in _HELP
-                   and os.path.isfile(os.path.join(ROOT, s))})
-    if not todo:
-        return
-    env = {**os.environ, "COLUMNS": "120"}
-    run = subprocess.run([sys.executable, "-c", HELP_RUNNER, *todo], cwd=ROOT, env=env, text=True,
-                         capture_output=True, timeout=300)
-    try:
-        together = json.loads(run.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        together = {}
-    for s in todo:
-        code, out = together.get(s, (1, ""))
-        flags = flags_in_help(out) if code == 0 else set()
-        if "--help" not in flags:  # alone, exactly as a user runs it
-            p = subprocess.run([sys.executable, s, "--help"], cwd=ROOT, env=env, text=True, capture_output=True,
-                               timeout=120)
-            assert p.returncode == 0, f"`python {s} --help` failed (exit {p.returncode}):\n{p.stderr[-2000:]}"
-            out = p.stdout
-            flags = flags_in_help(out)
-        assert "--help" in flags and len(flags) > 2, f"no options found in `python {s} --help`:\n{out[:2000]}"
-        _HELP[s] = flags
+@functools.cache
+def help_flags(script: str) -> frozenset:
+    """The long options that `python <script> --help` lists, run once per script exactly as a user runs it."""
+    p = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env={**os.environ, "COLUMNS": "120"}, text=True,
+                       capture_output=True, timeout=120)
+    assert p.returncode == 0, f"`python {script} --help` failed (exit {p.returncode}):\n{p.stderr[-2000:]}"
+    flags = flags_in_help(p.stdout)
+    assert "--help" in flags and len(flags) > 2, f"no options found in `python {script} --help`:\n{p.stdout[:2000]}"
+    return frozenset(flags)
 
 
 def normalise(script: str, flag: str) -> str:
@@ -227,8 +188,7 @@ def normalise(script: str, flag: str) -> str:
 
 
 def accepts(script: str, flag: str) -> bool:
-    load_help([script])
-    return normalise(script, flag) in {normalise(script, f) for f in _HELP[script]}
+    return normalise(script, flag) in {normalise(script, f) for f in help_flags(script)}
 
 
 # --- repository paths ------------------------------------------------------------------------------------------------
@@ -281,7 +241,6 @@ def path_problem(token: str, after_flag: str = "") -> str:
 def check_markdown(text: str, name: str) -> list[str]:
     """Every problem of every command in one markdown text, as 'name:line: problem (in `command`)'."""
     commands = doc_commands(text)
-    load_help(script for _, _, script, _ in commands)
     problems = []
     for line, snippet, script, args in commands:
         where = f"{name}:{line}: "
@@ -299,7 +258,6 @@ def check_markdown(text: str, name: str) -> list[str]:
                     if v.startswith("-"):
                         break
                     targets.append(v.strip("[]"))
-        load_help([*targets, *RL_SCRIPTS] if forwarded else [])
         for part, owners in ((own, [script]), (forwarded, targets or None)):
             prev = ""
             for word in part:
@@ -380,7 +338,9 @@ def test_commands_are_found_where_the_docs_write_them():
     assert found[2] == (6, "ppo.py", ["--total-timesteps", "1e5", "--third-made-up-flag"])  # backslash joined
     assert found[3][2][:2] == ["--resume", "runs/\u27e8run\u27e9/checkpoint.pt"]  # placeholder kept, comment dropped
     assert found[4] == (9, "ppo_llm.py", ["--seed", "$s", "--dataset", "my_prompts.jsonl", "--n", "2"])  # not `| tail`
-    assert all(script != "pytest" for _, script, _ in found)  # python -m is not a script
+    assert [script for _, script, _ in found] == [  # every command, and `python -m pytest` is none
+        "ppo.py", "ppo_continuous.py", "ppo.py", "ppo.py", "ppo_llm.py", "benchmarks/report.py",
+        "benchmarks/reproduce.py", "benchmarks/speed.py", "no_such_script.py"]
 
 
 def test_flags_in_help_reads_option_lines_only():
