@@ -7,7 +7,7 @@
 
 Read from the top: Args -> environments and normalisation (observations, rewards) -> Agent (diagonal Gaussian) ->
 the PPO math (compute_gae, advantage normalisation, ppo_loss, the adaptive-KL-penalty variant) -> main(), whose loop
-is the note's steps (shared/seeds/ppo_note.md): 1. Collect rollout, 2. Compute advantages and returns (GAE),
+is the PPO note's steps (docs/reading_guide.md): 1. Collect rollout, 2. Compute advantages and returns (GAE),
 3. Advantage normalisation, 4. Optimise policy & value for E epochs, 5. Update reference policy.
 PPO ends at the banner below main(). What follows it (run context: torchrun, logging, signals; checkpoints and
 exact resume, the MuJoCo simulator's state included; evaluation, videos and load_policy; compile helpers; the
@@ -51,7 +51,7 @@ class Args:  # Count: an int that also reads 1e6 (defined with the command line,
     update_epochs: Count = 10
     """E: epochs over each rollout"""
     num_minibatches: Count = 32
-    """minibatches per epoch: M = num_envs * T / num_minibatches"""
+    """number of minibatches per epoch (each of M = num_envs * T / num_minibatches samples)"""
     clip_coef: float = 0.2
     """epsilon: clip range of the probability ratio (and of the value clip)"""
     learning_rate: float = 3e-4
@@ -87,9 +87,9 @@ class Args:  # Count: an int that also reads 1e6 (defined with the command line,
     reward_clip: float = 10.0
     """clip scaled rewards to [-reward_clip, reward_clip]"""
     kl_penalty_coef: Optional[float] = None
-    """KL-penalty variant (PPO paper, sec. 4): policy loss -r*A + coef*KL(pi_old||pi), no ratio clip; None: clip"""
+    """KL-penalty variant (PPO paper): -r*A + coef*KL(pi_old||pi), no ratio clip; None: clip (1 with a target)"""
     kl_penalty_target: Optional[float] = None
-    """adaptive KL penalty: the coef (default 1) halves after an update with KL < target/1.5, doubles if > 1.5*target"""
+    """adaptive KL penalty: the coef (--kl-penalty-coef, else 1) halves when KL < target/1.5, doubles if > 1.5*target"""
 
     # Environment
     env_id: str = "HalfCheetah-v5"
@@ -109,7 +109,7 @@ class Args:  # Count: an int that also reads 1e6 (defined with the command line,
     torch_deterministic: bool = True
     """deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only; cuDNN; cuBLAS workspace)"""
     cuda: bool = False
-    """run the networks on CUDA (off by default: these small MLPs train faster on the CPU)"""
+    """run the networks on CUDA (these small MLPs train faster on the CPU)"""
     compile: bool = False
     """torch.compile the action sampling and the update step"""
     cudagraphs: bool = False
@@ -438,9 +438,9 @@ class KLPenalty:
         self.beta = 1.0 if args.kl_penalty_coef is None else args.kl_penalty_coef  # on the host, for the rule
         self.coef = torch.tensor(self.beta, device=device)  # in a tensor, which the (compiled) update reads
 
-    def loss_terms(self, old_mean, old_logstd, mean, logstd) -> tuple:
-        """ppo_loss's kl_coef and kl for one minibatch."""
-        return self.coef, gaussian_kl(old_mean, old_logstd, mean, logstd)
+    def loss_terms(self, old_mean, old_logstd, mean, logstd) -> dict:
+        """ppo_loss's keyword arguments kl_coef and kl for one minibatch."""
+        return dict(kl_coef=self.coef, kl=gaussian_kl(old_mean, old_logstd, mean, logstd))
 
     @torch.no_grad()
     def rollout_kl(self, agent: Agent, b_obs, b_old_means, old_logstd, minibatch_size: int) -> torch.Tensor:
@@ -453,8 +453,12 @@ class KLPenalty:
 
     def adapt(self, kl: float) -> None:
         if self.target is not None:
-            self.beta = adapt_kl_coef(self.beta, kl, self.target)
-            self.coef.fill_(self.beta)
+            self.set(adapt_kl_coef(self.beta, kl, self.target))
+
+    def set(self, beta: float) -> None:
+        """The coefficient of the next update (adapt; a resumed run's adapted value)."""
+        self.beta = beta
+        self.coef.fill_(beta)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -492,10 +496,10 @@ def main(args: Args) -> dict:
             """One gradient step on one minibatch."""
             optimizer.zero_grad(set_to_none=False)
             _, newlogprob, entropy, newvalue, (mean, logstd) = train_agent(mb_obs, mb_actions)
-            penalty = kl_penalty.loss_terms(mb_old_means, old_logstd, mean, logstd) if kl_penalty else ()
+            penalty = kl_penalty.loss_terms(mb_old_means, old_logstd, mean, logstd) if kl_penalty else {}
             loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
                                    args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef, norm_per_minibatch,
-                                   *penalty)
+                                   **penalty)
             loss.backward()
             stats["grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
             optimizer.step()
@@ -704,7 +708,7 @@ class Run:
                 import torch.distributed as dist
 
                 if clean:  # no rank leaves while another still works; a failed write of rank 0 stops them all
-                    self.write_error = next((e for e in gather_objects(self.write_error, self.world) if e), None)
+                    self.write_error = first_error(self.write_error, self.world)[1]
                 dist.destroy_process_group()
             if self.write_error:  # (a failed write, said by rank 0 for all; or this rank's dead env worker)
                 if self.rank == 0 or worker_died:
@@ -720,8 +724,8 @@ class Run:
             for sig, handler in self.previous.items():
                 signal.signal(sig, handler)
             threading.excepthook = self.previous_hook
-            torch.use_deterministic_algorithms(*self.previous_deterministic[:1],
-                                               warn_only=self.previous_deterministic[1])
+            enabled, warn_only = self.previous_deterministic
+            torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
         if self.failed:
             if self.world > 1:  # as at the end of __main__: skip the teardown where gloo's threads can abort
                 sys.stdout.flush(), sys.stderr.flush()
@@ -769,15 +773,13 @@ class Run:
             except Exception as e:
                 error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
             # under torchrun each rank restores its own states: a state that only one rank finds unfit stops them all
-            errors = gather_objects(error, self.world)
-            r, error = next(((r, e) for r, e in enumerate(errors) if e), (0, None))
+            r, error = first_error(error, self.world)
             if error:
                 die(f"checkpoint {args.resume} does not fit this run{f' (the state of rank {r})' if r else ''}: "
                     f"{error}")
             first, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
-            if kl_penalty is not None and args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
-                kl_penalty.beta = ckpt["kl_coef"]  # the adapted value goes on
-                kl_penalty.coef.fill_(kl_penalty.beta)
+            if adapted_kl_coef(args, ckpt) is not None:
+                kl_penalty.set(ckpt["kl_coef"])  # the adapted value goes on
         if self.world > 1:  # each rank's statistics see its own data during a rollout; merge_ranks combines them
             norm.obs_rms.track_additions()
             norm.reward_scaler.rms.track_additions()
@@ -790,7 +792,7 @@ class Run:
             if args.anneal_lr and saved_total != args.total_timesteps:  # not silent: the lr jumps
                 print(f"note: --total-timesteps {args.total_timesteps} differs from the checkpoint's {saved_total}: "
                       "the learning rate now anneals to 0 at the new total")
-            if args.kl_penalty_target is not None and ckpt.get("kl_coef") is not None:
+            if adapted_kl_coef(args, ckpt) is not None:
                 print(f"note: the adaptive KL-penalty coefficient goes on from the checkpoint's {ckpt['kl_coef']:.3g} "
                       "(--kl-penalty-coef sets the start of a new run only)")
             if not exact:
@@ -924,7 +926,7 @@ class Run:
                                 self.kl_penalty.beta if self.kl_penalty else None)
             except WriteError as e:
                 error = str(e)
-        error = next((e for e in gather_objects(error, self.world) if e), None)
+        error = first_error(error, self.world)[1]
         if error:  # every rank stops on a failed save of rank 0
             raise WriteError(error)
         self.checkpoint_path = path
@@ -939,7 +941,7 @@ class Run:
             why = (signal.Signals(self.signals[0]).name if self.signals else "a signal to another rank"
                    if self.stop_requested else f"--stop-after {args.stop_after}")
             if self.rank == 0:
-                print(f"stopped at iteration {iteration} ({why}); continue with: {self.launcher()} --resume "
+                print(f"stopped at iteration {iteration} ({why}); continue with: {launcher(self.world)} --resume "
                       f"{self.checkpoint_path}" + (f" (which stops again after {args.stop_after} iterations, the "
                       "checkpoint's --stop-after; add --stop-after 0 to run to the end)" if args.stop_after else ""),
                       flush=True)
@@ -948,9 +950,6 @@ class Run:
         if args.checkpoint_every and iteration % args.checkpoint_every == 0:
             self.checkpoint(iteration, global_step, next_obs, next_done)
         return False
-
-    def launcher(self) -> str:
-        return f"{f'torchrun --nproc-per-node {self.world}' if self.world > 1 else 'python'} {SCRIPT}"
 
     def finish(self, global_step: int, next_obs, next_done) -> None:
         """After the loop: the final checkpoint (with --save-model, or when the run writes checkpoints along the way,
@@ -995,7 +994,7 @@ class Run:
                 raise WriteError(error)
             if rank == 0:
                 print(f"stopped at the end of the run ({names[0]}); the trained model is in {self.checkpoint_path}"
-                      + (f"; evaluate it with: {self.launcher()} --resume {self.checkpoint_path} --eval-episodes "
+                      + (f"; evaluate it with: {launcher(self.world)} --resume {self.checkpoint_path} --eval-episodes "
                          f"{args.eval_episodes}" if args.eval_episodes else ""), flush=True)
             return
         if args.eval_episodes:
@@ -1057,7 +1056,15 @@ def make_new_dir(path: str) -> bool:
 
 
 LOCK_FDS: set = set()  # the run-directory locks this process holds; a forked child (an async env worker) drops them
-os.register_at_fork(after_in_child=lambda: [os.close(fd) for fd in LOCK_FDS] and LOCK_FDS.clear())
+
+
+def drop_locks() -> None:
+    for fd in LOCK_FDS:
+        os.close(fd)
+    LOCK_FDS.clear()
+
+
+os.register_at_fork(after_in_child=drop_locks)
 
 
 def lock_run_dir(run_dir: str) -> int:
@@ -1135,6 +1142,11 @@ def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
         x = x.clone()
         dist.all_reduce(x)
     return x
+
+
+def first_error(error: Optional[str], world: int) -> tuple[int, Optional[str]]:
+    """(rank, error) of the first rank that has an error, else (0, None): every rank learns what stops them all."""
+    return next(((r, e) for r, e in enumerate(gather_objects(error, world)) if e), (0, None))
 
 
 def gather_objects(obj, world: int) -> list:
@@ -1441,13 +1453,23 @@ def hint_text(hint) -> str:
     return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
 
+def launcher(world: int) -> str:
+    """The command that runs this script with `world` processes (in the messages that say how to go on)."""
+    return f"{f'torchrun --nproc-per-node {world}' if world > 1 else 'python'} {SCRIPT}"
+
+
+def adapted_kl_coef(args: Args, ckpt: dict) -> Optional[float]:
+    """The checkpoint's adapted KL-penalty coefficient, which a resumed adaptive run goes on from (else None)."""
+    return ckpt.get("kl_coef") if args.kl_penalty_target is not None else None
+
+
 def check_resume(ckpt: dict, args: Args, world: int) -> None:
     """The iteration count and lr schedule hold for the checkpoint's processes and rollout size, and the network for
     its normalisation switches."""
     if ckpt["world_size"] != world:  # iterations, seeds and envs are per process
         n = ckpt["world_size"]
         die(f"{args.resume} was written by {n} process(es); resume it with as many: "
-            f"{'python' if n == 1 else f'torchrun --nproc-per-node {n}'} {SCRIPT} --resume {args.resume}")
+            f"{launcher(n)} --resume {args.resume}")
     saved = ckpt["args"]
     if (saved.get("num_envs"), saved.get("num_steps")) != (args.num_envs, args.num_steps):
         die(f"{args.resume} was written with --num-envs {saved.get('num_envs')} --num-steps {saved.get('num_steps')}; "
@@ -1731,7 +1753,7 @@ def validate(args: Args) -> None:
         die("--obs-clip and --reward-clip must be positive")
     if args.cudagraphs and not args.cuda:
         die("--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
-    if args.cudagraphs and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if args.cudagraphs and world > 1:
         die("--cudagraphs is not supported under torchrun (DDP's gradient all-reduce runs outside the graph)")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun: processes on this machine, one GPU each
     if args.cuda and torch.cuda.is_available() and torch.cuda.device_count() < local:

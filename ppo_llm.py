@@ -12,7 +12,7 @@ r"""PPO for causal language models (RLHF / RL with verifiable rewards), every al
 Default run: a character tokenizer and a tiny Llama (2.0M parameters) built here, warm-started on "31415=" -> "11345"
 until a third to a half of its answers are right, then PPO on the rule "response == sorted digits". A response is the
 episode, a token an action. Outline: Args -> task and tokenizer -> models -> generation and scoring -> reward ->
-advantages -> losses -> update -> main(), whose loop is the note's steps (shared/seeds/ppo_note.md; formulas as verl's
+advantages -> losses -> update -> main(), whose loop is the PPO note's steps (docs/reading_guide.md; formulas as verl's
 core_algos.py). The PPO part ends with main(); below its banner: run context, torchrun / FSDP2, checkpoints,
 evaluation, reward files, data files (datasets), local models and their checks, command line.
 """
@@ -235,7 +235,7 @@ class Args:
     torch_deterministic: bool = True
     """deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only)"""
     cuda: bool = dataclasses.field(default_factory=lambda: gpu_for_each_process())
-    """run on CUDA (bf16 autocast unless --precision fp32): default where torch sees a GPU for each local process"""
+    """run on CUDA (bf16 autocast unless --precision fp32): the default where torch sees a GPU for each local process"""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """bf16 autocast with fp32 master weights, or fp32 throughout; auto: bf16 with --cuda, fp32 on the CPU"""
     compile: bool = False
