@@ -275,13 +275,42 @@ def test_a_run_directory_held_by_a_live_process_is_refused(s, stopped, tmp_path,
 
 
 @over()
+def test_fits_and_hint_text_read_the_types_of_the_args_fields(s):
+    """What a checkpoint's stored args are checked with, against a table (bool is no int; an int is a float)."""
+    import typing
+    from typing import Literal, Optional
+
+    table = [(1, int, True), (1.0, int, False), (True, int, False), (1, float, True), (2.5, float, True),
+             (True, float, False), ("1", float, False), (True, bool, True), (1, bool, False), ("a", str, True),
+             (None, str, False), (None, Optional[float], True), (0.5, Optional[float], True),
+             ("x", Optional[float], False), ("sync", Literal["sync", "async"], True),
+             ("threads", Literal["sync", "async"], False)]
+    assert [(v, h) for v, h, want in table if s.mod.fits(v, h) is not want] == []
+    hints = typing.get_type_hints(s.mod.Args, include_extras=True)
+    assert s.mod.fits(7, hints["num_envs"]) and not s.mod.fits("abc", hints["num_envs"])  # a Count (Annotated int)
+    assert not s.mod.fits(7, hints["env_id"]) and s.mod.fits(None, hints["target_kl"])
+    assert s.mod.hint_text(hints["num_envs"]) == "int" and s.mod.hint_text(hints["target_kl"]) == "float or None"
+    assert s.mod.hint_text(Literal["sync", "async"]) == "one of 'sync', 'async'"
+
+
+@over()
 def test_a_forked_child_does_not_hold_the_run_directory_lock(s, tmp_path):
     import multiprocessing
 
     fd = s.mod.lock_run_dir(str(tmp_path))
     try:
         ctx = multiprocessing.get_context("fork")
-        child = ctx.Process(target=lambda: os._exit(0 if fd not in s.mod.LOCK_FDS else 3))
+
+        lock = os.stat(tmp_path / ".lock")
+
+        def child_sees_the_lock() -> None:  # exit 0: closed in the child (an open copy would keep the lock held)
+            try:  # (the child may reuse the number for another file: compare what it names)
+                st = os.fstat(fd)
+                held = (st.st_dev, st.st_ino) == (lock.st_dev, lock.st_ino)
+            except OSError:
+                held = False
+            os._exit(3 if held else 0 if fd not in s.mod.LOCK_FDS else 4)
+        child = ctx.Process(target=child_sees_the_lock)
         child.start()
         child.join()
         assert child.exitcode == 0

@@ -212,6 +212,21 @@ def test_kl_penalty_policy_loss_and_gradient():
         ppo.ppo_loss(z, z, z, z, z, z, z, 0.2, False, 0.0, 0.0, False, kl_coef=1.0)
 
 
+def test_rollout_kl_is_the_mean_kl_over_the_rollouts_states():
+    """The d of the adaptive rule: KL(pi_old(.|s) || pi(.|s)) averaged over every state, in minibatches that do not
+    divide the rollout (torch.distributions' KL as the reference)."""
+    torch.manual_seed(0)
+    agent, obs = ppo.Agent(4, 3), torch.randn(10, 4)
+    old_logp_all = torch.log_softmax(torch.randn(10, 3), -1)
+    penalty = ppo.KLPenalty(ppo.Args(kl_penalty_target=0.01), torch.device("cpu"))
+    with torch.no_grad():
+        new = torch.distributions.Categorical(logits=agent.actor(obs))
+        want = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=old_logp_all), new).mean()
+    for minibatch_size in (3, 10):
+        assert torch.allclose(penalty.rollout_kl(agent.actor, obs, old_logp_all, minibatch_size), want, atol=1e-6)
+    assert want > 0.01  # (not a trivial case)
+
+
 def test_adapt_kl_coef_follows_the_papers_rule():
     assert ppo.adapt_kl_coef(1.0, 0.001, 0.01) == 0.5  # below target / 1.5
     assert ppo.adapt_kl_coef(1.0, 0.02, 0.01) == 2.0  # above 1.5 * target

@@ -77,7 +77,7 @@ def test_bad_input_one_line_exit_2(tmp_path, argv, needle, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--cudagraphs"], "--cudagraphs needs --cuda"),
+    (["--no-cuda", "--cudagraphs"], "--cudagraphs needs --cuda"),  # (--no-cuda: also where torch sees a GPU)
     (["--num-minibatches", "3"], "not divisible"),
     (["--num-steps", "0"], "must be positive"),
     (["--learning-rate", "-1"], "must be positive"),
@@ -319,6 +319,24 @@ def test_ppo_loss_mask_equals_loss_on_real_transitions():
     assert stats["old_approx_kl"].item() == pytest.approx(sum(-x for x in logr) / m, abs=1e-6)
     assert stats["approx_kl"].item() == pytest.approx(sum(math.exp(x) - 1 - x for x in logr) / m, abs=1e-6)
     assert stats["clipfrac"].item() == pytest.approx(sum(abs(math.exp(x) - 1) > 0.1 for x in logr) / m, abs=1e-6)
+
+
+def test_rollout_kl_is_the_mean_kl_over_the_rollouts_real_transitions():
+    """The d of the adaptive rule: KL(pi_old(.|s) || pi(.|s)) averaged over the real transitions only (mask 1), in
+    minibatches that do not divide the rollout (torch.distributions' KL as the reference)."""
+    torch.manual_seed(0)
+    agent = pae.Agent(4)
+    obs = torch.randint(0, 256, (6, 4, 84, 84), dtype=torch.uint8)
+    old_logp_all, mask = torch.log_softmax(torch.randn(6, 4) * 3, -1), torch.tensor([1., 0., 1., 1., 0., 1.])
+    penalty = pae.KLPenalty(pae.Args(kl_penalty_target=0.01), torch.device("cpu"))
+    with torch.no_grad():
+        new = torch.distributions.Categorical(logits=agent.actor(agent.hidden(obs)))
+        kl = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=old_logp_all), new)
+        want = kl[mask.bool()].mean()
+    for minibatch_size in (4, 6):
+        got = penalty.rollout_kl(agent, obs, old_logp_all, mask, minibatch_size)
+        assert torch.allclose(got, want, atol=1e-5), (got, want)
+    assert want > 0.01 and not torch.allclose(kl.mean(), want)  # (the masked states count: they would change it)
 
 
 def test_kl_penalty_loss_with_mask_and_the_adaptive_rule():
@@ -688,7 +706,7 @@ def test_cudagraph_skips_reads_torchs_count_of_graphs_run_without_cuda_graphs():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--cudagraphs"], "--cudagraphs needs --cuda"),  # checked first: no GPU at all
+    (["--no-cuda", "--cudagraphs"], "--cudagraphs needs --cuda"),  # checked first: no GPU at all
     (["--cuda", "--cudagraphs"], "--cudagraphs is not supported under torchrun"),  # before the CUDA device check
 ])
 def test_cudagraphs_under_torchrun_one_line_exit_2(argv, needle, monkeypatch, capsys):
@@ -768,6 +786,7 @@ def test_the_gpu_is_the_default_where_torch_sees_one(monkeypatch, capsys):
 
 
 def test_a_gpu_checkpoint_resumes_on_the_cpu_where_there_is_none(stopped_run, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (also on a machine with a GPU)
     path = edited_copy(stopped_run, tmp_path, lambda s: s["args"].update(cuda=True, cudagraphs=True))  # a GPU's
     args = pae.parse_args(["--resume", path])
     assert args.cuda is False and args.cudagraphs is False

@@ -206,6 +206,25 @@ def test_gaussian_kl_is_the_exact_kl():
     assert pc.gaussian_kl(m0, s0, m0, s0).abs().max() < 1e-6
 
 
+def test_rollout_kl_is_the_mean_kl_over_the_rollouts_states():
+    """The d of the adaptive rule: KL(pi_old(.|s) || pi(.|s)) of the diagonal Gaussians averaged over every state, in
+    minibatches that do not divide the rollout (torch.distributions' KL as the reference)."""
+    torch.manual_seed(0)
+    agent, obs = pc.Agent(5, 2), torch.randn(10, 5)
+    with torch.no_grad():
+        agent.actor_logstd.fill_(-0.3)
+    old_means, old_logstd = torch.randn(10, 2), torch.randn(1, 2) * 0.2
+    penalty = pc.KLPenalty(pc.Args(kl_penalty_target=0.01), torch.device("cpu"))
+    with torch.no_grad():
+        old = torch.distributions.Normal(old_means, old_logstd.exp().expand(10, 2))
+        new = torch.distributions.Normal(agent.actor_mean(obs), agent.actor_logstd.exp().expand(10, 2))
+        want = torch.distributions.kl_divergence(old, new).sum(-1).mean()
+        for minibatch_size in (3, 10):
+            got = penalty.rollout_kl(agent, obs, old_means, old_logstd, minibatch_size)
+            assert torch.allclose(got, want, atol=1e-5), (got, want)
+    assert want > 0.01  # (not a trivial case)
+
+
 def test_kl_penalty_policy_loss_and_adaptive_coefficient():
     """The KL-penalty variant: -r*A + beta*KL(pi_old(.|s)||pi(.|s)) averaged, the Gaussians' KL exact, no clipping;
     beta follows the paper's rule."""
