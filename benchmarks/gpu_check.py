@@ -58,7 +58,8 @@ SHARES = {1: 0.25, 2: 0.35, 3: 0.20, 4: 0.10, 5: 0.10}
 GRACE_S = 10.0  # between SIGTERM and SIGKILL
 STOP_GRACE_S = 30.0  # stage 5: the run finishes its iteration and writes its checkpoint
 MIN_ITEM_S = 5.0  # a command with less time than this left is skipped
-DRY_RUN_FLOOR_S = 60.0  # dry-run: tiny runs on a loaded CPU spend their time importing torch, not in the budget's plan
+DRY_RUN_FLOOR_S = 60.0  # a dry run gives each command at least this, past --minutes if need be: tiny runs on a
+#                        loaded CPU spend their time importing torch, and a dry run checks the tool, not the budget
 PROGRESS_EVERY_S = 10.0
 
 # Known figures, one H100 (../shared/anchors.md), printed beside ours
@@ -209,18 +210,21 @@ class Item:
     date: Optional[str] = None
 
     def command(self, out: str) -> str:
-        """The command as run: the repository's files relative to its root, --out as $OUT, python for this Python."""
+        """The command as run: --out as $OUT, python for this Python, the repository's files relative to its root
+        (where the command runs there)."""
         def show(a: str) -> str:
             if a == PY:
                 return "python"
             a = a.replace(os.path.abspath(out), "$OUT")
-            return os.path.relpath(a, REPO) if os.path.isabs(a) and a.startswith(REPO + os.sep) else a
+            if self.cwd == REPO and os.path.isabs(a) and a.startswith(REPO + os.sep):
+                return os.path.relpath(a, REPO)
+            return a
 
-        text = " ".join(a if a.startswith("$OUT") else shlex.quote(a) for a in map(show, self.argv))
+        quote = lambda a: a if re.fullmatch(r"\$OUT[\w/.+-]*", a) else shlex.quote(a)  # noqa: E731
+        text = " ".join(quote(show(a)) for a in self.argv)
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
-        if self.cwd != REPO:
-            text = f"(cd {show(self.cwd)} && {text})"
-        return (env + " " if env else "") + text
+        text = (env + " " if env else "") + text
+        return f"(cd {quote(show(self.cwd))} && {text})" if self.cwd != REPO else text
 
 
 @dataclass
@@ -277,16 +281,17 @@ def tb_or_stdout_sps(runs_dir: str, warmup: int, batch: int, stdout_kind: str):
                     "source": f"charts/SPS event times after {warmup} iterations"}
         except (ValueError, OSError, KeyError) as e:
             first_error = str(e)
+        skip = warmup
         if stdout_kind == "cleanrl":
             cum = [int(m[1]) for m in (CLEANRL_SPS.match(ln) for ln in text.splitlines()) if m]
             steps = [batch * (i + 1) for i in range(len(cum))]
         else:
             ms = [m for m in (common.PROGRESS_RE.search(ln) for ln in text.splitlines()) if m and m[3] and m[4]]
             steps, cum = [int(m[3]) for m in ms], [int(m[4]) for m in ms]
-            warmup = 1 if len(steps) > 2 else 0  # ours prints every ~5 s, not every iteration
+            skip = 1 if len(steps) > 2 else 0  # ours prints every ~5 s, not every iteration
         try:
-            return {"sps": sps_from_cumulative(steps, cum, warmup), "iterations": len(steps),
-                    "source": f"printed cumulative SPS after reading {warmup} ({first_error})"}
+            return {"sps": sps_from_cumulative(steps, cum, skip), "iterations": len(steps),
+                    "source": f"printed cumulative SPS after reading {skip} ({first_error})"}
         except ValueError as e:
             raise ValueError(f"{first_error}; stdout: {e}") from None
     return read
@@ -356,7 +361,7 @@ def read_breakout(ctx: Ctx, runs_dir: str):
         import report
 
         run = report.load_run(only_run_dir(runs_dir))
-        if run.problem:
+        if run.problem and not (ctx.dry and run.last_step):  # (a dry run's few hundred steps may end no game)
             raise ValueError(run.problem)
         fig = {"steps": int(run.last_step), "episodes": int(len(run.returns)), "sps_last_logged": run.sps,
                "mean_return_last_bin": None}
@@ -437,7 +442,7 @@ def stage1(ctx: Ctx) -> list:
 def stage2(ctx: Ctx) -> list:
     env_id, envs = "Breakout-v5", 8
     if ctx.dry:
-        envs, steps, iters, warm, lean_iters, lean_skip = 4, 32, 3, 1, 20, 0
+        envs, steps, iters, warm, lean_iters, lean_skip = 2, 16, 2, 0, 20, 0
     else:
         steps, iters, warm, lean_iters, lean_skip = 128, 30, 5, 40, 1
     batch = envs * steps
@@ -446,9 +451,9 @@ def stage2(ctx: Ctx) -> list:
     no_envpool = None if has("envpool") else "envpool is not installed"
     cleanrl = os.path.join(ctx.anchors, "cleanrl", "ppo_atari_envpool.py")
     leanrl = os.path.join(ctx.anchors, "leanrl", "ppo_atari_envpool_torchcompile.py")
-    items = [Item("envpool_alone", [PY, "-c", "import sys; sys.path.insert(0, 'benchmarks'); import speed; "
-                                    f"print('envpool_sps', speed.raw_envpool_sps({env_id!r}, {envs}, "
-                                    f"{1.0 if ctx.dry else 10.0}))"],
+    items = [Item("envpool_alone", [PY, "-c", 'import sys; sys.path.insert(0, "benchmarks"); import speed; '
+                                    f'print("envpool_sps", speed.raw_envpool_sps({json.dumps(env_id)}, {envs}, '
+                                    f'{1.0 if ctx.dry else 10.0}))'],
                   timeout=40, device="cpu", read=read_envpool, skip=no_envpool)]
     cwd = ctx.stage_dir(2, "cleanrl")
     items.append(Item("cleanrl", [PY, cleanrl, *dev_flag(ctx), *common_args], timeout=120, cwd=cwd,
@@ -469,8 +474,10 @@ def stage2(ctx: Ctx) -> list:
     for name, flags in variants:
         runs = ctx.stage_dir(2, name, "runs")
         skip = no_envpool or (needs_cuda(ctx) if "--cudagraphs" in flags else None) or (
-            "dry run: torch.compile takes minutes on a CPU" if ctx.dry and "--compile" in flags else None)
-        items.append(Item(name, [PY, ours, *dev_flag(ctx), *flags, *common_args, "--exp-name", name,
+            "dry run: torch.compile takes minutes on a CPU" if ctx.dry and "--compile" in flags else None) or (
+            "dry run: ours_eager with one flag more" if ctx.dry and name == "ours_no_torch_deterministic" else None)
+        threads = ["--torch-threads", "1"] if ctx.dry else []
+        items.append(Item(name, [PY, ours, *dev_flag(ctx), *flags, *common_args, *threads, "--exp-name", name,
                                  "--runs-dir", runs],
                           timeout=150 if "--compile" in flags else 90, read=tb_or_stdout_sps(runs, warm, batch, "ours"),
                           skip=skip))
@@ -482,7 +489,7 @@ def stage2_figures(items: list) -> dict:
     base, clean = by.get("envpool_alone"), by.get("cleanrl")
     for i in items:
         sps = i.figures.get("sps")
-        if sps is not None:
+        if sps is not None and i.name not in ("envpool_alone", "cleanrl"):
             i.figures["x_envpool_alone"] = round(sps / base, 3) if base else None
             i.figures["x_cleanrl"] = round(sps / clean, 3) if clean else None
         if i.name in KNOWN_H100:
@@ -497,8 +504,9 @@ def stage3(ctx: Ctx) -> list:
     if ctx.dry:
         tp = ["--preset", "tiny", "--device", "cpu", "--estimators", "gae", "grpo", "--paths", "eager",
               "--iterations", "2"]
-        llm = ["--num-iterations", "2", "--no-cuda", "--sft-steps", "2", "--eval-prompts", "8", "--train-batch-size",
-               "4", "--ppo-mini-batch-size", "2", "--tiny-hidden-size", "32", "--tiny-num-layers", "1"]
+        llm = ["--num-iterations", "2", "--no-cuda", "--sft-steps", "1", "--sft-batch-size", "4", "--eval-prompts", "4",
+               "--train-batch-size", "4", "--ppo-mini-batch-size", "2", "--tiny-hidden-size", "32", "--tiny-num-layers",
+               "1", "--torch-threads", "1"]
     else:
         tp = ["--preset", "qwen2.5-0.5b", "--device", "cuda", "--estimators", "gae", "grpo", "--paths", "eager",
               "compile", "--iterations", "4"]
@@ -554,8 +562,8 @@ def stage5(ctx: Ctx) -> list:
     flags, why = best_path(ctx)
     if ctx.dry:
         flags = [f for f in flags if f != "--cudagraphs" and f != "--compile"]
-        sizes = ["--num-envs", "4", "--num-steps", "64", "--total-timesteps", "1024", "--num-minibatches", "2",
-                 "--update-epochs", "1"]
+        sizes = ["--num-envs", "2", "--num-steps", "64", "--total-timesteps", "512", "--num-minibatches", "2",
+                 "--update-epochs", "1", "--torch-threads", "1"]
     else:
         sizes = []  # the defaults: 8 envs x 128 steps, 10M steps; stopped with SIGTERM when the time is up
     runs = ctx.stage_dir(5, "runs")
@@ -653,9 +661,9 @@ def run_stage(ctx: Ctx, n: int, items: list, budget: float, t0: float) -> dict:
         limit = share_of(left, weights)
         if item.timeout is not None:
             limit = min(limit, item.timeout)
-        if ctx.dry:
-            limit = max(limit, DRY_RUN_FLOOR_S)
         limit = min(limit, ctx.deadline - time.time())
+        if ctx.dry:  # (past --minutes if need be: a dry run checks the tool, not the budget)
+            limit = max(limit, DRY_RUN_FLOOR_S)
         limit -= STOP_GRACE_S if item.stop_at_limit and not ctx.dry else 0
         if limit < MIN_ITEM_S:
             item.status, item.reason = "skipped", f"no time left ({max(limit, 0):.0f} s)"
@@ -899,6 +907,8 @@ def main(argv: Optional[list] = None) -> int:
             for it in items:
                 if ctx.dry and it.device == "cuda":
                     it.device = "cpu (dry run)"
+                if ctx.dry:  # tiny runs on a few loaded cores: one thread each
+                    it.env.setdefault("OMP_NUM_THREADS", "1")
             ctx.results[n] = {"number": n, "name": STAGES[n], "status": "running", "items": []}
             ctx.results[n] = run_stage(ctx, n, items, budget, t0)
             data["seconds"] = time.time() - t0
