@@ -522,10 +522,11 @@ def stage3(ctx: Ctx) -> list:
 def stage4(ctx: Ctx) -> list:
     items = []
     mujoco = has("mujoco")
-    specs = [("ppo", "ppo.py", "CartPole-v1", ["--num-envs", "4", "--num-steps", "128"], 30 * 512, 3),
+    # (the scripts' default sizes; a few iterations after the warm-up ones; weight = share of the stage's time)
+    specs = [("ppo", "ppo.py", "CartPole-v1", ["--num-envs", "4", "--num-steps", "128"], 30 * 512, 3, 60),
              ("ppo_continuous", "ppo_continuous.py", "HalfCheetah-v5" if mujoco else "Pendulum-v1",
-              ["--num-envs", "1", "--num-steps", "2048"], 6 * 2048, 2)]
-    for stem, script, env_id, sizes, steps, warm in specs:
+              ["--num-envs", "1", "--num-steps", "2048"], 6 * 2048, 2, 150)]
+    for stem, script, env_id, sizes, steps, warm, timeout in specs:
         if ctx.dry:
             sizes, steps, warm = ["--num-envs", "2", "--num-steps", "32", "--num-minibatches", "2",
                                   "--update-epochs", "1"], 3 * 64, 1
@@ -534,7 +535,7 @@ def stage4(ctx: Ctx) -> list:
             items.append(Item(f"{stem}_{device}", [PY, os.path.join(REPO, script), f"--{'' if device == 'cuda' else 'no-'}cuda",
                                                    "--env-id", env_id, *sizes, "--total-timesteps", str(steps),
                                                    "--exp-name", f"{stem}_{device}", "--runs-dir", runs],
-                              timeout=90, device=device, read=tb_or_stdout_sps(runs, warm, 0, "ours"),
+                              timeout=timeout, device=device, read=tb_or_stdout_sps(runs, warm, 0, "ours"),
                               skip=needs_cuda(ctx) if device == "cuda" else None))
     return items
 
@@ -644,7 +645,8 @@ def run_item(item: Item, limit: float, log_path: str, t0: float, label: str) -> 
     return "".join(chunks)
 
 
-def run_stage(ctx: Ctx, n: int, items: list, budget: float, t0: float) -> dict:
+def run_stage(ctx: Ctx, n: int, items: list, budget: float, t0: float, save: Callable) -> dict:
+    """Runs the stage's items in order; after each, `save(partial stage)` writes the reports so far."""
     start = time.time()
     stage_end = min(start + budget, ctx.deadline)
     print(f"[{common.fmt_duration(start - t0)}] stage {n} {STAGES[n]}: {budget:.0f} s", flush=True)
@@ -689,6 +691,8 @@ def run_stage(ctx: Ctx, n: int, items: list, budget: float, t0: float) -> dict:
         print(f"[{common.fmt_duration(time.time() - t0)}]   {item.name}: {item.status} in {item.seconds:.1f} s"
               + (f": {item.reason}" if item.reason else "") + (f"  {short(item.figures)}" if item.figures else ""),
               flush=True)
+        save({"number": n, "name": STAGES[n], "status": "running", "seconds": round(time.time() - start, 1),
+              "budget_s": round(budget), "figures": {}, "items": [item_dict(i, ctx.out) for i in items[:k + 1]]})
     figures = SUMMARIES[n](items) if n in SUMMARIES else {}
     statuses = [i.status for i in items]
     if "failed" in statuses:
@@ -900,6 +904,12 @@ def main(argv: Optional[list] = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+
+    def save(stage: dict) -> None:
+        ctx.results[stage["number"]] = stage
+        data["seconds"] = time.time() - t0
+        write_reports(ctx, data)
+
     try:
         for k, n in enumerate(a.stages):
             budget = share_of(ctx.deadline - time.time(), [SHARES[s] for s in a.stages[k:]])
@@ -909,18 +919,24 @@ def main(argv: Optional[list] = None) -> int:
                     it.device = "cpu (dry run)"
                 if ctx.dry:  # tiny runs on a few loaded cores: one thread each
                     it.env.setdefault("OMP_NUM_THREADS", "1")
-            ctx.results[n] = {"number": n, "name": STAGES[n], "status": "running", "items": []}
-            ctx.results[n] = run_stage(ctx, n, items, budget, t0)
-            data["seconds"] = time.time() - t0
-            write_reports(ctx, data)
+            save({"number": n, "name": STAGES[n], "status": "running", "seconds": 0.0, "budget_s": round(budget),
+                  "figures": {}, "items": []})
+            save(run_stage(ctx, n, items, budget, t0, save))
     except Stopped as e:
         print(f"gpu_check stopped by {e}; writing what was done", flush=True)
-        for n, st in ctx.results.items():
+        for st in ctx.results.values():
             if st["status"] == "running":
-                st.update(status="failed", reason=f"gpu_check stopped by {e}", seconds=0.0, figures={})
+                st.update(status="failed", reason=f"gpu_check stopped by {e} during this stage")
     data["seconds"] = time.time() - t0
     write_reports(ctx, data)
-    print(open(os.path.join(out, "gpu_check.md")).read(), flush=True)
+    print("\nsummary (the tables with the commands: gpu_check.md)", flush=True)
+    for st in data["stages"]:
+        print(f"stage {st['number']} {st['name']}: {st['status']}"
+              + (f" (kept from {st['kept_from']})" if st.get("kept_from") else ""), flush=True)
+        for it in st["items"]:
+            fig = figure_text(it["name"], it["figures"])
+            print(f"  {it['name']}: {it['status']}" + (f": {it['reason']}" if it.get("reason") else "")
+                  + (f" | {fig}" if fig else ""), flush=True)
     failed = [s["name"] for s in data["stages"] if s["status"] == "failed"]
     print(f"written: {out}/gpu_check.md, gpu_check.json, logs/" + (f"; failed: {', '.join(failed)}" if failed else ""),
           flush=True)

@@ -188,3 +188,39 @@ def test_gpu_test_command_lines_on_the_cpu(tmp_path):
         script = os.path.basename(c[1])
         unknown = [a for a in c[2:] if a.startswith("--") and a not in known[script]]
         assert not unknown, (script, unknown)
+
+
+def test_a_command_past_its_limit_gets_sigterm_then_its_group_sigkill(tmp_path):
+    """The whole process group goes: a child that ignores SIGTERM, and its own child, are killed after the grace."""
+    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print('started', flush=True); "
+            "time.sleep(60)")
+    item = gpu_check.Item("sleeper", [sys.executable, "-c", code], timeout=1)
+    saved = gpu_check.GRACE_S
+    gpu_check.GRACE_S = 1.0
+    try:
+        t0 = time.time()
+        text = gpu_check.run_item(item, 1.0, str(tmp_path / "log" / "sleeper.log"), t0, "sleeper")
+    finally:
+        gpu_check.GRACE_S = saved
+    assert item.limited and item.rc == -9 and time.time() - t0 < 15, (item.rc, text)
+    assert "started" in text and (tmp_path / "log" / "sleeper.log").read_text().startswith("$ ")
+
+
+def test_a_rerun_keeps_the_stages_it_does_not_run(tmp_path):
+    earlier = {"date": "2026-11-26 10:00 UTC", "dry_run": True,
+               "stages": [{"number": 2, "name": "atari_speed", "status": "ok", "seconds": 1.0, "budget_s": 5,
+                           "figures": {"sps": {"ours_compile": 3000.0}, "fastest_of_ours": "compile"}, "items": []},
+                          {"number": 3, "name": "ppo_llm", "status": "failed", "seconds": 1.0, "items": []}]}
+    ctx = gpu_check.Ctx(out=str(tmp_path), dry=True, anchors="", cuda=False, deadline=time.time() + 60,
+                        previous=earlier)
+    assert gpu_check.best_path(ctx) == (["--compile"], "stage 2's fastest of ours: compile (3,000 SPS)")
+    ctx.results[3] = {"number": 3, "name": "ppo_llm", "status": "ok", "seconds": 2.0, "items": [], "figures": {}}
+    data = {"command": "x", "date": "d", "dry_run": True, "minutes": 1, "seconds": 1.0,
+            "machine": {"device": "cpu", "torch": "t", "cuda": None, "python": "p", "commit": "c"}}
+    gpu_check.write_reports(ctx, data)
+    with open(tmp_path / "gpu_check.json") as f:
+        stages = json.load(f)["stages"]
+    assert [(s["number"], s["status"], s.get("kept_from")) for s in stages] == [
+        (2, "ok", "2026-11-26 10:00 UTC"), (3, "ok", None)]
+    assert "from an earlier run (2026-11-26 10:00 UTC)" in (tmp_path / "gpu_check.md").read_text()
