@@ -5,10 +5,12 @@
     python benchmarks/gpu_check.py --stages 2 5 --out $OUT/gpu_check      # a subset, e.g. a rerun of failed stages
 
 Stages, in this order, each under its own share of --minutes (the last stage run takes what is left):
-  1 versions     python, torch, CUDA, GPU, transformers, gymnasium, envpool, mujoco; then `pytest -m gpu tests/test_gpu.py`
+  1 versions     python, torch, CUDA, GPU, transformers, gymnasium, envpool, mujoco, tensordict; then
+                 `pytest -m gpu -q tests/test_gpu.py`
   2 atari_speed  Breakout-v5 with 8 envs, SPS warm-up excluded: envpool alone (random actions), CleanRL --cuda,
                  LeanRL eager / --compile / --compile --cudagraphs, ours eager / --compile / --cudagraphs /
-                 --compile --cudagraphs / --no-torch-deterministic; each as SPS and as ratio to envpool alone and CleanRL
+                 --compile --cudagraphs / --no-torch-deterministic; each as SPS and as ratios to envpool alone and
+                 to CleanRL
   3 ppo_llm      benchmarks/llm_throughput.py at 0.5B (gae and grpo, eager and compile), then ppo_llm.py's default task
                  for 20 iterations on CUDA: the held-out accuracy must rise from the first evaluation to the last
   4 cuda_vs_cpu  ppo.py (CartPole-v1) and ppo_continuous.py (HalfCheetah-v5; Pendulum-v1 without MuJoCo), CUDA vs CPU
@@ -177,10 +179,6 @@ def fmt_sps(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:,.0f}"
 
 
-def fmt_ratio(a: Optional[float], b: Optional[float]) -> str:
-    return f"{a / b:.2f}×" if a and b else "-"
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Stages as data
 # ---------------------------------------------------------------------------------------------------------
@@ -271,7 +269,8 @@ def only_run_dir(runs_dir: str) -> str:
 
 def tb_or_stdout_sps(runs_dir: str, warmup: int, batch: int, stdout_kind: str):
     """A reader: SPS after `warmup` iterations from the run's charts/SPS event wall times (speed.py's way), or, when
-    the events are missing (a run stopped at its limit before its writer flushed), from the cumulative SPS it printed."""
+    the events are missing (a run stopped at its limit before its writer flushed), from the cumulative SPS it
+    printed."""
     def read(item: Item, text: str) -> dict:
         import speed
 
@@ -532,9 +531,10 @@ def stage4(ctx: Ctx) -> list:
                                   "--update-epochs", "1"], 3 * 64, 1
         for device in ("cpu", "cuda"):
             runs = ctx.stage_dir(4, f"{stem}_{device}", "runs")
-            items.append(Item(f"{stem}_{device}", [PY, os.path.join(REPO, script), f"--{'' if device == 'cuda' else 'no-'}cuda",
-                                                   "--env-id", env_id, *sizes, "--total-timesteps", str(steps),
-                                                   "--exp-name", f"{stem}_{device}", "--runs-dir", runs],
+            flag = "--cuda" if device == "cuda" else "--no-cuda"
+            items.append(Item(f"{stem}_{device}", [PY, os.path.join(REPO, script), flag, "--env-id", env_id, *sizes,
+                                                   "--total-timesteps", str(steps), "--exp-name", f"{stem}_{device}",
+                                                   "--runs-dir", runs],
                               timeout=timeout, device=device, read=tb_or_stdout_sps(runs, warm, 0, "ours"),
                               skip=needs_cuda(ctx) if device == "cuda" else None))
     return items
