@@ -65,22 +65,33 @@ def stop_cmd(script: str, runs_dir, device: str) -> list:
 
 
 def resume_cmd(script: str, checkpoint: str, device: str) -> list:
-    return [sys.executable, os.path.join(REPO, script), "--resume", str(checkpoint), device_flag(device)]
+    """To the end (--stop-after 0: the checkpoint's --stop-after would stop it again)."""
+    return [sys.executable, os.path.join(REPO, script), "--resume", str(checkpoint), device_flag(device),
+            "--stop-after", "0"]
 
 
 def llm_stop_cmd(runs_dir, device: str = "cuda") -> list:
-    return [sys.executable, os.path.join(REPO, "ppo_llm.py"), *LLM_TINY, device_flag(device),
-            *(["--precision", "bf16"] if device == "cuda" else []), "--stop-after", "1", "--runs-dir", str(runs_dir)]
+    """The default task and model (bf16 autocast on CUDA: --precision auto), stopped after iteration 1."""
+    return [sys.executable, os.path.join(REPO, "ppo_llm.py"), *LLM_TINY, device_flag(device), "--stop-after", "1",
+            "--runs-dir", str(runs_dir)]
 
 
 def llm_resume_cmd(checkpoint: str, device: str) -> list:
-    return [sys.executable, os.path.join(REPO, "ppo_llm.py"), "--resume", str(checkpoint), device_flag(device)]
+    return [sys.executable, os.path.join(REPO, "ppo_llm.py"), "--resume", str(checkpoint), device_flag(device),
+            "--stop-after", "0"]
 
 
 def checkpoint_in(runs_dir) -> str:
     found = sorted(glob.glob(os.path.join(str(runs_dir), "*", "checkpoint.pt")))
     assert len(found) == 1, f"checkpoints under {runs_dir}: {found}"
     return found[0]
+
+
+def checkpoint_or_none(runs_dir):
+    try:
+        return checkpoint_in(runs_dir)
+    except AssertionError:
+        return None
 
 
 def run_all(cmds: dict, timeout: float = TIMEOUT_S) -> dict:
@@ -108,19 +119,22 @@ def runs(tmp_path_factory):
     first[("llm_stop",)] = llm_stop_cmd(tmp / "llm")
     dirs = {k: c[c.index("--runs-dir") + 1] for k, c in first.items()}
     res = run_all(first)
-    second = {}
+    second = {}  # (a stopped run that failed or left no checkpoint has no resume: its test says so)
     for s in SCRIPTS:
         for d, other in (("cuda", "cpu"), ("cpu", "cuda")):
-            if res[("stop", s, d)][0] == 0:
-                second[("resume", s, d)] = resume_cmd(s, checkpoint_in(dirs[("stop", s, d)]), other)
-    if res[("llm_stop",)][0] == 0:
-        second[("llm_resume",)] = llm_resume_cmd(checkpoint_in(dirs[("llm_stop",)]), "cpu")
+            ckpt = checkpoint_or_none(dirs[("stop", s, d)])
+            if res[("stop", s, d)][0] == 0 and ckpt:
+                second[("resume", s, d)] = resume_cmd(s, ckpt, other)
+    ckpt = checkpoint_or_none(dirs[("llm_stop",)])
+    if res[("llm_stop",)][0] == 0 and ckpt:
+        res[("llm_stop_args",)] = torch.load(ckpt, map_location="cpu", weights_only=True)["args"]  # (before resume)
+        second[("llm_resume",)] = llm_resume_cmd(ckpt, "cpu")
     res.update(run_all(second))
     return res, dirs
 
 
 def finished(result, what: str) -> str:
-    rc, text = result
+    rc, text = result or (None, "not run: the run it resumes failed or left no checkpoint")
     assert rc == 0, f"{what}: exit code {rc}\n{text[-3000:]}"
     return text
 
@@ -156,13 +170,15 @@ def test_checkpoint_resumes_on_the_other_device(runs, script, saved_on, resumed_
     res, _ = runs
     stopped = finished(res[("stop", script, saved_on)], f"{script} stopped on {saved_on}")
     assert f"stopped at iteration {ITERATIONS // 2} " in stopped, stopped[-2000:]
-    text = finished(res[("resume", script, saved_on)], f"{script}: {saved_on} checkpoint resumed on {resumed_on}")
+    text = finished(res.get(("resume", script, saved_on)), f"{script}: {saved_on} checkpoint resumed on {resumed_on}")
     assert f"iter {ITERATIONS}/{ITERATIONS}" in text, text[-2000:]
 
 
 def test_llm_bf16_on_cuda_stops_and_resumes_on_the_cpu(runs):
     res, _ = runs
-    stopped = finished(res[("llm_stop",)], "ppo_llm.py --cuda --precision bf16 --stop-after 1")
+    stopped = finished(res[("llm_stop",)], "ppo_llm.py --cuda --stop-after 1 (bf16: --precision auto)")
     assert "stopped at iteration 1 " in stopped and "iter 2/2" not in stopped, stopped[-2000:]
-    text = finished(res[("llm_resume",)], "ppo_llm.py --resume ... --no-cuda")
+    saved = res[("llm_stop_args",)]
+    assert saved["cuda"] is True and saved["precision"] == "auto", saved  # auto: bf16 autocast on CUDA
+    text = finished(res.get(("llm_resume",)), "ppo_llm.py --resume ... --no-cuda")
     assert "iter 2/2" in text, text[-2000:]
