@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import shutil
+import shlex
 import signal
 import subprocess
 import sys
@@ -354,7 +355,7 @@ def write_report(out: str, results: list[Result], table: list[Mutant], meta: dic
     killed = sum(r.status == "killed" for r in results)
     report = {**meta, "score": {"killed": killed, "total": len(results), "table_size": len(table)},
               "mutants": [{"name": r.name, "script": by_name[r.name].script, "breaks": by_name[r.name].breaks,
-                           "selection": " ".join(by_name[r.name].pytest_args()), "status": r.status,
+                           "selection": shlex.join(by_name[r.name].pytest_args()), "status": r.status,
                            "seconds": r.seconds, "detail": r.detail} for r in results]}
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "report.json"), "w") as f:
@@ -370,7 +371,7 @@ def write_report(out: str, results: list[Result], table: list[Mutant], meta: dic
              "| mutant | breaks | selection | status | s |", "|---|---|---|---|---|"]
     for r in results:
         m = by_name[r.name]
-        lines.append(f"| `{r.name}` | {m.breaks} | `{' '.join(m.pytest_args())}` | {r.status} | {r.seconds:.0f} |")
+        lines.append(f"| `{r.name}` | {m.breaks} | `{shlex.join(m.pytest_args())}` | {r.status} | {r.seconds:.0f} |")
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return report
@@ -401,7 +402,7 @@ def main(argv=None, table: list[Mutant] = MUTANTS, root: str = ROOT) -> int:
     chosen = select(table, a.only, a.script)
     if a.list:
         for m in chosen:
-            print(f"{m.name:55s} {m.breaks}\n{'':55s} pytest {' '.join(m.pytest_args())}")
+            print(f"{m.name:55s} {m.breaks}\n{'':55s} pytest {shlex.join(m.pytest_args())}")
         print(f"{len(chosen)} mutants")
         return 0
     if not chosen:
@@ -419,7 +420,7 @@ def main(argv=None, table: list[Mutant] = MUTANTS, root: str = ROOT) -> int:
             base = dict(zip(selections, ex.map(lambda s: run_mutant(None, root, a.timeout, list(s)), selections)))
         broken = {s: r for s, r in base.items() if r.status != "survived"}
         for s, r in broken.items():
-            print(f"baseline {r.status}: pytest {' '.join(s)}\n{r.detail}", flush=True)
+            print(f"baseline {r.status}: pytest {shlex.join(s)}\n{r.detail}", flush=True)
     results: dict[str, Result] = {}
 
     def one(m: Mutant) -> Result:
