@@ -133,7 +133,8 @@ MUTANTS: list[Mutant] = [
     M("ppo_continuous.py", "gae-lambda-ignored", "GAE with lambda = 1 whatever --gae-lambda says", *GAE_LAMBDA,
       k="compute_gae"),
     M("ppo_continuous.py", "clip-min-for-max", "the clipped objective takes the optimistic (min) loss",
-      "pg_loss = torch.max(pg_loss1, pg_loss2).mean()", "pg_loss = torch.min(pg_loss1, pg_loss2).mean()"),
+      "pg_loss = torch.max(pg_loss1, pg_loss2).mean()", "pg_loss = torch.min(pg_loss1, pg_loss2).mean()",
+      k="loss or norm_adv_scope"),
     M("ppo_continuous.py", "trunc-bootstrap-dropped", "a truncated episode is treated as terminated", *TRUNC_DROPPED,
       k="truncat"),
     M("ppo_continuous.py", "trunc-final-obs-unnormalised",
@@ -170,9 +171,9 @@ MUTANTS: list[Mutant] = [
       "next_values = torch.cat([values[1:], next_value.unsqueeze(0)], dim=0)", "next_values = values",
       k="bootstrap"),
     M("ppo_atari_envpool.py", "reset-mask-inverted", "the loss trains on envpool's reset steps only",
-      "mask = 1.0 - dones", "mask = dones"),
+      "mask = 1.0 - dones", "mask = dones", k="norm_adv_scope or real_transitions or smoke"),
     M("ppo_atari_envpool.py", "reset-mask-all-ones", "the loss trains on envpool's reset steps too (CleanRL's way)",
-      "mask = 1.0 - dones", "mask = torch.ones_like(dones)"),
+      "mask = 1.0 - dones", "mask = torch.ones_like(dones)", k="norm_adv_scope or real_transitions or smoke"),
     M("ppo_atari_envpool.py", "eval-deterministic-sampled", "deterministic play samples instead of taking the argmax",
       "return self.actor(self.hidden(x)).argmax(-1) if deterministic else self.get_action_and_value(x)[0]",
       "return self.get_action_and_value(x)[0]", k="deterministic or load_policy"),
@@ -282,18 +283,36 @@ def status_of(returncode: int) -> str:
     return {0: "survived", 1: "killed", 2: "killed"}.get(returncode, "error")
 
 
+LIVE: set = set()  # the pytest process groups running now (ended on Ctrl-C / SIGTERM of this tool)
+STOPPING: list = []  # not empty once the tool is stopping: no new pytest starts
+
+
+def end_live_runs() -> None:
+    STOPPING.append(True)
+    for pid in list(LIVE):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_selection(repo: str, args: list[str], timeout: float) -> tuple[str, str]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("PYTEST_ADDOPTS", None)
+    if STOPPING:
+        return "error", "not run: the tool was stopped"
     proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # its own process group: a timeout ends the scripts it started
+    LIVE.add(proc.pid)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         return "timeout", tail(out)
+    finally:
+        LIVE.discard(proc.pid)
     status = status_of(proc.returncode)
     if proc.returncode == 5:
         return "error", "no test collected (the selection matches no test)\n" + tail(out)
@@ -428,7 +447,8 @@ def main(argv=None, table: list[Mutant] = MUTANTS, root: str = ROOT) -> int:
             return Result(m.name, "error", 0.0, "the unmutated selection does not pass (--baseline)")
         return run_mutant(m, root, a.timeout)
 
-    with concurrent.futures.ThreadPoolExecutor(jobs) as ex:
+    ex = concurrent.futures.ThreadPoolExecutor(jobs)
+    try:
         futures = {ex.submit(one, m): m for m in chosen}
         for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
             r = fut.result()
@@ -436,6 +456,12 @@ def main(argv=None, table: list[Mutant] = MUTANTS, root: str = ROOT) -> int:
             print(f"[{i}/{len(chosen)}] {r.status:8s} {r.seconds:6.1f}s  {r.name}", flush=True)
             if r.status in ("error", "timeout"):
                 print("    " + r.detail.replace("\n", "\n    "), flush=True)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: no test run left behind, no report of a partial run
+        ex.shutdown(wait=False, cancel_futures=True)
+        end_live_runs()
+        print(f"stopped after {len(results)} of {len(chosen)} mutants; no report written", file=sys.stderr)
+        return 130
+    ex.shutdown()
     ordered = [results[m.name] for m in chosen]
     report = write_report(a.out, ordered, table, meta)
     s = report["score"]
@@ -445,5 +471,10 @@ def main(argv=None, table: list[Mutant] = MUTANTS, root: str = ROOT) -> int:
     return 0 if s["killed"] == s["total"] else 1
 
 
+def interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, interrupt)
     sys.exit(main())
