@@ -158,6 +158,66 @@ def obs_tensor(obs, device: torch.device) -> torch.Tensor:
     return x.reshape(x.shape[0], -1)
 
 
+def leave_signals_to_main(make):
+    """An async env worker ignores SIGINT and SIGTERM: a terminal's Ctrl-C reaches the whole process group, and a
+    worker that died of it would break the main process's checkpoint and clean exit. (gymnasium also calls the first
+    thunk in the main process, for the spaces: that one leaves the handlers alone.)"""
+    def thunk():
+        if multiprocessing.parent_process() is not None:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return make()
+
+    return thunk
+
+EXACT_RESUME_MODULES = ("gymnasium.envs.classic_control",)  # envs whose state is all in plain attributes
+
+
+def env_state(envs) -> Optional[list]:
+    """Snapshot of each sub-environment of a SyncVectorEnv: the plain attributes (numbers, arrays) of the env and of
+    every wrapper (physics state, TimeLimit's step counter, ...) and its random generator: enough to continue
+    classic-control episodes exactly. None for AsyncVectorEnv (its envs live in other processes) and for envs whose
+    state lives elsewhere (Box2D's world, an emulator): restoring part of it would continue another game."""
+    if not hasattr(envs, "envs") or not envs.envs[0].unwrapped.__module__.startswith(EXACT_RESUME_MODULES):
+        return None
+    snapshot = []
+    for env in envs.envs:
+        layers = []
+        while True:
+            layers.append({k: torch.from_numpy(np.array(v, copy=True)) if isinstance(v, (np.ndarray, np.generic))
+                           else v for k, v in vars(env).items() if isinstance(v, (bool, int, float, str)) or v is None
+                           or isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biuf"})
+            if not hasattr(env, "env"):
+                break
+            env = env.env
+        snapshot.append({"layers": layers, "np_random": env.np_random.bit_generator.state})
+    return snapshot
+
+
+def episodes_state(envs, next_obs, next_done, ep_return, ep_length) -> dict:
+    """The episodes in flight, for the checkpoint: the envs' states, the next observation, the episode counters."""
+    return dict(envs=env_state(envs), next_obs=next_obs.cpu(), next_done=next_done.cpu(),
+                ep_return=torch.from_numpy(ep_return), ep_length=torch.from_numpy(ep_length))
+
+
+def restore_episodes(envs, saved: dict, next_obs, next_done, ep_return, ep_length) -> bool:
+    """The checkpoint's episodes in flight go on where they stopped (restored in place); False where they cannot
+    (async envs, an env whose whole state env_state does not save): the envs then start new episodes."""
+    if saved["envs"] is None or env_state(envs) is None:
+        return False
+    if len(saved["envs"]) != len(envs.envs):
+        raise ValueError(f"episodes of {len(saved['envs'])} envs, this run has {len(envs.envs)}")
+    for env, state in zip(envs.envs, saved["envs"]):
+        for plain in state["layers"]:
+            for k, v in plain.items():
+                setattr(env, k, v.numpy().copy() if isinstance(v, torch.Tensor) else v)
+            env = getattr(env, "env", env)
+        env.np_random.bit_generator.state = state["np_random"]
+    next_obs.copy_(saved["next_obs"]), next_done.copy_(saved["next_done"])
+    ep_return[:], ep_length[:] = saved["ep_return"].numpy(), saved["ep_length"].numpy()
+    return True
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Agent: separate actor and critic MLPs (64x64 tanh), orthogonal init
 # ---------------------------------------------------------------------------------------------------------
@@ -228,6 +288,18 @@ def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, lam
         lastgaelam = delta + gamma * lam * nextnonterminal * lastgaelam
         advantages[t] = lastgaelam
     return advantages, advantages + values
+
+
+def bootstrap_truncated(reward: np.ndarray, terminations, truncations, infos, agent: Agent, gamma: float,
+                        device: torch.device) -> None:
+    """Truncation is not termination: an episode cut by a time limit gets r + gamma * V(final obs) as its last reward
+    (in place), so that GAE, which stops at every episode end, still bootstraps it."""
+    trunc_only = np.logical_and(truncations, np.logical_not(terminations))
+    if trunc_only.any():
+        idx = np.nonzero(trunc_only)[0]
+        with torch.inference_mode():
+            final_value = agent.get_value(obs_tensor(np.stack(infos["final_obs"][idx]), device))
+        reward[idx] += gamma * final_value.cpu().numpy()
 
 
 def normalize_advantages(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -343,20 +415,19 @@ def main(args: Args) -> dict:
     set_torch_determinism(args.torch_deterministic)
     torch.set_num_threads(args.torch_threads)
 
-    # Environments, reset with a seed per env (a resumed run that cannot restore its episodes starts new ones)
+    # Environments, reset with a seed per env (after a resume that cannot restore its episodes: new seeds)
     envs = make_vector_env(args)
     obs_dim, n_actions = int(np.prod(envs.single_observation_space.shape)), int(envs.single_action_space.n)
-    seed0 = args.seed + rank * args.num_envs + (ckpt["global_step"] if ckpt else 0)
-    next_obs_np, _ = envs.reset(seed=[seed0 + i for i in range(args.num_envs)])
-    next_obs, next_done = obs_tensor(next_obs_np, device), torch.zeros(args.num_envs, device=device)
+    seed = args.seed + rank * args.num_envs + (ckpt["global_step"] if ckpt else 0)
+    next_obs, _ = envs.reset(seed=[seed + i for i in range(args.num_envs)])
+    next_obs, next_done = obs_tensor(next_obs, device), torch.zeros(args.num_envs, device=device)
     ep_return, ep_length = np.zeros(args.num_envs), np.zeros(args.num_envs, dtype=np.int64)  # episodes in flight
 
     agent = Agent(obs_dim, n_actions).to(device)
-    # lr in a tensor, so that annealing it recompiles nothing; capturable on CUDA: the step stays in a CUDA graph
+    # lr in a tensor, so that annealing it recompiles nothing; capturable on CUDA: the step stays in the CUDA graph
     optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
                                  fused=True, capturable=args.cuda)
-    penalised = args.kl_penalty_coef is not None or args.kl_penalty_target is not None
-    kl_penalty = KLPenalty(args, device) if penalised else None
+    kl_penalty = KLPenalty(args, device) if (args.kl_penalty_coef, args.kl_penalty_target) != (None, None) else None
     first_iteration, global_step = 1, 0
     if ckpt is not None:  # exact resume: networks, Adam, this rank's RNG, the KL coefficient, the episodes in flight
         with checkpoint_fits(args.resume):
@@ -366,18 +437,14 @@ def main(args: Args) -> dict:
             set_rng_state(ckpt["rng"][rank], device)
             if kl_penalty and args.kl_penalty_target is not None:
                 kl_penalty.set(ckpt["kl_coef"])  # the adapted coefficient goes on
-            saved = ckpt["episodes"][rank]
-            if saved["envs"] is not None and env_state(envs) is not None:  # else: new episodes (said below)
-                load_env_state(envs, saved["envs"])
-                next_obs.copy_(saved["next_obs"]), next_done.copy_(saved["next_done"])  # (shapes checked)
-                ep_return[:], ep_length[:] = saved["ep_return"].numpy(), saved["ep_length"].numpy()
+            restored = restore_episodes(envs, ckpt["episodes"][rank], next_obs, next_done, ep_return, ep_length)
             first_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
         if rank == 0:
-            print(f"resumed {args.resume} at iteration {first_iteration - 1}, global step {global_step}"
-                  + ("" if saved["envs"] is not None and env_state(envs) is not None else "; new episodes start"))
+            print(f"resumed {args.resume} at iteration {ckpt['iteration']}, global step {global_step}"
+                  + ("" if restored else " (the environments start new episodes)"))
     writer = open_logs(args, run_dir, rank, resumed=ckpt is not None)  # TensorBoard; wandb with --track
-    train_agent = agent
-    if world > 1:  # DDP averages the gradients of the update (every rank steps its own envs)
+    train_agent = agent  # the update calls it: under torchrun DDP averages the gradients (each rank its own envs)
+    if world > 1:
         train_agent = torch.nn.parallel.DistributedDataParallel(agent, device_ids=[device.index] if args.cuda else None)
     norm_per_minibatch = args.norm_adv and args.norm_adv_scope == "minibatch"
 
@@ -406,13 +473,12 @@ def main(args: Args) -> dict:
     logprobs, rewards, dones, values = (torch.zeros((args.num_steps, args.num_envs), device=device) for _ in range(4))
     old_logp_all = torch.zeros((args.num_steps, args.num_envs, n_actions), device=device)
     recent_returns, stats, eval_returns, clock = [], {}, None, Clock(global_step)
-    keep_checkpoint = args.save_model or args.checkpoint_every or args.stop_after or args.eval_episodes or args.resume
+    final_save = args.save_model or args.checkpoint_every or args.stop_after or args.eval_episodes or args.resume
 
     with StopSignals() as signals:  # SIGTERM / Ctrl-C are honoured at the end of an iteration
         for iteration in range(first_iteration, num_iterations + 1):
-            lr_now = args.learning_rate
-            if args.anneal_lr:  # detail: linear annealing to 0 over the whole run
-                lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+            frac = 1.0 - (iteration - 1.0) / num_iterations if args.anneal_lr else 1.0  # detail: lr annealed to 0
+            lr_now = frac * args.learning_rate
             optimizer.param_groups[0]["lr"].fill_(lr_now)
 
             # 1. Collect rollout
@@ -428,13 +494,7 @@ def main(args: Args) -> dict:
                 done = np.logical_or(terminations, truncations)
                 ep_return, ep_length = ep_return + reward, ep_length + 1
                 log_episodes(writer, recent_returns, ep_return, ep_length, done, global_step)  # then zeroes them
-                # Truncation is not termination: bootstrap r + gamma * V(final obs) for episodes cut by a time limit.
-                trunc_only = np.logical_and(truncations, np.logical_not(terminations))
-                if trunc_only.any():
-                    idx = np.nonzero(trunc_only)[0]
-                    with torch.inference_mode():
-                        final_value = agent.get_value(obs_tensor(np.stack(infos["final_obs"][idx]), device))
-                    reward[idx] += args.gamma * final_value.cpu().numpy()
+                bootstrap_truncated(reward, terminations, truncations, infos, agent, args.gamma, device)
                 rewards[step] = torch.as_tensor(reward, device=device)
                 next_obs = obs_tensor(next_obs_np, device)
                 next_done = torch.as_tensor(done, dtype=torch.float32, device=device)
@@ -466,8 +526,8 @@ def main(args: Args) -> dict:
 
             # 5. Update reference policy: theta_old <- theta, implicitly (the next rollout samples from theta). The
             # KL-penalty variant measures KL(pi_old || pi_theta) over the rollout and adapts its coefficient to it.
-            extra = {"kl": kl_penalty.rollout_kl(agent.actor, b_obs, b_old_logp_all, minibatch_size)} if kl_penalty else {}
-            stats = iteration_stats(update_stats, world, signals=len(signals.received), **extra)  # one host sync
+            kl = {"kl": kl_penalty.rollout_kl(agent.actor, b_obs, b_old_logp_all, minibatch_size)} if kl_penalty else {}
+            stats = iteration_stats(update_stats, world, signals=len(signals.received), **kl)  # the one host sync
             check_finite(stats, iteration, ckpt_path)
             stats["explained_variance"] = explained_variance(b_values.cpu().numpy(), b_returns.cpu().numpy())
             log_iteration(writer, args, stats, lr_now, kl_penalty, iteration, num_iterations, global_step,
@@ -476,11 +536,9 @@ def main(args: Args) -> dict:
                 kl_penalty.adapt(stats["kl"])  # the coefficient of the next update
             stop = stats["signals"] > 0 or 0 < args.stop_after <= iteration - first_iteration + 1
             if stop or (args.checkpoint_every and iteration % args.checkpoint_every == 0) or (
-                    iteration == num_iterations and keep_checkpoint):
-                episodes = dict(envs=env_state(envs), next_obs=next_obs.cpu(), next_done=next_done.cpu(),
-                                ep_return=torch.from_numpy(ep_return), ep_length=torch.from_numpy(ep_length))
-                ckpt_path = save_state(run_dir, args, agent, optimizer, kl_penalty, iteration, global_step, episodes,
-                                       rank, world)
+                    iteration == num_iterations and final_save):
+                ckpt_path = save_state(run_dir, args, agent, optimizer, kl_penalty, iteration, global_step,
+                                       episodes_state(envs, next_obs, next_done, ep_return, ep_length), rank, world)
             if stop and iteration < num_iterations:
                 if rank == 0:
                     why = signal.Signals(signals.received[0]).name if signals.received else (
@@ -488,21 +546,16 @@ def main(args: Args) -> dict:
                     print(f"stopped at iteration {iteration} ({why}); continue with: {launcher(world)} --resume "
                           f"{ckpt_path}", flush=True)
                 break
-        else:  # the trained model is on disk before evaluation starts; a signal during evaluation stops it cleanly
+        else:  # the trained model is on disk before the evaluation starts; a signal stops the evaluation cleanly
             if args.eval_episodes and rank == 0:
                 eval_returns = evaluate(agent, args, device, args.eval_episodes, os.path.join(run_dir, "videos"),
                                         stop=lambda: bool(signals.received))
                 if signals.received:
-                    eval_returns = None
-                    print(f"stopped during the evaluation ({signal.Signals(signals.received[0]).name}); the trained "
-                          f"model is in {ckpt_path}", flush=True)
+                    eval_returns = print(f"stopped during the evaluation ({signal.Signals(signals.received[0]).name})"
+                                         f"; the trained model is in {ckpt_path}", flush=True)
                 else:
                     log_evaluation(writer, args, eval_returns, global_step)
-    envs.close()
-    if writer is not None:
-        writer.close()
-    if world > 1:
-        torch.distributed.destroy_process_group()
+    close_run(envs, writer, world)
     return {"global_step": global_step, "run_dir": run_dir, "stats": stats, "returns": recent_returns,
             **({"eval_returns": eval_returns} if eval_returns is not None else {})}
 
@@ -650,6 +703,14 @@ class Clock:
         self.start, self.steps, self.last_print, self.first = time.time(), global_step, 0.0, True
 
 
+def close_run(envs, writer, world: int) -> None:
+    envs.close()
+    if writer is not None:
+        writer.close()
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
 def log_episodes(writer, recent: list, ep_return: np.ndarray, ep_length: np.ndarray, done: np.ndarray,
                  global_step: int) -> None:
     """The episodes that ended in this step: their return and length logged, their counters zeroed."""
@@ -719,40 +780,6 @@ def check_resume(ckpt: dict, args: Args, world: int) -> None:
         raise Failure(f"{args.resume} was written by {n} process(es); resume it with as many: {launcher(n)} --resume "
                       f"{args.resume}")
 
-
-EXACT_RESUME_MODULES = ("gymnasium.envs.classic_control",)  # envs whose state is all in plain attributes
-
-
-def env_state(envs) -> Optional[list]:
-    """Snapshot of each sub-environment of a SyncVectorEnv: the plain attributes (numbers, arrays) of the env and of
-    every wrapper (physics state, TimeLimit's step counter, ...) and its random generator: enough to continue
-    classic-control episodes exactly. None for AsyncVectorEnv (its envs live in other processes) and for envs whose
-    state lives elsewhere (Box2D's world, an emulator): restoring part of it would continue another game."""
-    if not hasattr(envs, "envs") or not envs.envs[0].unwrapped.__module__.startswith(EXACT_RESUME_MODULES):
-        return None
-    snapshot = []
-    for env in envs.envs:
-        layers = []
-        while True:
-            layers.append({k: torch.from_numpy(np.array(v, copy=True)) if isinstance(v, (np.ndarray, np.generic))
-                           else v for k, v in vars(env).items() if isinstance(v, (bool, int, float, str)) or v is None
-                           or isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biuf"})
-            if not hasattr(env, "env"):
-                break
-            env = env.env
-        snapshot.append({"layers": layers, "np_random": env.np_random.bit_generator.state})
-    return snapshot
-
-
-def load_env_state(envs, snapshot: list) -> None:
-    if len(snapshot) != len(envs.envs):
-        raise ValueError(f"episodes of {len(snapshot)} envs, this run has {len(envs.envs)}")
-    for env, saved in zip(envs.envs, snapshot):
-        for plain in saved["layers"]:
-            for k, v in plain.items():
-                setattr(env, k, v.numpy().copy() if isinstance(v, torch.Tensor) else v)
-            env = getattr(env, "env", env)
-        env.np_random.bit_generator.state = saved["np_random"]
 
 
 # --- checkpoints ------------------------------------------------------------------------------------------
@@ -999,19 +1026,6 @@ def validate(args: Args) -> None:
                       "ppo_continuous.py for continuous actions)")
     if not isinstance(spaces[1], gym.spaces.Box):
         raise Failure(f"{args.env_id} has a {type(spaces[1]).__name__} observation space; ppo.py needs a Box")
-
-
-def leave_signals_to_main(make):
-    """An async env worker ignores SIGINT and SIGTERM: a terminal's Ctrl-C reaches the whole process group, and a
-    worker that died of it would break the main process's checkpoint and clean exit. (gymnasium also calls the first
-    thunk in the main process, for the spaces: that one leaves the handlers alone.)"""
-    def thunk():
-        if multiprocessing.parent_process() is not None:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        return make()
-
-    return thunk
 
 
 # --- the one error boundary -------------------------------------------------------------------------------
