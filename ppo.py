@@ -96,7 +96,7 @@ class Args:  # Count: an int that also reads 1e7 (defined with the command line,
     compile: bool = False
     """torch.compile the action sampling and the update step"""
     cudagraphs: bool = False
-    """capture the action sampling and the update step in CUDA graphs (needs --cuda)"""
+    """CUDA graphs through torch.compile's reduce-overhead mode; implies compilation (needs --cuda)"""
     torch_threads: Count = 1
     """torch CPU threads (1 is fastest for small networks)"""
     track: bool = False
@@ -108,13 +108,13 @@ class Args:  # Count: an int that also reads 1e7 (defined with the command line,
     capture_video: bool = False
     """record videos of the evaluation episodes under runs/<run>/videos"""
     save_model: bool = False
-    """write runs/<run>/checkpoint.pt at the end of training"""
+    """write runs/<run>/checkpoint.pt at the end of training (so do --eval-episodes, --checkpoint-every, a resumed run)"""
     checkpoint_every: Count = 0
     """also write the checkpoint every N iterations (0: only at the end with --save-model)"""
     resume: Optional[str] = None
     """continue from this checkpoint.pt (its run directory, step count, lr schedule); flags not given take its values"""
     stop_after: Count = 0
-    """stop this process after N iterations with a checkpoint (0: run to the end); --resume continues"""
+    """stop this process after N iterations with a checkpoint (0: run to the end; not kept by the checkpoint)"""
     eval_episodes: Count = 0
     """after training (or right away for a finished --resume checkpoint) evaluate N episodes"""
     eval_deterministic: bool = False
@@ -169,6 +169,7 @@ def leave_signals_to_main(make):
         return make()
 
     return thunk
+
 
 EXACT_RESUME_MODULES = ("gymnasium.envs.classic_control",)  # envs whose state is all in plain attributes
 
