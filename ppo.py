@@ -9,8 +9,9 @@ Read from the top: Args -> environments -> Agent -> the PPO math (compute_gae, a
 the adaptive-KL-penalty variant) -> main(), whose loop is the PPO note's steps (docs/reading_guide.md):
 1. Collect rollout, 2. Compute advantages and returns (GAE), 3. Advantage normalisation,
 4. Optimise policy & value for E epochs, 5. Update reference policy.
-PPO ends at the banner below main(). What follows it (run context: torchrun, logging, signals; checkpoints and
-exact resume; evaluation and load_policy; compile helpers; the command line) changes nothing that PPO computes.
+PPO ends at the banner below main(). What follows it, flat helpers (torchrun, the run directory, logging, checkpoints,
+evaluation and load_policy, compile helpers, the command line) and one error boundary in __main__, changes nothing
+that PPO computes.
 """
 
 from __future__ import annotations
@@ -780,7 +781,6 @@ def check_resume(ckpt: dict, args: Args, world: int) -> None:
         n = ckpt["world_size"]
         raise Failure(f"{args.resume} was written by {n} process(es); resume it with as many: {launcher(n)} --resume "
                       f"{args.resume}")
-
 
 
 # --- checkpoints ------------------------------------------------------------------------------------------
