@@ -4,10 +4,8 @@ import glob
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
