@@ -109,7 +109,7 @@ class Args:  # Count: an int that also reads 1e7 (defined with the command line,
     capture_video: bool = False
     """record videos of the evaluation episodes under runs/<run>/videos"""
     save_model: bool = False
-    """write runs/<run>/checkpoint.pt at the end of training (so do --eval-episodes, --checkpoint-every, a resumed run)"""
+    """write runs/<run>/checkpoint.pt at the end (so do --eval-episodes, --checkpoint-every, a resumed run)"""
     checkpoint_every: Count = 0
     """also write the checkpoint every N iterations (0: only at the end with --save-model)"""
     resume: Optional[str] = None
@@ -474,7 +474,7 @@ def main(args: Args) -> dict:
     actions = torch.zeros((args.num_steps, args.num_envs), dtype=torch.long, device=device)
     logprobs, rewards, dones, values = (torch.zeros((args.num_steps, args.num_envs), device=device) for _ in range(4))
     old_logp_all = torch.zeros((args.num_steps, args.num_envs, n_actions), device=device)
-    recent_returns, stats, eval_returns, clock = [], {}, None, Clock(global_step)
+    recent_returns, stats, eval_returns, clock = [], {}, None, dict(start=time.time(), steps=global_step, printed=0)
     final_save = args.save_model or args.checkpoint_every or args.stop_after or args.eval_episodes or args.resume
 
     with StopSignals() as signals:  # SIGTERM / Ctrl-C are honoured at the end of an iteration
@@ -552,11 +552,7 @@ def main(args: Args) -> dict:
             if args.eval_episodes and rank == 0:
                 eval_returns = evaluate(agent, args, device, args.eval_episodes, os.path.join(run_dir, "videos"),
                                         stop=lambda: bool(signals.received))
-                if signals.received:
-                    eval_returns = print(f"stopped during the evaluation ({signal.Signals(signals.received[0]).name})"
-                                         f"; the trained model is in {ckpt_path}", flush=True)
-                else:
-                    log_evaluation(writer, args, eval_returns, global_step)
+                eval_returns = log_evaluation(writer, args, eval_returns, global_step, signals.received, ckpt_path)
     close_run(envs, writer, world)
     return {"global_step": global_step, "run_dir": run_dir, "stats": stats, "returns": recent_returns,
             **({"eval_returns": eval_returns} if eval_returns is not None else {})}
@@ -567,12 +563,10 @@ def main(args: Args) -> dict:
 # checkpoints, evaluation and load_policy, compile helpers, the command line and its one error boundary.
 # =========================================================================================================
 SCRIPT = "ppo.py"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class Failure(Exception):  # [SHARED]
-    """An expected failure, said in one line by __main__: exit code 2 for bad input or a checkpoint that does not
-    fit this run, 1 for a write that failed (disk full) or an update that went non-finite."""
+    """An expected failure, one line from __main__: exit 2 for bad input or a checkpoint that does not fit, else 1."""
 
     def __init__(self, message: str, code: int = 2):
         super().__init__(message)
@@ -580,19 +574,17 @@ class Failure(Exception):  # [SHARED]
 
 
 def setup_distributed(cuda: bool) -> tuple[int, int, torch.device]:  # [SHARED]
-    """Rank, world size and device. Under torchrun a process group: gloo on the CPU, NCCL with one GPU per rank."""
+    """Rank, world size, device; under torchrun a process group (gloo on the CPU, NCCL with one GPU per rank)."""
     world, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if world == 1:
-        return 0, 1, device
-    torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=1))
-    return torch.distributed.get_rank(), world, device
+    if world > 1:
+        torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=1))
+    return int(os.environ.get("RANK", "0")), world, device
 
 
 def all_ranks_mean(x: torch.Tensor, world: int) -> torch.Tensor:  # [SHARED]
-    """The mean of x over the ranks (x itself with one process)."""
     if world > 1:
         x = x.clone()
         torch.distributed.all_reduce(x)
@@ -602,17 +594,14 @@ def all_ranks_mean(x: torch.Tensor, world: int) -> torch.Tensor:  # [SHARED]
 
 def gather_objects(obj, world: int) -> list:  # [SHARED]
     """[obj of rank 0, obj of rank 1, ...] on every rank."""
-    if world == 1:
-        return [obj]
-    out = [None] * world
-    torch.distributed.all_gather_object(out, obj)
+    out = [obj] * world
+    if world > 1:
+        torch.distributed.all_gather_object(out, obj)
     return out
 
 
 def set_torch_determinism(on: bool) -> None:  # [SHARED]
-    """--torch-deterministic: deterministic algorithms (warn-only), cuDNN's and cuBLAS's. Fresh CUDA memory is not
-    filled with NaN (torch's default under deterministic algorithms): it costs time and every buffer is written
-    before it is read."""
+    """--torch-deterministic (cuDNN, cuBLAS, warn-only); fresh CUDA memory is not NaN-filled: every buffer is written."""
     torch.backends.cudnn.deterministic = on
     torch.use_deterministic_algorithms(on, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
@@ -621,8 +610,7 @@ def set_torch_determinism(on: bool) -> None:  # [SHARED]
 
 
 def make_run_dir(args, rank: int, world: int) -> str:  # [SHARED]
-    """The resumed checkpoint's directory, or a new runs/<env>__<exp>__<seed>__<time> (-2, -3, ... when two runs
-    start in the same second). Rank 0 makes it; every rank learns its name."""
+    """The resumed checkpoint's directory, or a new runs/<env>__<exp>__<seed>__<time>[-2, -3, ...] made by rank 0."""
     if args.resume:
         return os.path.dirname(os.path.abspath(args.resume))
     run_dir = None
@@ -633,7 +621,7 @@ def make_run_dir(args, rank: int, world: int) -> str:  # [SHARED]
             try:
                 os.makedirs(run_dir)
                 break
-            except FileExistsError:
+            except FileExistsError:  # another run started in the same second
                 n += 1
                 run_dir = f"{base}-{n}"
             except OSError as e:
@@ -642,7 +630,7 @@ def make_run_dir(args, rank: int, world: int) -> str:  # [SHARED]
 
 
 def open_logs(args, run_dir: str, rank: int, resumed: bool):  # [SHARED]
-    """TensorBoard's writer in the run directory (and wandb with --track); rank 0 alone logs (None elsewhere)."""
+    """TensorBoard's writer in the run directory, and wandb with --track; rank 0 alone logs (None elsewhere)."""
     if rank != 0:
         return None
     from torch.utils.tensorboard import SummaryWriter
@@ -655,17 +643,18 @@ def open_logs(args, run_dir: str, rank: int, resumed: bool):  # [SHARED]
                    config=vars(args), name=name, id=name, resume="allow", dir=run_dir)
     writer = SummaryWriter(run_dir)
     if not resumed:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in
+                                                                                 vars(args).items()))
     return writer
 
 
 class StopSignals:  # [SHARED]
-    """While active, SIGTERM and SIGINT (Ctrl-C) are noted instead of ending the process: main honours them at the end
-    of the iteration (checkpoint, then the command that continues the run) or during the evaluation."""
+    """While active, SIGTERM / SIGINT are noted (main stops at the end of the iteration), then the handlers return."""
 
     def __enter__(self):
         self.received: list[int] = []
-        self.previous = {s: signal.signal(s, lambda signum, frame: self.received.append(signum)) for s in STOP_SIGNALS}
+        self.previous = {s: signal.signal(s, lambda signum, _: self.received.append(signum))
+                         for s in (signal.SIGTERM, signal.SIGINT)}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -674,7 +663,6 @@ class StopSignals:  # [SHARED]
 
 
 def check_finite(stats: dict, iteration: int, last_checkpoint: Optional[str]) -> None:  # [SHARED]
-    """A non-finite loss, KL or gradient norm stops the run (exit 1) before it is logged or saved."""
     bad = [k for k, v in stats.items() if not math.isfinite(v)]
     if bad:
         kept = f"last checkpoint: {last_checkpoint}" if last_checkpoint else "no checkpoint was written"
@@ -682,7 +670,7 @@ def check_finite(stats: dict, iteration: int, last_checkpoint: Optional[str]) ->
 
 
 def eta_text(seconds: float) -> str:  # [SHARED]
-    """Time left for the progress line: 2h05m, 13m20s or 45s ("?" before the speed is known)."""
+    """2h05m, 13m20s or 45s ("?" before the speed is known)."""
     if not math.isfinite(seconds) or seconds < 0:
         return "?"
     s = int(seconds)
@@ -695,14 +683,48 @@ def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:  # [SHA
 
 
 def launcher(world: int) -> str:  # [SHARED]
-    """The command that runs this script with `world` processes (in the messages that say how to go on)."""
     return f"{f'torchrun --nproc-per-node {world}' if world > 1 else 'python'} {SCRIPT}"
 
-class Clock:
-    """The progress line's clock: steps/s since this process started training, and when it last printed."""
+def log_episodes(writer, recent: list, ep_return: np.ndarray, ep_length: np.ndarray, done: np.ndarray, step: int):
+    """The episodes that ended in this step: their return and length logged, their counters zeroed."""
+    for i in np.nonzero(done)[0]:
+        recent.append(float(ep_return[i]))
+        if writer is not None:
+            writer.add_scalar("charts/episodic_return", ep_return[i], step)
+            writer.add_scalar("charts/episodic_length", ep_length[i], step)
+    ep_return[done], ep_length[done] = 0.0, 0
 
-    def __init__(self, global_step: int):
-        self.start, self.steps, self.last_print, self.first = time.time(), global_step, 0.0, True
+
+def iteration_stats(update_stats: list[dict], world: int, **extra) -> dict:
+    """ONE host sync per iteration: the update's statistics averaged over the minibatches, and `extra` (the rollout's
+    KL, the count of stop signals), averaged over the ranks."""
+    means = [torch.stack([s[k] for s in update_stats]).mean() for k in update_stats[0]]
+    device = means[0].device
+    x = torch.stack([*means, *(torch.as_tensor(v, dtype=torch.float32, device=device) for v in extra.values())])
+    return dict(zip([*update_stats[0], *extra], all_ranks_mean(x, world).tolist()))
+
+
+def log_iteration(writer, args: Args, stats: dict, lr: float, kl_penalty, iteration: int, num_iterations: int,
+                  global_step: int, recent: list, clock: dict, rank: int, world: int) -> None:
+    """TensorBoard's scalars of the iteration, and the progress line every 5 s (and at the last iteration)."""
+    now = time.time()
+    rate = (global_step - clock["steps"]) / max(now - clock["start"], 1e-9)  # steps/s, all processes
+    scalars = {"charts/learning_rate": lr, "charts/SPS": int(rate), **{f"losses/{k}": stats[k] for k in (
+        "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance")}}
+    if kl_penalty is not None:  # (the coefficient this update used)
+        scalars.update({"losses/kl": stats["kl"], "charts/kl_coef": kl_penalty.beta})
+    for tag, value in scalars.items() if writer is not None else ():
+        writer.add_scalar(tag, value, global_step)
+    if rank == 0 and (now - clock["printed"] >= 5.0 or iteration == num_iterations):
+        if args.cudagraphs and not clock["printed"] and cudagraph_skips():  # after the first iteration
+            print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs: why)")
+        clock["printed"] = now
+        steps_left = (num_iterations - iteration) * args.num_envs * args.num_steps * world
+        print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={int(rate)}  "
+              f"return(last 20)={np.mean(recent[-20:]) if recent else float('nan'):.1f}  "
+              f"approx_kl={stats['approx_kl']:.4f}"
+              + (f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else "")
+              + f"  eta={eta_text(steps_left / rate if rate > 0 else math.inf)}", flush=True)
 
 
 def close_run(envs, writer, world: int) -> None:
@@ -712,57 +734,81 @@ def close_run(envs, writer, world: int) -> None:
     if world > 1:
         torch.distributed.destroy_process_group()
 
+# --- checkpoints ------------------------------------------------------------------------------------------
+def save_checkpoint(path: str, state: dict) -> None:  # [SHARED]
+    """Written to a temporary file, then renamed: a kill or a full disk keeps the previous checkpoint whole."""
+    try:
+        with open(f"{path}.tmp", "wb") as f:  # (a Python file: torch's error then carries the OSError)
+            torch.save(state, f)
+        os.replace(f"{path}.tmp", path)
+    except Exception as e:
+        with contextlib.suppress(OSError):
+            os.remove(f"{path}.tmp")
+        cause = e
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        kept = "the previous checkpoint is kept" if os.path.exists(path) else "no checkpoint was written"
+        raise Failure(f"cannot write {path}: {cause.strerror or cause} ({kept})", code=1) from None
 
-def log_episodes(writer, recent: list, ep_return: np.ndarray, ep_length: np.ndarray, done: np.ndarray,
-                 global_step: int) -> None:
-    """The episodes that ended in this step: their return and length logged, their counters zeroed."""
-    for i in np.nonzero(done)[0]:
-        recent.append(float(ep_return[i]))
-        if writer is not None:
-            writer.add_scalar("charts/episodic_return", ep_return[i], global_step)
-            writer.add_scalar("charts/episodic_length", ep_length[i], global_step)
-    ep_return[done], ep_length[done] = 0.0, 0
+
+def load_checkpoint(path: str) -> dict:  # [SHARED]
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise Failure(f"cannot read checkpoint {path}: {type(e).__name__}: {first_line(e)}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
+        raise Failure(f"{path} is not a {SCRIPT} checkpoint")
+    return ckpt
 
 
-def iteration_stats(update_stats: list[dict], world: int, **extra) -> dict:
-    """ONE host sync per iteration: the update's statistics averaged over the minibatches, and `extra` (the rollout's
-    KL, the count of stop signals), all averaged over the ranks."""
-    means = [torch.stack([s[k] for s in update_stats]).mean() for k in update_stats[0]]
-    x = torch.stack([*means, *(torch.as_tensor(v, dtype=torch.float32, device=means[0].device) for v in extra.values())])
-    return dict(zip([*update_stats[0], *extra], all_ranks_mean(x, world).tolist()))
+@contextlib.contextmanager
+def checkpoint_fits(path: str):  # [SHARED]
+    """What torch or the envs raise on a checkpoint that does not fit this run (env, shapes, keys) is one line."""
+    try:
+        yield
+    except Failure:
+        raise
+    except Exception as e:
+        raise Failure(f"checkpoint {path} does not fit this run: {type(e).__name__}: {first_line(e)}") from None
 
 
-def log_iteration(writer, args: Args, stats: dict, lr: float, kl_penalty, iteration: int, num_iterations: int,
-                  global_step: int, recent: list, clock: Clock, rank: int, world: int) -> None:
-    """TensorBoard's scalars of the iteration, and the progress line every 5 s (and at the last iteration)."""
-    now = time.time()
-    rate = (global_step - clock.steps) / max(now - clock.start, 1e-9)  # steps/s, all processes
-    if writer is not None:
-        writer.add_scalar("charts/learning_rate", lr, global_step)
-        for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
-                  "explained_variance"):
-            writer.add_scalar(f"losses/{k}", stats[k], global_step)
-        writer.add_scalar("charts/SPS", int(rate), global_step)
-        if kl_penalty is not None:
-            writer.add_scalar("losses/kl", stats["kl"], global_step)
-            writer.add_scalar("charts/kl_coef", kl_penalty.beta, global_step)  # the coefficient this update used
-    if rank == 0 and (now - clock.last_print >= 5.0 or iteration == num_iterations):
-        clock.last_print = now
-        steps_left = (num_iterations - iteration) * args.num_envs * args.num_steps * world
-        print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={int(rate)}  "
-              f"return(last 20)={np.mean(recent[-20:]) if recent else float('nan'):.1f}  "
-              f"approx_kl={stats['approx_kl']:.4f}"
-              + (f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else "")
-              + f"  eta={eta_text(steps_left / rate if rate > 0 else math.inf)}", flush=True)
-    if args.cudagraphs and clock.first and rank == 0 and cudagraph_skips():
-        print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs says why)")
-    clock.first = False
+def first_line(e: BaseException) -> str:  # [SHARED]
+    return (str(e).splitlines() or [""])[0]
 
+
+def rng_state() -> dict:  # [SHARED]
+    """torch's CPU generator, and this process's CUDA one when it is in use."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:  # [SHARED]
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:  # [SHARED]
+    """Adam's moments and steps, keeping this run's settings (fused, capturable, lr on this device): a CUDA
+    checkpoint resumes on the CPU and the reverse."""
+    own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for g, settings in zip(optimizer.param_groups, own):
+        g.update(settings, lr=torch.tensor(float(g["lr"]), device=device))
+        for p in g["params"]:
+            st = optimizer.state.get(p, {})
+            if torch.is_tensor(st.get("step")):
+                on_param = g.get("capturable") or g.get("fused")
+                st["step"] = st["step"].to(p.device if on_param else "cpu", torch.float32, copy=True)
 
 def save_state(run_dir: str, args: Args, agent: Agent, optimizer, kl_penalty, iteration: int, global_step: int,
                episodes: dict, rank: int, world: int) -> str:
-    """Called by every rank at the same iteration: every rank's RNG and episodes in flight gathered, rank 0 writes
-    runs/<run>/checkpoint.pt. --stop-after is not kept: the printed command runs to the end."""
+    """Called by every rank: every rank's RNG and episodes in flight gathered, rank 0 writes runs/<run>/checkpoint.pt
+    (--stop-after is not kept: the printed command runs to the end)."""
     rng, episodes = gather_objects(rng_state(), world), gather_objects(episodes, world)
     path = os.path.join(run_dir, "checkpoint.pt")
     if rank == 0:
@@ -778,89 +824,15 @@ def check_resume(ckpt: dict, args: Args, world: int) -> None:
     if ckpt["env_id"] != args.env_id:
         raise Failure(f"{args.resume} was trained on {ckpt['env_id']}, not {args.env_id}")
     if ckpt["world_size"] != world:
-        n = ckpt["world_size"]
-        raise Failure(f"{args.resume} was written by {n} process(es); resume it with as many: {launcher(n)} --resume "
-                      f"{args.resume}")
+        raise Failure(f"{args.resume} was written by {ckpt['world_size']} process(es); resume it with as many: "
+                      f"{launcher(ckpt['world_size'])} --resume {args.resume}")
 
-
-# --- checkpoints ------------------------------------------------------------------------------------------
-def save_checkpoint(path: str, state: dict) -> None:  # [SHARED]
-    """Write to a temporary file, then rename: a kill or a full disk during the save leaves the previous checkpoint
-    whole and no partial file; a failed write is one line, exit 1."""
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "wb") as f:  # (a Python file: torch's error for a failed write then carries the OSError)
-            torch.save(state, f)
-        os.replace(tmp, path)
-    except Exception as e:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        cause = e
-        while cause is not None and not isinstance(cause, OSError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise
-        kept = "the previous checkpoint is kept" if os.path.exists(path) else "no checkpoint was written"
-        raise Failure(f"cannot write {path}: {cause.strerror or cause} ({kept})", code=1) from None
-
-
-def load_checkpoint(path: str) -> dict:  # [SHARED]
-    """A checkpoint of this script, read on the CPU; one that does not load is one line, exit 2."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise Failure(f"cannot read checkpoint {path}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from None
-    if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
-        raise Failure(f"{path} is not a {SCRIPT} checkpoint")
-    return ckpt
-
-
-@contextlib.contextmanager
-def checkpoint_fits(path: str):  # [SHARED]
-    """Whatever torch or the envs raise while a checkpoint's states are loaded into this run (another env, edited
-    arguments, missing keys, shapes) is one line, exit 2."""
-    try:
-        yield
-    except Failure:
-        raise
-    except Exception as e:
-        raise Failure(f"checkpoint {path} does not fit this run: {type(e).__name__}: "
-                      f"{(str(e).splitlines() or [''])[0]}") from None
-
-
-def rng_state() -> dict:  # [SHARED]
-    """The script's randomness: torch's CPU generator, and the CUDA one of this process's GPU when it is in use."""
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:  # [SHARED]
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:  # [SHARED]
-    """Adam's moments and step counters from a checkpoint, keeping this run's settings (fused, capturable, lr as a
-    tensor on this device), so that a CUDA checkpoint resumes on the CPU and the reverse."""
-    own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
-    optimizer.load_state_dict(state)
-    for g, settings in zip(optimizer.param_groups, own):
-        g.update(settings)
-        g["lr"] = torch.tensor(float(g["lr"]), device=device)
-        for p in g["params"]:
-            st = optimizer.state.get(p, {})
-            if torch.is_tensor(st.get("step")):
-                on_param = g.get("capturable") or g.get("fused")
-                st["step"] = st["step"].to(p.device if on_param else torch.device("cpu"), torch.float32, copy=True)
 
 # --- evaluation and load_policy ---------------------------------------------------------------------------
 def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "",
              stop=lambda: False) -> list[float]:
-    """Play `episodes` episodes with actions sampled from the policy (or its most likely ones with
-    --eval-deterministic); their undiscounted returns (fewer once stop() says so). --capture-video records them."""
+    """The returns of `episodes` episodes (fewer once stop() says so), actions sampled or, with --eval-deterministic,
+    the most likely ones; --capture-video records them."""
     env = make_env(args.env_id, 0, args.capture_video, video_dir)()
     returns, ep_ret = [], 0.0
     obs, _ = env.reset(seed=args.seed + 10_000)
@@ -878,45 +850,45 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, vide
     return returns
 
 
-def log_evaluation(writer, args: Args, returns: list[float], global_step: int) -> None:
+def log_evaluation(writer, args: Args, returns: list, global_step: int, signals: list, ckpt_path: str):
+    """The evaluation's mean return (None after a stop signal, which the line says)."""
+    if signals:
+        return print(f"stopped during the evaluation ({signal.Signals(signals[0]).name}); the trained model is in "
+                     f"{ckpt_path}", flush=True)
     mean, std = float(np.mean(returns)), float(np.std(returns))
     writer.add_scalar("eval/episodic_return", mean, global_step)
-    print(f"eval: {len(returns)} episodes{' (deterministic)' if args.eval_deterministic else ''}, "
-          f"return {mean:.2f} ± {std:.2f}")
+    print(f"eval: {len(returns)} episodes{' (deterministic)' * args.eval_deterministic}, return {mean:.2f} ± "
+          f"{std:.2f}")
+    return returns
 
 
 def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
-    """A trained policy for your own code: `policy = load_policy("runs/<run>/checkpoint.pt")`, then
-    `action = policy(obs)` for one observation of the checkpoint's env, or `policy(batch)` for one action per row.
-    A file that is no ppo.py checkpoint raises Failure."""
+    """A trained policy for your own code: `policy = load_policy("runs/<run>/checkpoint.pt")`, then `policy(obs)`,
+    an action for one observation of the checkpoint's env, or one per row of a batch (Failure: not a checkpoint)."""
     import gymnasium as gym
 
     ckpt = load_checkpoint(path)
-    probe = gym.make(ckpt["env_id"])
-    shape, n_actions = probe.observation_space.shape, int(probe.action_space.n)
-    probe.close()
-    obs_dim = int(np.prod(shape))
-    agent = Agent(obs_dim, n_actions).to(device)
+    with gym.make(ckpt["env_id"]) as probe:
+        shape, n_actions = probe.observation_space.shape, int(probe.action_space.n)
+    agent = Agent(int(np.prod(shape)), n_actions).to(device)
     agent.load_state_dict(ckpt["model"])
 
     @torch.inference_mode()
     def policy(obs):
         obs = np.asarray(obs)
-        batch = obs.shape not in (shape, (obs_dim,))
-        if batch and obs.shape[1:] not in (shape, (obs_dim,)):
+        batch = obs.shape != shape and obs.shape[1:] == shape
+        if obs.shape != shape and not batch:
             raise ValueError(f"an observation of shape {obs.shape}: expected {shape} or a batch of them")
         actions = agent.act(obs_tensor(obs if batch else obs[None], device), deterministic).cpu().numpy()
         return actions if batch else actions[0]
 
     return policy
 
-
 # --- compile and CUDA-graph helpers -----------------------------------------------------------------------
 def compile_hot_functions(policy, update, agent, args):  # [SHARED]
-    """The rollout's action sampling and the minibatch update: eager, torch.compile'd (--compile), or with CUDA graphs
-    (--cudagraphs: inductor's reduce-overhead mode, which records each graph once and replays it; the parameters,
-    their gradients and Adam's capturable state stay at fixed addresses, so the optimizer step is inside the graph).
-    The gradients are allocated here, outside any graph's memory pool; the update zeroes them in place."""
+    """Eager, --compile, or --cudagraphs (torch.compile's reduce-overhead mode: each graph recorded once, replayed;
+    parameters, gradients and capturable Adam at fixed addresses keep the optimizer step inside the graph). The
+    gradients are allocated here, outside any graph's memory pool; the update zeroes them in place."""
     for p in agent.parameters():
         p.grad = torch.zeros_like(p)
     if not (args.compile or args.cudagraphs):
@@ -930,7 +902,7 @@ def compile_hot_functions(policy, update, agent, args):  # [SHARED]
 
 
 def cudagraph_skips() -> int:  # [SHARED]
-    """How many compiled graphs torch ran without CUDA graphs: --cudagraphs says so instead of falling back silently."""
+    """How many compiled graphs torch ran without CUDA graphs (--cudagraphs says so instead of falling back)."""
     from torch._dynamo.utils import counters
 
     return counters["inductor"]["cudagraph_skips"]
@@ -938,102 +910,83 @@ def cudagraph_skips() -> int:  # [SHARED]
 
 # --- command line -----------------------------------------------------------------------------------------
 def parse_count(text: str) -> int:  # [SHARED]
-    """A count written as 500000, 5e5, 1e7 or 1_000_000; anything that is not a whole number is an error."""
-    try:
-        value = float(text.replace("_", ""))
-    except ValueError:
-        raise ValueError(f"{text!r} is not a number") from None
+    """500000, 5e5, 1e7 or 1_000_000; a number that is not whole is an error."""
+    value = float(text.replace("_", ""))  # (ValueError: tyro says the flag wants an INT)
     if not value.is_integer():
         raise ValueError(f"{text!r} is not a whole number")
     return int(value)
 
 
-Count = Annotated[  # [SHARED] (must be defined before Args is evaluated: see "from __future__ import annotations")
-    int,
-    tyro.constructors.PrimitiveConstructorSpec(
-        nargs=1, metavar="INT", instance_from_str=lambda a: parse_count(a[0]),
-        is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)]),
-]
+Count = Annotated[int, tyro.constructors.PrimitiveConstructorSpec(  # [SHARED]
+    nargs=1, metavar="INT", instance_from_str=lambda a: parse_count(a[0]),
+    is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)])]
 
 
 def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED]
-    """tyro's command line (its own errors: exit 2). With --resume the checkpoint's arguments are the defaults and
-    flags given now override them. Then validate(): bad values are one line, exit 2, before anything is written."""
+    """tyro's command line (its own errors: exit 2); with --resume the checkpoint's arguments are the defaults."""
     argv = sys.argv[1:] if argv is None else argv
     resume = next((a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
                    if (a == "--resume" and i + 1 < len(argv)) or a.startswith("--resume=")), None)
-    if resume is None:
-        args = tyro.cli(Args, args=argv)
-        validate(args)  # [PER SCRIPT]: raises Failure("...") for a bad value
-        return args
-    saved = load_checkpoint(resume)
-    with checkpoint_fits(resume):  # its arguments missing or edited (of another type) are one line too
+    saved = load_checkpoint(resume) if resume else None
+    with checkpoint_fits(resume) if resume else contextlib.nullcontext():  # its arguments missing or edited
         names = {f.name for f in dataclasses.fields(Args)}
-        args = tyro.cli(Args, args=argv, default=Args(**{k: v for k, v in saved["args"].items() if k in names}))
-        validate(args)
+        default = Args(**{k: v for k, v in saved["args"].items() if k in names}) if resume else None
+        args = tyro.cli(Args, args=argv, default=default)
+        validate(args)  # bad values: one line, exit 2, before anything is written
     return args
-
 
 def validate(args: Args) -> None:
     """Bad values, an env ppo.py cannot drive, --cuda without a GPU: one line, exit 2, before anything is written."""
     import gymnasium as gym
 
     for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "torch_threads",
-                 "eval_episodes", "checkpoint_every", "stop_after"):
-        low = 0 if name in ("total_timesteps", "eval_episodes", "checkpoint_every", "stop_after") else 1
+                 "eval_episodes", "checkpoint_every", "stop_after", "seed"):
+        low = 1 if name in ("num_envs", "num_steps", "num_minibatches", "update_epochs", "torch_threads") else 0
         if getattr(args, name) < low:
             raise Failure(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     for f in dataclasses.fields(Args):  # nan / inf pass the range checks below unnoticed
         if isinstance(getattr(args, f.name), float) and not math.isfinite(getattr(args, f.name)):
             raise Failure(f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(args, f.name)}")
     batch, world = args.num_envs * args.num_steps, int(os.environ.get("WORLD_SIZE", "1"))
-    checks = [
+    for bad, message in [
         (0 < args.total_timesteps < batch * world, f"--total-timesteps {args.total_timesteps} is less than one rollout "
                                                    f"of every process ({world} x num_envs*num_steps = {batch})"),
-        (batch % args.num_minibatches, f"num_envs*num_steps = {batch} is not divisible by --num-minibatches "
-                                       f"{args.num_minibatches}"),
+        (batch % args.num_minibatches, f"num_envs*num_steps = {batch} is not divisible by --num-minibatches"),
         (args.norm_adv and args.norm_adv_scope == "minibatch" and batch // args.num_minibatches < 2,
          f"minibatches of {batch // args.num_minibatches} sample: --norm-adv needs at least 2 (their std)"),
-        (not 0 <= args.seed < 2**31, f"--seed must lie in [0, 2**31), got {args.seed}"),
+        (args.seed >= 2**31, f"--seed must be < 2**31, got {args.seed}"),
         (not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1), "--gamma and --gae-lambda must lie in [0, 1]"),
         (min(args.learning_rate, args.clip_coef, args.max_grad_norm) <= 0,
          "--learning-rate, --clip-coef and --max-grad-norm must be positive"),
-        (min(args.ent_coef, args.vf_coef) < 0, "--ent-coef and --vf-coef must be >= 0"),
-        (args.target_kl is not None and args.target_kl <= 0, f"--target-kl must be positive, got {args.target_kl}"),
-        (args.kl_penalty_coef is not None and args.kl_penalty_coef < 0,
-         f"--kl-penalty-coef must be >= 0, got {args.kl_penalty_coef}"),
-        (args.kl_penalty_target is not None and args.kl_penalty_target <= 0,
-         f"--kl-penalty-target must be positive, got {args.kl_penalty_target}"),
+        (min(args.ent_coef, args.vf_coef, args.kl_penalty_coef or 0) < 0,
+         "--ent-coef, --vf-coef and --kl-penalty-coef must be >= 0"),
+        (min([x for x in (args.target_kl, args.kl_penalty_target) if x is not None], default=1) <= 0,
+         "--target-kl and --kl-penalty-target must be positive"),
         (args.cuda and not torch.cuda.is_available(), "--cuda given (or taken from the checkpoint: --no-cuda resumes "
                                                       "on the CPU) but torch finds no CUDA device"),
         (args.cuda and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-         f"--cuda with {os.environ.get('LOCAL_WORLD_SIZE')} processes on this machine but "
-         f"{torch.cuda.device_count()} GPU(s)"),
+         f"--cuda with {os.environ.get('LOCAL_WORLD_SIZE')} processes on this machine but fewer GPUs"),
         (args.cudagraphs and not args.cuda, "--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)"),
-        (args.cudagraphs and world > 1, "--cudagraphs is not supported under torchrun (DDP's all-reduce runs outside "
-                                        "the graph)"),
-    ]
-    for bad, message in checks:
+        (args.cudagraphs and world > 1, "--cudagraphs is not supported under torchrun (DDP's all-reduce is outside "
+                                        "the graph)")]:
         if bad:
             raise Failure(message)
     try:
         probe = gym.make(args.env_id)
     except Exception as e:  # an unknown id, a missing optional dependency of the env
-        raise Failure(f"unknown or unusable env id {args.env_id!r}: {type(e).__name__}: {e}") from None
-    spaces = probe.action_space, probe.observation_space
-    probe.close()
-    if not isinstance(spaces[0], gym.spaces.Discrete) or spaces[0].start != 0:
-        raise Failure(f"{args.env_id} has the action space {spaces[0]}; ppo.py needs Discrete actions from 0 (use "
-                      "ppo_continuous.py for continuous actions)")
-    if not isinstance(spaces[1], gym.spaces.Box):
-        raise Failure(f"{args.env_id} has a {type(spaces[1]).__name__} observation space; ppo.py needs a Box")
-
+        raise Failure(f"unknown or unusable env id {args.env_id!r}: {type(e).__name__}: {first_line(e)}") from None
+    if not isinstance(probe.action_space, gym.spaces.Discrete) or probe.action_space.start != 0:
+        raise Failure(f"{args.env_id} has the action space {probe.action_space}; ppo.py needs Discrete actions from 0 "
+                      "(ppo_continuous.py takes continuous ones)")
+    if not isinstance(probe.observation_space, gym.spaces.Box):
+        raise Failure(f"{args.env_id} has a {type(probe.observation_space).__name__} observation space; ppo.py needs "
+                      "a Box")
 
 # --- the one error boundary -------------------------------------------------------------------------------
 if __name__ == "__main__":
     try:
         main(parse_args())
-    except Failure as e:  # every rank finds bad input: rank 0 says it; a failed write is said where it happened
+    except Failure as e:  # every rank finds bad input and rank 0 says it; a failed write is said where it happened
         if e.code == 1 or int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(e.code)
