@@ -1,22 +1,33 @@
-"""What a cluster does to a job, tested once for each of the three RL scripts (ppo.py, ppo_continuous.py,
-ppo_atari_envpool.py): signals at any moment, name collisions, full disks, damaged or edited checkpoints, dead env
-workers, forked children. The scripts stand alone and each carries this machinery; its tests are written here once,
-parametrized over a small table of the scripts (SCRIPTS). What only one script has stays in its own test file.
+"""The guarantees a user meets when a run is stopped, a disk fills or a checkpoint is wrong, tested once for each of
+the three RL scripts over a table of the scripts (SCRIPTS). What only one script has stays in its own test file.
 
-    python -m pytest tests/test_faults.py -q
+    python -m pytest tests/test_faults.py -q            # all rows;  -k ppo-  (or ppo_continuous-, ...) for one
+
+What a row (Script) needs from its script (module name `name`, imported when a test of the row runs):
+- Args with the fields env_id, num_envs, num_steps, total_timesteps, runs_dir, exp_name, seed, save_model,
+  checkpoint_every, stop_after, eval_episodes, resume, cuda; `tiny` holds a run small enough for these tests and `batch`
+  the environment steps of one of its iterations; `other_env` an env id the script takes but its checkpoint does not.
+- main(args) -> dict with "run_dir" and "global_step" ("eval_returns" after an evaluation); parse_args(argv);
+  class Failure(Exception) with .code (2: bad input / a checkpoint that does not fit, 1: a failed write / non-finite
+  update), which main and parse_args raise and `__main__` prints as "error: <message>" (one line) before sys.exit;
+  make_run_dir(args, rank, world); compute_gae (called once in each iteration, with the signal handlers on); evaluate(..., stop=callable) called by main after the final save;
+  save_checkpoint, which writes through torch.save (a patched torch.save fills the disk here).
+- The words of the [SHARED] helpers of /work/rl_core.py, and in main:
+  "stopped at iteration N (SIGTERM); continue with: python SCRIPT --resume PATH" after a stop by a signal, and
+  "stopped during the evaluation (SIGTERM); the trained model is in PATH" after a signal during --eval-episodes.
+- The checkpoint layout of the brief: script, env_id, args, model, optimizer, iteration, global_step, kl_coef,
+  world_size, rng (one entry per rank), and the script's own states.
+`mujoco_warning`: MuJoCo may print its deprecation warning on stderr beside the error line (ppo_continuous.py).
 """
 
 import dataclasses
-import errno
 import glob
+import importlib
 import os
-import re
 import signal
-import struct
 import subprocess
 import sys
 import time
-import types
 
 import pytest
 import torch
@@ -24,24 +35,22 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/shared.py
-import ppo  # noqa: E402
-import ppo_atari_envpool  # noqa: E402
-import ppo_continuous  # noqa: E402
 from shared import FullDisk, copy_run, edited_copy, error_lines, handlers  # noqa: E402
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Script:
-    mod: types.ModuleType
-    tiny: dict  # a tiny run's Args but its length (and the flags of the same run: argv)
-    batch: int  # the steps of one of its iterations (num_envs * num_steps)
-    make_envs: str  # the function its main makes the training envs with
-    async_workers: bool = False  # --vector-mode async: gymnasium's worker processes
+    name: str  # the module (the script's file name without .py)
+    tiny: dict  # a tiny run's Args but its length (and the flags of the same run: command)
+    batch: int  # the environment steps of one of its iterations (num_envs * num_steps)
+    other_env: str  # an env id the script trains on, which its tiny run's checkpoint does not fit
     mujoco_warning: bool = False  # MuJoCo may print its warning on stderr beside the error line
 
     @property
-    def name(self) -> str:
-        return self.mod.__name__
+    def mod(self):
+        return importlib.import_module(self.name)
 
     @property
     def env_id(self) -> str:
@@ -63,31 +72,26 @@ class Script:
 
 
 SCRIPTS = [
-    Script(ppo, dict(env_id="CartPole-v1", num_envs=2, num_steps=64), 128, "make_vector_env", async_workers=True),
-    Script(ppo_continuous, dict(env_id="Hopper-v5", num_envs=2, num_steps=64, num_minibatches=2, update_epochs=1),
-           128, "make_vector_env", async_workers=True, mujoco_warning=True),  # Hopper: short episodes
-    Script(ppo_atari_envpool, dict(env_id="Breakout-v5", num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1,
-                                   torch_threads=1, num_threads=1), 64, "make_envs"),
+    Script("ppo", dict(env_id="CartPole-v1", num_envs=2, num_steps=64), 128, "Acrobot-v1"),
+    Script("ppo_continuous", dict(env_id="Hopper-v5", num_envs=2, num_steps=64, num_minibatches=2, update_epochs=1),
+           128, "Walker2d-v5", mujoco_warning=True),  # Hopper: short episodes
+    Script("ppo_atari_envpool", dict(env_id="Breakout-v5", num_envs=2, num_steps=32, num_minibatches=2,
+                                     update_epochs=1, torch_threads=1, num_threads=1), 64, "Pong-v5"),
 ]
-
-
-def over(*needs, scripts=SCRIPTS):
-    """Parametrize a test with `s`, each script that has everything in needs (Script's flags)."""
-    chosen = [s for s in scripts if all(getattr(s, n) for n in needs)]
-    return pytest.mark.parametrize("s", chosen, ids=[s.name for s in chosen])
+over = pytest.mark.parametrize("s", SCRIPTS, ids=[f"{s.name}-" for s in SCRIPTS])  # -k ppo- picks ppo.py's row
 
 
 def cases(table):
-    """Parametrize a test with (s, edit, needle) from rows (script names or None for all, edit, needle)."""
-    return pytest.mark.parametrize("s,edit,needle", [
-        pytest.param(s, edit, needle, id=f"{s.name}-{needle}")
-        for names, edit, needle in table for s in SCRIPTS if names is None or s.name in names])
+    """Parametrize a test with (s, case, ...) for each script and each row of the table (the row's first item: its
+    id; the rest: its parameters)."""
+    return pytest.mark.parametrize("s,case", [pytest.param(s, row, id=f"{s.name}-{row[0]}")
+                                               for s in SCRIPTS for row in table])
 
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory):
-    """stopped(s): the run directory of a run of s stopped after the first of its 2 iterations, trained once per
-    script for this file; the tests that resume, edit or damage its checkpoint take a copy (shared.copy_run)."""
+    """stopped(s): the run directory of a run of s stopped (--stop-after 1) after the first of its 2 iterations,
+    trained once per script for this file; the tests that resume, edit or damage its checkpoint take a copy."""
     runs = {}
 
     def get(s):
@@ -98,250 +102,99 @@ def stopped(tmp_path_factory):
     return get
 
 
-def resume_error(s, capsys, path) -> tuple:
-    """--resume PATH from the command line to main: (exit code, stderr)."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        s.mod.main(s.mod.parse_args(["--resume", path]))
-    return e.value.code, capsys.readouterr().err
+def failure(s, call):
+    """The Failure that call() raises: (its exit code, its message)."""
+    with pytest.raises(s.mod.Failure) as e:
+        call()
+    return e.value.code, str(e.value)
 
 
-def until(p, text: str) -> str:
-    """Read p's stdout up to the line that holds text (that line)."""
-    line = ""
-    while text not in line:
-        line = p.stdout.readline()
-        assert line, p.stderr.read()
-    return line
+def checkpoint(run_dir: str) -> dict:
+    return torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Signals: handlers given back, async workers, a signal during setup, the evaluation, the final save, the teardown
+# SIGTERM / Ctrl-C: the iteration ends, the checkpoint is written, the command that continues is printed; during
+# --eval-episodes the trained model is on disk first; the handlers are given back
 # --------------------------------------------------------------------------------------------------------------
-@over()
-def test_handlers_and_torch_settings_are_restored_when_the_loop_raises(s, tmp_path, monkeypatch):
-    seen = []
+@over
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_after_the_iteration_with_a_checkpoint_and_the_command_that_continues(
+        s, tmp_path, monkeypatch, capsys, sig):
+    real = s.mod.compute_gae
 
-    def broken_gae(*a, **k):  # the loop runs with torch's deterministic algorithms, then breaks
-        seen.append(torch.are_deterministic_algorithms_enabled())
+    def signal_then_gae(*a, **k):  # the signal arrives in the middle of the first iteration
+        os.kill(os.getpid(), sig)
+        return real(*a, **k)
+
+    monkeypatch.setattr(s.mod, "compute_gae", signal_then_gae)
+    before = handlers()
+    res = s.mod.main(s.args(tmp_path, 3))
+    ckpt = os.path.join(res["run_dir"], "checkpoint.pt")
+    assert res["global_step"] == s.batch and handlers() == before
+    out = capsys.readouterr().out
+    assert f"stopped at iteration 1 ({sig.name}); continue with: python {s.name}.py --resume {ckpt}" in out, out
+    state = checkpoint(res["run_dir"])
+    assert state["iteration"] == 1 and state["global_step"] == s.batch and state["script"] == f"{s.name}.py"
+
+
+@over
+def test_a_signal_during_the_evaluation_stops_it_with_the_trained_model_on_disk_first(s, tmp_path, monkeypatch,
+                                                                                       capsys):
+    real, seen = s.mod.evaluate, []
+
+    def signal_then_evaluate(*a, **k):
+        (ckpt,) = glob.glob(str(tmp_path / "*" / "checkpoint.pt"))
+        seen.append(torch.load(ckpt, weights_only=True)["iteration"])  # on disk before the evaluation starts
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)  # which stops at its first look at stop()
+
+    monkeypatch.setattr(s.mod, "evaluate", signal_then_evaluate)
+    before = handlers()
+    res = s.mod.main(s.args(tmp_path, 1, eval_episodes=100_000))  # (without --save-model)
+    assert seen == [1] and handlers() == before and "eval_returns" not in res
+    ckpt = os.path.join(res["run_dir"], "checkpoint.pt")
+    assert f"stopped during the evaluation (SIGTERM); the trained model is in {ckpt}" in capsys.readouterr().out
+
+
+@over
+def test_ctrl_c_on_the_command_line_checkpoints_and_exits_0(s, tmp_path):
+    """As a terminal's Ctrl-C: SIGINT to the whole process group, once the first iteration is out."""
+    p = subprocess.Popen(s.command("--total-timesteps", "1e7", "--runs-dir", str(tmp_path)), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=ENV, start_new_session=True)
+    first = p.stdout.readline()
+    assert first.startswith("iter 1/"), first + p.stderr.read()
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and "Traceback" not in err, err
+    (ckpt,) = glob.glob(str(tmp_path / "*" / "checkpoint.pt"))
+    assert f"(SIGINT); continue with: python {s.name}.py --resume {ckpt}" in out, out
+    state = torch.load(ckpt, weights_only=True)
+    assert state["global_step"] == state["iteration"] * s.batch > 0
+
+
+@over
+def test_the_handlers_are_given_back_when_main_returns_or_raises(s, tmp_path, monkeypatch):
+    before = handlers()
+    s.mod.main(s.args(tmp_path / "ok", 1))
+    assert handlers() == before
+
+    def broken_gae(*a, **k):
+        assert handlers() != before  # (main's own handlers were on)
         raise RuntimeError("broken")
 
     monkeypatch.setattr(s.mod, "compute_gae", broken_gae)
-    before = handlers()
-    assert not torch.are_deterministic_algorithms_enabled()
     with pytest.raises(RuntimeError, match="broken"):
-        s.mod.main(s.args(tmp_path, 1))
-    assert seen == [True] and handlers() == before and not torch.are_deterministic_algorithms_enabled()
-
-
-@over("async_workers")
-def test_the_spaces_probe_of_an_async_env_leaves_the_main_process_handlers_alone(s):
-    """gymnasium calls the first env thunk in the main process to read the spaces; only the workers ignore signals."""
-    before = handlers()
-    assert s.mod.leave_signals_to_main(lambda: "env")() == "env"
+        s.mod.main(s.args(tmp_path / "raises", 1))
     assert handlers() == before
 
 
-@over("async_workers")
-def test_async_workers_ignore_the_signals_meant_for_the_main_process(s):
-    import gymnasium as gym
-
-    class ReportsHandlers(gym.Env):  # says, from its worker process, what SIGINT and SIGTERM do there
-        observation_space, action_space = gym.spaces.Box(-1, 1, (1,)), gym.spaces.Box(-1, 1, (1,))
-
-        def handlers(self):
-            return signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-
-    envs = gym.vector.AsyncVectorEnv([s.mod.leave_signals_to_main(ReportsHandlers)] * 2)
-    try:
-        assert envs.call("handlers") == ((signal.SIG_IGN, signal.SIG_IGN),) * 2
-    finally:
-        envs.close()
-
-
-@over()
-def test_a_signal_during_setup_stops_after_the_first_iteration_with_a_checkpoint(s, tmp_path, monkeypatch, capsys):
-    real = getattr(s.mod, s.make_envs)
-
-    def make_then_signal(*a, **k):  # SIGTERM arrives while the run is being set up
-        envs = real(*a, **k)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return envs
-
-    monkeypatch.setattr(s.mod, s.make_envs, make_then_signal)
-    before = handlers()
-    res = s.mod.main(s.args(tmp_path, 2))
-    assert res["global_step"] == s.batch and handlers() == before
-    assert f"stopped at iteration 1 (SIGTERM); continue with: python {s.name}.py --resume" in capsys.readouterr().out
-    assert torch.load(os.path.join(res["run_dir"], "checkpoint.pt"), weights_only=True)["iteration"] == 1
-
-
-@over()
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_during_the_evaluation_saves_the_trained_model_and_stops_cleanly(s, tmp_path, sig):
-    p = subprocess.Popen(s.command("--total-timesteps", str(2 * s.batch), "--eval-episodes", "100000", "--runs-dir",
-                                   str(tmp_path)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         cwd=tmp_path)
-    until(p, "iter 2/2")  # the last iteration: the evaluation follows
-    time.sleep(1.0)
-    p.send_signal(sig)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 0 and "Traceback" not in err, err
-    name = signal.Signals(sig).name
-    assert f"stopped at the end of the run ({name}); the trained model is in" in out
-    assert f"evaluate it with: python {s.name}.py --resume" in out and "--eval-episodes 100000" in out
-    (ckpt,) = glob.glob(str(tmp_path / f"{s.env_id}__{s.name}__1__*" / "checkpoint.pt"))
-    assert torch.load(ckpt, weights_only=True)["iteration"] == 2  # the trained state, though no --save-model
-
-
-@over()
-def test_a_signal_during_the_final_save_skips_the_evaluation(s, tmp_path, monkeypatch, capsys):
-    real = s.mod.save_checkpoint
-
-    def save_and_signal(*a, **k):
-        real(*a, **k)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(s.mod, "save_checkpoint", save_and_signal)
-    monkeypatch.setattr(s.mod, "evaluate", lambda *a, stop, **k: [] if stop() else pytest.fail("evaluated anyway"))
-    res = s.mod.main(s.args(tmp_path, 1, save_model=True, eval_episodes=3))
-    out = capsys.readouterr().out
-    assert "checkpoint written to" in out and "stopped at the end of the run (SIGTERM)" in out
-    assert "eval_returns" not in res
-
-
-@over()
-def test_the_checkpoint_of_a_stop_during_the_evaluation_has_the_rng_of_the_trained_run(s, tmp_path, monkeypatch):
-    full = s.mod.main(s.args(tmp_path / "full", 1, save_model=True))
-    real = s.mod.evaluate
-
-    def draw_then_signal(*a, **k):  # the evaluation draws random numbers, then a signal comes
-        torch.rand(100)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return real(*a, **k)
-
-    monkeypatch.setattr(s.mod, "evaluate", draw_then_signal)
-    stopped = s.mod.main(s.args(tmp_path / "stopped", 1, eval_episodes=3))
-    a, b = (torch.load(os.path.join(r["run_dir"], "checkpoint.pt"), weights_only=True) for r in (full, stopped))
-    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]) and a["iteration"] == b["iteration"] == 1
-
-
-@over()
-def test_a_second_signal_right_after_the_stop_keeps_the_exit_clean(s, tmp_path):
-    p = subprocess.Popen(s.command("--total-timesteps", "1e6", "--runs-dir", str(tmp_path)), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    assert p.stdout.readline().startswith("iter 1/"), p.stderr.read()
-    p.send_signal(signal.SIGTERM)
-    until(p, "stopped at iteration")
-    time.sleep(0.02)  # the teardown has begun; signals keep coming until the process is gone
-    deadline = time.time() + 60
-    while p.poll() is None and time.time() < deadline:
-        p.send_signal(signal.SIGTERM)
-        time.sleep(0.02)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 0, (p.returncode, err)
-
-
 # --------------------------------------------------------------------------------------------------------------
-# The run directory: names taken in the same second, the lock (held by a live process, a forked child), a checkpoint
-# rewritten before the lock
+# Writing: a full disk (one line, exit 1, no partial file, the previous checkpoint intact); a run directory per run
 # --------------------------------------------------------------------------------------------------------------
-@over()
-def test_runs_started_in_the_same_second_get_their_own_directories(s, tmp_path):
-    now = int(time.time())
-    for t in range(now - 1, now + 30):  # the name a run started now would take
-        (tmp_path / f"{s.env_id}__t__1__{t}").mkdir()
-    res = s.mod.main(s.args(tmp_path, 1, save_model=True))
-    assert re.fullmatch(rf"{s.env_id}__t__1__\d+-2", os.path.basename(res["run_dir"])), res["run_dir"]
-    assert os.path.isfile(os.path.join(res["run_dir"], "checkpoint.pt"))
-
-
-@over()
-def test_a_run_directory_held_by_a_live_process_is_refused(s, stopped, tmp_path, capsys):
-    import fcntl
-
-    ckpt = copy_run(stopped(s), tmp_path)
-    run_dir = os.path.dirname(ckpt)
-    with open(os.path.join(run_dir, ".lock"), "w") as held:  # another process resumed it already
-        fcntl.flock(held, fcntl.LOCK_EX)
-        held.write("4242")
-        held.flush()
-        before = os.stat(ckpt).st_mtime_ns
-        code, err = resume_error(s, capsys, ckpt)
-        assert code == 2 and s.one_line(err), err
-        assert f"run directory {run_dir} is in use by another process (pid 4242)" in err
-        assert os.stat(ckpt).st_mtime_ns == before
-    assert s.mod.main(s.mod.parse_args(["--resume", ckpt]))["global_step"] == 2 * s.batch  # free again: it resumes
-
-
-@over()
-def test_fits_and_hint_text_read_the_types_of_the_args_fields(s):
-    """What a checkpoint's stored args are checked with, against a table (bool is no int; an int is a float)."""
-    import typing
-    from typing import Literal, Optional
-
-    table = [(1, int, True), (1.0, int, False), (True, int, False), (1, float, True), (2.5, float, True),
-             (True, float, False), ("1", float, False), (True, bool, True), (1, bool, False), ("a", str, True),
-             (None, str, False), (None, Optional[float], True), (0.5, Optional[float], True),
-             ("x", Optional[float], False), ("sync", Literal["sync", "async"], True),
-             ("threads", Literal["sync", "async"], False)]
-    assert [(v, h) for v, h, want in table if s.mod.fits(v, h) is not want] == []
-    hints = typing.get_type_hints(s.mod.Args, include_extras=True)
-    assert s.mod.fits(7, hints["num_envs"]) and not s.mod.fits("abc", hints["num_envs"])  # a Count (Annotated int)
-    assert not s.mod.fits(7, hints["env_id"]) and s.mod.fits(None, hints["target_kl"])
-    assert s.mod.hint_text(hints["num_envs"]) == "int" and s.mod.hint_text(hints["target_kl"]) == "float or None"
-    assert s.mod.hint_text(Literal["sync", "async"]) == "one of 'sync', 'async'"
-
-
-@over()
-def test_a_forked_child_does_not_hold_the_run_directory_lock(s, tmp_path):
-    import multiprocessing
-
-    fd = s.mod.lock_run_dir(str(tmp_path))
-    try:
-        ctx = multiprocessing.get_context("fork")
-
-        lock = os.stat(tmp_path / ".lock")
-
-        def child_sees_the_lock() -> None:  # exit 0: closed in the child (an open copy would keep the lock held)
-            try:  # (the child may reuse the number for another file: compare what it names)
-                st = os.fstat(fd)
-                held = (st.st_dev, st.st_ino) == (lock.st_dev, lock.st_ino)
-            except OSError:
-                held = False
-            os._exit(3 if held else 0 if fd not in s.mod.LOCK_FDS else 4)
-        child = ctx.Process(target=child_sees_the_lock)
-        child.start()
-        child.join()
-        assert child.exitcode == 0
-    finally:
-        s.mod.release_lock(fd)
-    assert fd not in s.mod.LOCK_FDS
-
-
-@over()
-def test_a_checkpoint_rewritten_between_reading_and_locking_is_refused(s, stopped, tmp_path, monkeypatch, capsys):
-    """A requeued job read checkpoint k; before it took the lock, the old job wrote k+1 and ended: resuming k would
-    overwrite k+1."""
-    ckpt = copy_run(stopped(s), tmp_path)
-    real = s.mod.lock_run_dir
-
-    def old_job_writes_first(run_dir):
-        torch.save(torch.load(ckpt, weights_only=True), ckpt)  # (stands for the old job's next checkpoint)
-        return real(run_dir)
-
-    monkeypatch.setattr(s.mod, "lock_run_dir", old_job_writes_first)
-    code, err = resume_error(s, capsys, ckpt)
-    assert code == 2 and s.one_line(err), err
-    assert "was rewritten by another process while this one started" in err, err
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Full disks: the checkpoint, TensorBoard's events, the evaluation videos
-# --------------------------------------------------------------------------------------------------------------
-@over()
+@over
 @pytest.mark.parametrize("good_saves", [0, 1])
-def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(s, tmp_path, monkeypatch, capsys, good_saves):
+def test_a_full_disk_is_one_line_exit_1_and_keeps_the_previous_checkpoint(s, tmp_path, monkeypatch, good_saves):
     real, calls = torch.save, []
 
     def save(obj, f, *a, **k):  # the real torch.save, onto a disk that fills after `good_saves` checkpoints
@@ -349,200 +202,163 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(s, tmp_path, 
         return real(obj, f if len(calls) <= good_saves else FullDisk(f, 1000), *a, **k)
 
     monkeypatch.setattr(torch, "save", save)
-    with pytest.raises(SystemExit) as e:
-        s.mod.main(s.args(tmp_path, 1 + good_saves, checkpoint_every=1))
-    err = capsys.readouterr().err
-    assert e.value.code == 1 and s.one_line(err) and "Traceback" not in err, err
+    code, msg = failure(s, lambda: s.mod.main(s.args(tmp_path, 1 + good_saves, checkpoint_every=1)))
     (run_dir,) = glob.glob(str(tmp_path / f"{s.env_id}__t__*"))
     ckpt = os.path.join(run_dir, "checkpoint.pt")
-    assert f"error: cannot write {ckpt}: No space left on device" in err
+    assert code == 1 and "\n" not in msg and msg.startswith(f"cannot write {ckpt}: No space left on device"), msg
     assert not os.path.exists(ckpt + ".tmp")  # the partial file is gone
     if good_saves:
-        assert f"(last checkpoint kept: {ckpt})" in err
+        assert msg.endswith("(the previous checkpoint is kept)"), msg
         assert torch.load(ckpt, weights_only=True)["iteration"] == 1
     else:
-        assert "(no checkpoint was written)" in err and not os.path.exists(ckpt)
+        assert msg.endswith("(no checkpoint was written)") and not os.path.exists(ckpt), msg
 
 
-@over()
-def test_a_full_disk_under_the_tensorboard_events_is_one_line(s, tmp_path, monkeypatch, capsys):
-    from tensorboard.summary.writer import record_writer
+@over
+def test_a_full_disk_on_the_command_line_is_one_line_exit_1(s, tmp_path):
+    """A file-size limit stands for the full disk (a write past it fails with EFBIG), under the real __main__."""
+    import resource
 
-    real, writes = record_writer.RecordWriter.write, []
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
 
-    def write(self, data):
-        writes.append(1)
-        if len(writes) > 12:  # past the hyperparameters, among the scalars
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(self, data)
-
-    monkeypatch.setattr(record_writer.RecordWriter, "write", write)
-    with pytest.raises(SystemExit) as e:
-        s.mod.main(s.args(tmp_path, 2))
-    err = capsys.readouterr().err
-    assert e.value.code == 1 and s.one_line(err) and "Traceback" not in err, err
-    assert "error: cannot write the TensorBoard events in" in err and "No space left on device" in err
+    r = subprocess.run(s.command("--total-timesteps", str(s.batch), "--save-model", "--runs-dir", str(tmp_path)),
+                       capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=240, preexec_fn=small_files)
+    assert r.returncode == 1 and s.one_line(r.stderr) and "Traceback" not in r.stderr, r.stderr
+    (line,) = error_lines(r.stderr)
+    assert line.startswith("error: cannot write ") and "checkpoint.pt: File too large" in line, line
+    assert not glob.glob(str(tmp_path / "*" / "checkpoint.pt*"))  # no partial file
 
 
-@over()
-def test_a_full_disk_under_the_evaluation_videos_saves_the_model_and_is_one_line(s, tmp_path, monkeypatch, capsys):
-    def full(*a, **k):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(s.mod, "evaluate", full)
-    with pytest.raises(SystemExit) as e:
-        s.mod.main(s.args(tmp_path, 1, eval_episodes=2))
-    err = capsys.readouterr().err
-    assert e.value.code == 1 and s.one_line(err) and "Traceback" not in err, err
-    assert "cannot write the evaluation videos in" in err and "No space left on device" in err
-    (ckpt,) = glob.glob(str(tmp_path / f"{s.env_id}__t__*" / "checkpoint.pt"))
-    assert f"(last checkpoint kept: {ckpt})" in err
-    assert torch.load(ckpt, weights_only=True)["iteration"] == 1  # the trained state, saved first
+@over
+def test_runs_started_in_the_same_second_get_two_directories(s, tmp_path, monkeypatch):
+    args = s.args(tmp_path, 1)
+    monkeypatch.setattr(time, "time", lambda: 1_000_000_000.5)
+    a, b = s.mod.make_run_dir(args, 0, 1), s.mod.make_run_dir(args, 0, 1)
+    assert a != b and os.path.isdir(a) and os.path.isdir(b)
+    assert os.path.basename(b) == f"{os.path.basename(a)}-2"
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Checkpoints: edited, damaged, states that do not load, read once
+# Checkpoints that do not load or do not fit: one line, exit 2, nothing trained or logged
 # --------------------------------------------------------------------------------------------------------------
-ASYNC = ("ppo", "ppo_continuous")  # the scripts with gymnasium's vector envs (--vector-mode, rollout states)
+def truncated(path):
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+
+
+def garbage(path):
+    open(path, "wb").write(b"not a checkpoint")
+
+
+def edit(change):
+    return lambda path: edited_copy_in_place(path, change)
+
+
+def edited_copy_in_place(path, change):
+    state = torch.load(path, weights_only=True)
+    change(state)
+    torch.save(state, path)
 
 
 @cases([
-    (None, lambda s: s["args"].update(num_envs="abc"), "args.num_envs is 'abc'"),
-    (ASYNC, lambda s: s["args"].update(vector_mode="threads"), "args.vector_mode is 'threads'"),
-    (("ppo_atari_envpool",), lambda s: s["args"].update(norm_adv_scope="everything"),
-     "args.norm_adv_scope is 'everything'"),
-    (None, lambda s: s.update(args=list(s["args"])), "args is list, not dict"),
-    (None, lambda s: s.pop("args"), "no args"),
-    (None, lambda s: s.pop("iteration"), "no iteration"),
-    (None, lambda s: s.pop("global_step"), "no global_step"),
-    (None, lambda s: s.pop("rng"), "no rng"),
-    (ASYNC, lambda s: s["rollout"].pop("envs"), "rollout state of rank 0 lacks"),
-    (("ppo_continuous",), lambda s: s["rollout"].pop("reward_ret"), "rollout state of rank 0 lacks"),
-    (None, lambda s: s["rng"].update(torch=torch.zeros(7, dtype=torch.uint8)), "RNG state of rank 0"),
-    (None, lambda s: s.update(kl_coef="big"), "kl_coef is 'big'"),
-    (("ppo",), lambda s: s.update(other_ranks=["rank 1"], world_size=2), "RNG state of rank 1"),
-    # ppo_continuous.py's normalisation statistics
-    (("ppo_continuous",), lambda s: s.pop("obs_rms"), "no obs_rms"),
-    (("ppo_continuous",), lambda s: s["obs_rms"].update(var=-s["obs_rms"]["var"]), "normalisation statistics obs_rms"),
-    (("ppo_continuous",), lambda s: s["obs_rms"].update(mean=s["obs_rms"]["mean"][:5]),
-     "normalisation statistics obs_rms"),
-    (("ppo_continuous",), lambda s: s["return_rms"].update(count=torch.tensor(float("nan"))),
-     "normalisation statistics return_rms"),
-    (("ppo_continuous",), lambda s: s["return_rms"].update(count=3), "normalisation statistics return_rms"),
+    ("damaged", truncated, [], "cannot read checkpoint"),
+    ("not-a-checkpoint", garbage, [], "cannot read checkpoint"),
+    ("another-scripts", edit(lambda st: st.update(script="ppo_other.py")), [], "checkpoint"),
+    ("another-env", None, ["--env-id", "OTHER"], ""),
+    ("edited-args-type", edit(lambda st: st["args"].update(num_envs="abc")), [], ""),
+    ("edited-args-unknown", edit(lambda st: st["args"].update(num_envs=None)), [], ""),
+    ("no-args", edit(lambda st: st.pop("args")), [], ""),
+    ("no-model", edit(lambda st: st.pop("model")), [], ""),
+    ("model-of-other-shapes", edit(lambda st: st["model"].update({k: v[..., :1] for k, v in st["model"].items()})),
+     [], "does not fit"),
+    ("no-rng", edit(lambda st: st.pop("rng")), [], ""),
+    ("rng-of-the-wrong-kind", edit(lambda st: st.update(rng=[{"torch": torch.zeros(7)}] * len(st["rng"]))), [], ""),
 ])
-def test_an_edited_checkpoint_is_one_line_exit_2(s, stopped, tmp_path, capsys, edit, needle):
-    code, err = resume_error(s, capsys, edited_copy(stopped(s), tmp_path, edit))
-    assert code == 2 and s.one_line(err) and "is damaged or was edited" in err and needle in err, err
-
-
-def wrong_mujoco_state(s):
-    s["rollout"]["envs"][0]["mujoco"]["integration"] = torch.zeros(3, dtype=torch.float64)
-
-
-def statistics_of_another_env(s):  # a consistent mean and variance, of 5 observations where Hopper has 11
-    s["obs_rms"].update(mean=s["obs_rms"]["mean"][:5], var=s["obs_rms"]["var"][:5])
-
-
-@cases([
-    (None, lambda s: s["rng"].update(torch=s["rng"]["torch"].float()), "RNG state"),  # the right size, wrong kind
-    (None, lambda s: s["rng"].update(torch=torch.zeros_like(s["rng"]["torch"])), "mt19937"),
-    (("ppo",), lambda s: s["rollout"].update(next_obs=torch.zeros(3, 4)), "expected (2, 4)"),
-    (("ppo_continuous",), lambda s: s["rollout"].update(next_obs=torch.zeros(3, 11)), "expected (2, 11)"),
-    (ASYNC, lambda s: s["rollout"].update(ep_return=[0.0, 0.0]), "expected (2,)"),
-    (("ppo_continuous",), lambda s: s["rollout"].update(reward_ret=torch.zeros(3, dtype=torch.float64)),
-     "expected (2,)"),
-    (ASYNC, lambda s: s["rollout"].update(envs="abc"), "does not fit this run"),
-    (("ppo_continuous",), wrong_mujoco_state, "MuJoCo state of size 3"),
-    (("ppo_continuous",), lambda s: s["return_rms"].update(mean=torch.zeros(2, dtype=torch.float64),
-                                                           var=torch.ones(2, dtype=torch.float64)),
-     "statistics of shape (2,), expected ()"),
-    (("ppo_continuous",), statistics_of_another_env,
-     "does not fit this run: ValueError: normalisation statistics of shape (5,), expected (11,)"),
-    (None, lambda s: [st.pop("exp_avg_sq") for st in s["optimizer"]["state"].values()], "moments do not fit"),
-    (None, lambda s: [st.update(exp_avg=torch.zeros(1)) for st in s["optimizer"]["state"].values()],
-     "moments do not fit"),
-    (("ppo_atari_envpool",), lambda s: [st.pop("step") for st in s["optimizer"]["state"].values()],
-     "does not fit this run"),
-    (None, lambda s: s.update(kl_coef=-1.0), "kl_coef is -1.0, not a positive number"),
-    (None, lambda s: s.update(iteration=-3), "iteration is -3"),
-    (("ppo_continuous",), lambda s: s.update(global_step=-1), "global_step is -1"),
-    (("ppo_atari_envpool",), lambda s: s.update(global_step=-64), "global_step is -64"),
-])
-def test_a_checkpoint_whose_states_do_not_load_is_one_line_exit_2(s, stopped, tmp_path, capsys, edit, needle):
-    path = edited_copy(stopped(s), tmp_path, edit)
-    events = glob.glob(os.path.join(os.path.dirname(path), "events.out.tfevents.*"))
-    code, err = resume_error(s, capsys, path)
-    assert code == 2 and s.one_line(err) and needle in err and "Traceback" not in err, err
-    assert glob.glob(os.path.join(os.path.dirname(path), "events.out.tfevents.*")) == events  # restored first
-
-
-@over()
-def test_a_flipped_bit_in_a_stored_weight_is_found(s, stopped, tmp_path, capsys):
-    import zipfile
-
+def test_a_checkpoint_that_does_not_load_or_fit_is_one_line_exit_2(s, case, stopped, tmp_path):
+    _, damage, argv, needle = case
     path = copy_run(stopped(s), tmp_path)
-    data = bytearray(open(path, "rb").read())
-    with zipfile.ZipFile(path) as z:
-        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    name_len, extra_len = struct.unpack("<HH", bytes(data[info.header_offset + 26:info.header_offset + 30]))
-    start = info.header_offset + 30 + name_len + extra_len  # the record's bytes (after its local header)
-    data[start + info.file_size // 2] ^= 0x01
-    open(path, "wb").write(bytes(data))
-    assert torch.load(path, weights_only=True)["iteration"] == 1  # torch itself loads it silently
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        s.mod.parse_args(["--resume", path])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and s.one_line(err) and "is damaged" in err and "CRC" in err, err
+    if damage:
+        damage(path)
+    argv = [a.replace("OTHER", s.other_env) for a in argv]
+    events = sorted(glob.glob(os.path.join(os.path.dirname(path), "events.out.tfevents.*")))
+    before = open(path, "rb").read()
+    code, msg = failure(s, lambda: s.mod.main(s.mod.parse_args(["--resume", path, *argv])))
+    assert code == 2 and "\n" not in msg and needle in msg and path in msg, msg
+    assert open(path, "rb").read() == before  # nothing written,
+    assert sorted(glob.glob(os.path.join(os.path.dirname(path), "events.out.tfevents.*"))) == events  # nor logged
 
 
-@over()
-def test_a_checkpoint_is_read_once_and_not_kept_after_main_took_it(s, tmp_path, monkeypatch):
-    """parse_args reads it for the flags, main takes it over; it is not kept after that (the optimizer's state shares
-    its tensors, and training changes them)."""
-    first = s.mod.main(s.args(tmp_path, 1, checkpoint_every=1))  # a finished run: nothing rewrites its checkpoint
-    ckpt = os.path.join(first["run_dir"], "checkpoint.pt")  # (--save-model would, and so read it anew: a new key)
-    reads, real = [], s.mod.read_checkpoint
-    monkeypatch.setattr(s.mod, "read_checkpoint", lambda path: reads.append(path) or real(path))
-    args = s.mod.parse_args(["--resume", ckpt])
-    s.mod.main(args)
-    assert len(reads) == 1
-    s.mod.main(args)
-    assert len(reads) == 2
+@over
+def test_a_checkpoint_that_does_not_fit_is_one_line_exit_2_on_the_command_line(s, stopped, tmp_path):
+    path = edited_copy(stopped(s), tmp_path, lambda st: st.update(script="ppo_other.py"))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, f"{s.name}.py"), "--resume", path], capture_output=True,
+                       text=True, cwd=tmp_path, env=ENV, timeout=240)
+    assert r.returncode == 2 and s.one_line(r.stderr) and "Traceback" not in r.stderr, r.stderr
+    assert error_lines(r.stderr)[0] == f"error: {path} is not a {s.name}.py checkpoint", r.stderr
 
 
-@over()
-def test_the_nan_stop_says_when_no_checkpoint_exists(s, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(s.mod, "compute_gae", lambda *a, **k: (a[0] * float("nan"), a[1]))  # (torch or numpy)
-    with pytest.raises(SystemExit) as e:
-        s.mod.main(s.args(tmp_path, 1))
-    err = capsys.readouterr().err
-    assert e.value.code == 1 and "at iteration 1; stopping (no checkpoint was written)" in err, err
+@over
+def test_the_stopped_run_resumes_from_its_copy(s, stopped, tmp_path):
+    """(the checkpoints the tests above damage are good before the damage)"""
+    res = s.mod.main(s.mod.parse_args(["--resume", copy_run(stopped(s), tmp_path)]))
+    assert res["global_step"] == 2 * s.batch and checkpoint(res["run_dir"])["iteration"] == 2
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The machine: a dead env worker, more local processes than GPUs
+# Bad command-line values: one line, exit 2, nothing written (tyro's own parse errors: exit 2, nothing written)
 # --------------------------------------------------------------------------------------------------------------
-@over("async_workers")
-def test_a_dead_env_worker_ends_the_run_in_one_line_instead_of_hanging(s, tmp_path):
-    """An async worker killed (the OOM killer, say): the main process must not wait on it forever at the exit."""
-    p = subprocess.Popen(s.command("--total-timesteps", "1e7", "--vector-mode", "async", "--runs-dir", str(tmp_path)),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    assert p.stdout.readline().startswith("iter 1/"), p.stderr.read()
-    workers = [int(c) for c in open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()]
-    os.kill(workers[0], signal.SIGKILL)
-    out, err = p.communicate(timeout=60)
-    assert p.returncode == 1 and "Traceback" not in err, err
-    assert "error: an environment worker process died" in err and err.count("error:") == 1 and s.one_line(err), err
+@cases([
+    ("num-envs-0", ["--num-envs", "0"], "--num-envs"),
+    ("num-steps-negative", ["--num-steps", "-5"], "--num-steps"),
+    ("learning-rate-nan", ["--learning-rate", "nan"], "--learning-rate"),
+    ("num-minibatches-not-dividing", ["--num-envs", "2", "--num-steps", "64", "--num-minibatches", "3"],
+     "--num-minibatches"),
+    ("total-timesteps-under-one-rollout", ["--num-envs", "2", "--num-steps", "64", "--total-timesteps", "100"],
+     "--total-timesteps"),
+    ("unknown-env", ["--env-id", "NoSuchEnv-v9"], "NoSuchEnv-v9"),
+    ("cuda-without-a-gpu", ["--cuda"], "--cuda"),
+    ("no-such-checkpoint", ["--resume", "/nonexistent/checkpoint.pt"], "/nonexistent/checkpoint.pt"),
+])
+def test_bad_values_are_one_line_exit_2_and_nothing_written(s, case, tmp_path, monkeypatch):
+    _, argv, needle = case
+    if "--cuda" in argv:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    code, msg = failure(s, lambda: s.mod.main(s.mod.parse_args([*argv, "--runs-dir", str(tmp_path / "runs")])))
+    assert code == 2 and "\n" not in msg and needle in msg, msg
+    assert not (tmp_path / "runs").exists()
 
 
-@over()
-def test_more_local_processes_than_gpus_is_one_line_error(s, monkeypatch, capsys):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with pytest.raises(SystemExit) as e:
-        s.mod.parse_args(["--cuda"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
-    assert "--cuda with 2 processes on this machine but 1 GPU(s)" in err
+@over
+def test_bad_values_on_the_command_line_are_one_line_exit_2_and_tyros_errors_stay_tyros(s, tmp_path):
+    for argv, one_line in [(["--num-envs", "0"], True), (["--num-envs", "abc"], False)]:
+        r = subprocess.run(s.command(*argv, "--runs-dir", str(tmp_path / "runs")), capture_output=True, text=True,
+                           cwd=tmp_path, env=ENV, timeout=240)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        if one_line:
+            assert s.one_line(r.stderr) and error_lines(r.stderr)[0].startswith("error: --num-envs"), r.stderr
+        else:
+            assert "abc" in r.stderr, r.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A non-finite update stops the run with a message, exit 1, before it is logged or saved
+# --------------------------------------------------------------------------------------------------------------
+@over
+def test_a_non_finite_update_stops_with_a_message_exit_1(s, tmp_path, monkeypatch):
+    calls, real = [], s.mod.compute_gae
+
+    def poisoned(*a, **k):  # the second iteration's advantages are NaN (torch or numpy)
+        calls.append(1)
+        adv, ret = real(*a, **k)
+        return (adv * float("nan"), ret) if len(calls) == 2 else (adv, ret)
+
+    monkeypatch.setattr(s.mod, "compute_gae", poisoned)
+    code, msg = failure(s, lambda: s.mod.main(s.args(tmp_path, 3, checkpoint_every=1, save_model=True)))
+    (ckpt,) = glob.glob(str(tmp_path / "*" / "checkpoint.pt"))
+    assert code == 1 and "\n" not in msg and "non-finite" in msg and "at iteration 2" in msg, msg
+    assert ckpt in msg, msg  # where the last good state is
+    state = torch.load(ckpt, weights_only=True)
+    assert state["iteration"] == 1 and all(torch.isfinite(v).all() for v in state["model"].values())
