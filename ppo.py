@@ -97,8 +97,7 @@ def make_env(env_id: str, idx: int = 0, capture_video: bool = False, video_dir: 
     return thunk
 
 
-def make_vector_env(args: Args):
-    """SAME_STEP autoreset: a finished episode's last observation is in info["final_obs"]; no reset transitions."""
+def make_vector_env(args: Args):  # SAME_STEP autoreset: the last obs is in info["final_obs"], no reset transitions
     import gymnasium as gym
 
     cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
@@ -106,8 +105,7 @@ def make_vector_env(args: Args):
     return cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
 
-def obs_tensor(obs, device: torch.device) -> torch.Tensor:
-    """A batch of observations as the Agent takes them: float32, each one flattened."""
+def obs_tensor(obs, device: torch.device) -> torch.Tensor:  # a batch of observations, float32, each one flattened
     x = torch.as_tensor(np.asarray(obs), dtype=torch.float32, device=device)
     return x.reshape(x.shape[0], -1)
 
@@ -130,8 +128,7 @@ def env_state(envs) -> Optional[list]:
     return snapshot
 
 
-def episodes_state(envs, next_obs, next_done, ep_return, ep_length) -> dict:
-    """The episodes in flight, for the checkpoint."""
+def episodes_state(envs, next_obs, next_done, ep_return, ep_length) -> dict:  # the episodes in flight
     return dict(envs=env_state(envs), next_obs=next_obs.cpu(), next_done=next_done.cpu(),
                 ep_return=torch.from_numpy(ep_return), ep_length=torch.from_numpy(ep_length))
 
@@ -507,8 +504,7 @@ def set_torch_determinism(on: bool) -> None:  # [SHARED] fresh CUDA memory is no
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
-def make_run_dir(args, rank: int, world: int) -> str:  # [SHARED]
-    """The resumed checkpoint's directory, or a new runs/<env>__<exp>__<seed>__<time>[-2, -3, ...] made by rank 0."""
+def make_run_dir(args, rank: int, world: int) -> str:  # [SHARED] the resumed one, or a new one made by rank 0
     if args.resume:
         return os.path.dirname(os.path.abspath(args.resume))
     base = os.path.join(args.runs_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
@@ -627,7 +623,7 @@ def set_rng_state(state: dict, device: torch.device) -> None:  # [SHARED]
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:  # [SHARED]
-    """Adam's moments and steps, keeping this run's settings (fused, capturable, lr on this device)."""
+    # Adam's moments and steps, keeping this run's settings (fused, capturable, lr on this device)
     own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for g, settings in zip(optimizer.param_groups, own):
@@ -639,10 +635,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: 
                 st["step"] = st["step"].to(p.device if on_param else "cpu", torch.float32, copy=True)
 
 
-def compile_hot_functions(policy, update, agent, args):  # [SHARED]
-    """Eager, --compile, or --cudagraphs (reduce-overhead: parameters, gradients and capturable Adam at fixed
-    addresses keep the optimizer step in the graph). The gradients are allocated here, outside any graph's pool."""
-    for p in agent.parameters():
+def compile_hot_functions(policy, update, agent, args):  # [SHARED] eager, --compile, or --cudagraphs (reduce-overhead)
+    for p in agent.parameters():  # allocated here, outside any graph's pool: the update zeroes them in place
         p.grad = torch.zeros_like(p)
     if not (args.compile or args.cudagraphs):
         return policy, update
@@ -670,8 +664,7 @@ Count = Annotated[int, tyro.constructors.PrimitiveConstructorSpec(  # [SHARED]
     is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)])]
 
 
-def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED]
-    """tyro's command line (its own errors: exit 2); with --resume the checkpoint's arguments are the defaults."""
+def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED] with --resume, its arguments are the defaults
     argv = sys.argv[1:] if argv is None else argv
     resume = next((a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
                    if (a == "--resume" and i + 1 < len(argv)) or a.startswith("--resume=")), None)
@@ -693,9 +686,7 @@ def log_episodes(writer, recent: list, ep_return: np.ndarray, ep_length: np.ndar
     ep_return[done], ep_length[done] = 0.0, 0
 
 
-def iteration_stats(update_stats: list[dict], world: int, **extra) -> dict:
-    """ONE host sync per iteration: the update's statistics averaged over the minibatches, with `extra` (the rollout's
-    KL, the count of stop signals), averaged over the ranks."""
+def iteration_stats(update_stats: list[dict], world: int, **extra) -> dict:  # the one host sync of an iteration
     means = [torch.stack([s[k] for s in update_stats]).mean() for k in update_stats[0]]
     extra_t = [torch.as_tensor(v, dtype=torch.float32, device=means[0].device) for v in extra.values()]
     return dict(zip([*update_stats[0], *extra], all_ranks_mean(torch.stack([*means, *extra_t]), world).tolist()))
@@ -703,7 +694,7 @@ def iteration_stats(update_stats: list[dict], world: int, **extra) -> dict:
 
 def log_iteration(writer, args: Args, stats: dict, lr: float, kl_penalty, iteration: int, num_iterations: int,
                   global_step: int, recent: list, clock: dict, rank: int, world: int) -> None:
-    """TensorBoard's scalars of the iteration, and the progress line every 5 s (and at the last iteration)."""
+    # TensorBoard's scalars of the iteration, and the progress line every 5 s (and at the last iteration)
     now = time.time()
     rate = (global_step - clock["steps"]) / max(now - clock["start"], 1e-9)  # steps/s, all processes
     scalars = {"charts/learning_rate": lr, "charts/SPS": int(rate), **{f"losses/{k}": stats[k] for k in (
@@ -732,8 +723,7 @@ def close_run(envs, writer, world: int) -> None:
 
 
 def save_state(run_dir: str, args: Args, agent: Agent, optimizer, kl_penalty, iteration: int, global_step: int,
-               episodes: dict, rank: int, world: int) -> str:
-    """Every rank's RNG and episodes gathered; rank 0 writes runs/<run>/checkpoint.pt (--stop-after not kept)."""
+               episodes: dict, rank: int, world: int) -> str:  # every rank's RNG and episodes; rank 0 writes
     rng, episodes = gather_objects(rng_state(), world), gather_objects(episodes, world)
     path = os.path.join(run_dir, "checkpoint.pt")
     if rank == 0:
@@ -753,8 +743,7 @@ def check_resume(ckpt: dict, args: Args, world: int) -> None:  # its env and num
 
 
 def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "",
-             stop=lambda: False) -> list[float]:
-    """The returns of `episodes` episodes (fewer once stop() says so); --capture-video records them."""
+             stop=lambda: False) -> list[float]:  # the returns of `episodes` episodes (fewer once stop() says so)
     env = make_env(args.env_id, 0, args.capture_video, video_dir)()
     returns, ep_ret = [], 0.0
     obs, _ = env.reset(seed=args.seed + 10_000)
