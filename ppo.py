@@ -163,7 +163,7 @@ class Agent(nn.Module):
         self.critic = nn.Sequential(layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64)),
                                     nn.Tanh(), layer_init(nn.Linear(64, 1), std=1.0))
         self.actor = nn.Sequential(layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64)),
-                                   nn.Tanh(), layer_init(nn.Linear(64, n_actions), std=0.01))  # detail: small gain
+                                   nn.Tanh(), layer_init(nn.Linear(64, n_actions), std=0.01))  # detail: gain 0.01
 
     def get_value(self, x: torch.Tensor) -> torch.Tensor:
         return self.critic(x).squeeze(-1)
