@@ -5,13 +5,8 @@
     python ppo.py --resume runs/<run>/checkpoint.pt --eval-episodes 10
     torchrun --nproc-per-node 2 ppo.py             # data parallel: each process steps its own --num-envs envs
 
-Read from the top: Args -> environments -> Agent -> the PPO math (compute_gae, advantage normalisation, ppo_loss,
-the adaptive-KL-penalty variant) -> main(), whose loop is the PPO note's steps (docs/reading_guide.md):
-1. Collect rollout, 2. Compute advantages and returns (GAE), 3. Advantage normalisation,
-4. Optimise policy & value for E epochs, 5. Update reference policy.
-PPO ends at the banner below main(). What follows it, flat helpers (torchrun, the run directory, logging, checkpoints,
-evaluation and load_policy, compile helpers, the command line) and one error boundary in __main__, changes nothing
-that PPO computes.
+Read from the top: Args, environments, Agent, the PPO math, then main(), whose loop is the note's five steps
+(docs/reading_guide.md). PPO ends at the banner below main(); the flat helpers under it change nothing it computes.
 """
 
 from __future__ import annotations
@@ -20,7 +15,6 @@ import contextlib
 import dataclasses
 import datetime
 import math
-import multiprocessing
 import os
 import random
 import signal
@@ -38,173 +32,109 @@ import tyro
 @dataclass
 class Args:  # Count: an int that also reads 1e7 (defined with the command line, below the banner)
     # The note's hyperparameters
-    num_steps: Count = 128
-    """T: steps per environment in each rollout"""
-    update_epochs: Count = 4
-    """E: epochs over each rollout"""
-    num_minibatches: Count = 4
-    """number of minibatches per epoch (each of M = num_envs * T / num_minibatches samples)"""
-    clip_coef: float = 0.2
-    """epsilon: clip range of the probability ratio (and of the value clip)"""
-    learning_rate: float = 2.5e-4
-    """alpha: Adam learning rate"""
-    gamma: float = 0.99
-    """gamma: discount factor"""
-    gae_lambda: float = 0.95
-    """lambda: GAE parameter"""
-    vf_coef: float = 0.5
-    """c_v: value loss coefficient"""
-    ent_coef: float = 0.01
-    """c_H: entropy bonus coefficient"""
+    num_steps: Count = 128  # T: steps per environment in each rollout
+    update_epochs: Count = 4  # E: epochs over each rollout
+    num_minibatches: Count = 4  # minibatches per epoch (each of M = num_envs * T / num_minibatches samples)
+    clip_coef: float = 0.2  # epsilon: clip range of the probability ratio (and of the value clip)
+    learning_rate: float = 2.5e-4  # alpha: Adam learning rate
+    gamma: float = 0.99  # gamma: discount factor
+    gae_lambda: float = 0.95  # lambda: GAE parameter
+    vf_coef: float = 0.5  # c_v: value loss coefficient
+    ent_coef: float = 0.01  # c_H: entropy bonus coefficient
 
     # Implementation details (CleanRL's) and the note's adaptive-KL-penalty variant
-    anneal_lr: bool = True
-    """anneal the learning rate linearly to 0"""
-    norm_adv: bool = True
-    """standardise the advantages (where: --norm-adv-scope)"""
-    norm_adv_scope: Literal["minibatch", "rollout"] = "minibatch"
-    """minibatch: in each minibatch, (A-mean)/(std+eps) (CleanRL); rollout: once, (A-mean)/sqrt(var+eps) (the note)"""
-    clip_vloss: bool = True
-    """clip the value loss as in the original PPO code"""
-    max_grad_norm: float = 0.5
-    """global gradient norm clip"""
-    target_kl: Optional[float] = None
-    """stop the epochs of an update early once approx_kl exceeds this"""
-    kl_penalty_coef: Optional[float] = None
-    """KL-penalty variant (PPO paper): -r*A + coef*KL(pi_old||pi), no ratio clip; None: clip (1 with a target)"""
-    kl_penalty_target: Optional[float] = None
-    """adaptive KL penalty: the coef (--kl-penalty-coef, else 1) halves when KL < target/1.5, doubles if > 1.5*target"""
+    anneal_lr: bool = True  # anneal the learning rate linearly to 0
+    norm_adv: bool = True  # standardise the advantages (where: --norm-adv-scope)
+    norm_adv_scope: Literal["minibatch", "rollout"] = "minibatch"  # per minibatch (CleanRL) or once per rollout (note)
+    clip_vloss: bool = True  # clip the value loss as in the original PPO code
+    max_grad_norm: float = 0.5  # global gradient norm clip
+    target_kl: Optional[float] = None  # stop the epochs of an update early once approx_kl exceeds this
+    kl_penalty_coef: Optional[float] = None  # KL-penalty variant: -r*A + coef*KL(pi_old||pi), no ratio clip
+    kl_penalty_target: Optional[float] = None  # adapt the coef (else 1): halve if KL < target/1.5, double if > 1.5x
 
     # Environment
-    env_id: str = "CartPole-v1"
-    """id of a gymnasium environment with a discrete action space"""
-    total_timesteps: Count = 500_000
-    """total environment steps of the run"""
-    num_envs: Count = 4
-    """number of parallel environments"""
-    vector_mode: Literal["sync", "async"] = "sync"
-    """gymnasium SyncVectorEnv (one process) or AsyncVectorEnv (one process per env)"""
+    env_id: str = "CartPole-v1"  # id of a gymnasium environment with a discrete action space
+    total_timesteps: Count = 500_000  # total environment steps of the run
+    num_envs: Count = 4  # number of parallel environments
+    vector_mode: Literal["sync", "async"] = "sync"  # gymnasium SyncVectorEnv, or AsyncVectorEnv (a process per env)
 
     # Run: seeds, devices, logging, checkpoints, evaluation
-    exp_name: str = "ppo"
-    """name of this experiment (part of the run name)"""
-    seed: Count = 1
-    """seed of the experiment (python, numpy, torch and the environments)"""
-    torch_deterministic: bool = True
-    """deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only; cuDNN; cuBLAS workspace)"""
-    cuda: bool = False
-    """run the networks on CUDA (these small MLPs train faster on the CPU)"""
-    compile: bool = False
-    """torch.compile the action sampling and the update step"""
-    cudagraphs: bool = False
-    """CUDA graphs through torch.compile's reduce-overhead mode; implies compilation (needs --cuda)"""
-    torch_threads: Count = 1
-    """torch CPU threads (1 is fastest for small networks)"""
-    track: bool = False
-    """log to Weights & Biases (WANDB_MODE=offline works without network)"""
-    wandb_project_name: str = "ppo-reference"
-    """wandb project name"""
-    wandb_entity: Optional[str] = None
-    """wandb entity (team)"""
-    capture_video: bool = False
-    """record videos of the evaluation episodes under runs/<run>/videos"""
-    save_model: bool = False
-    """write runs/<run>/checkpoint.pt at the end (so do --eval-episodes, --checkpoint-every, a resumed run)"""
-    checkpoint_every: Count = 0
-    """also write the checkpoint every N iterations (0: only at the end with --save-model)"""
-    resume: Optional[str] = None
-    """continue from this checkpoint.pt (its run directory, step count, lr schedule); flags not given take its values"""
-    stop_after: Count = 0
-    """stop this process after N iterations with a checkpoint (0: run to the end; not kept by the checkpoint)"""
-    eval_episodes: Count = 0
-    """after training (or right away for a finished --resume checkpoint) evaluate N episodes"""
-    eval_deterministic: bool = False
-    """evaluate with the most likely action (argmax of the logits) instead of a sampled one"""
-    runs_dir: str = "runs"
-    """directory that holds the runs"""
+    exp_name: str = "ppo"  # name of this experiment (part of the run name)
+    seed: Count = 1  # seed of the experiment (python, numpy, torch and the environments)
+    torch_deterministic: bool = True  # deterministic torch algorithms (warn-only), cuDNN and cuBLAS workspace
+    cuda: bool = False  # run the networks on CUDA (these small MLPs train faster on the CPU)
+    compile: bool = False  # torch.compile the action sampling and the update step
+    cudagraphs: bool = False  # CUDA graphs through torch.compile's reduce-overhead mode; implies compilation
+    torch_threads: Count = 1  # torch CPU threads (1 is fastest for small networks)
+    track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works without network)
+    wandb_project_name: str = "ppo-reference"  # wandb project name
+    wandb_entity: Optional[str] = None  # wandb entity (team)
+    capture_video: bool = False  # record videos of the evaluation episodes under runs/<run>/videos
+    save_model: bool = False  # write runs/<run>/checkpoint.pt at the end (as --eval-episodes and a resumed run do)
+    checkpoint_every: Count = 0  # also write the checkpoint every N iterations (0: only at the end)
+    resume: Optional[str] = None  # continue this checkpoint.pt (its run directory); flags not given take its values
+    stop_after: Count = 0  # stop this process after N iterations with a checkpoint (0: run to the end; not saved)
+    eval_episodes: Count = 0  # evaluate N episodes after training (at once for a finished --resume checkpoint)
+    eval_deterministic: bool = False  # evaluate with the most likely action instead of a sampled one
+    runs_dir: str = "runs"  # directory that holds the runs
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Environments
-# ---------------------------------------------------------------------------------------------------------
+# --- Environments -----------------------------------------------------------------------------------------
 def make_env(env_id: str, idx: int = 0, capture_video: bool = False, video_dir: str = ""):
+    owner = os.getpid()
+
     def thunk():
         import gymnasium as gym
 
+        if os.getpid() != owner:  # an async worker: a terminal's Ctrl-C / SIGTERM is the main process's to handle
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if capture_video and idx == 0:
             env = gym.make(env_id, render_mode="rgb_array")
-            env = gym.wrappers.RecordVideo(env, video_dir, episode_trigger=lambda ep: True, disable_logger=True)
-        else:
-            env = gym.make(env_id)
-        return env
+            return gym.wrappers.RecordVideo(env, video_dir, episode_trigger=lambda ep: True, disable_logger=True)
+        return gym.make(env_id)
 
     return thunk
 
 
-def make_vector_env(args: Args):
-    """Vector env in SAME_STEP autoreset mode: a finished episode is reset inside the same step() call and its last
-    observation comes back in info["final_obs"], so every stored transition is a real one (no reset transitions)."""
+def make_vector_env(args: Args):  # SAME_STEP autoreset: the last obs is in info["final_obs"], no reset transitions
     import gymnasium as gym
 
-    fns = [make_env(args.env_id, i) for i in range(args.num_envs)]
     cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
-    if args.vector_mode == "async":
-        fns = [leave_signals_to_main(fn) for fn in fns]
+    fns = [make_env(args.env_id, i) for i in range(args.num_envs)]
     return cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
 
-def obs_tensor(obs, device: torch.device) -> torch.Tensor:
-    """A batch of observations as the Agent takes them: float32, each one flattened (image observations too)."""
+def obs_tensor(obs, device: torch.device) -> torch.Tensor:  # a batch of observations, float32, each one flattened
     x = torch.as_tensor(np.asarray(obs), dtype=torch.float32, device=device)
     return x.reshape(x.shape[0], -1)
 
 
-def leave_signals_to_main(make):
-    """An async env worker ignores SIGINT and SIGTERM: a terminal's Ctrl-C reaches the whole process group, and a
-    worker that died of it would break the main process's checkpoint and clean exit. (gymnasium also calls the first
-    thunk in the main process, for the spaces: that one leaves the handlers alone.)"""
-    def thunk():
-        if multiprocessing.parent_process() is not None:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        return make()
-
-    return thunk
-
-
-EXACT_RESUME_MODULES = ("gymnasium.envs.classic_control",)  # envs whose state is all in plain attributes
-
-
 def env_state(envs) -> Optional[list]:
-    """Snapshot of each sub-environment of a SyncVectorEnv: the plain attributes (numbers, arrays) of the env and of
-    every wrapper (physics state, TimeLimit's step counter, ...) and its random generator: enough to continue
-    classic-control episodes exactly. None for AsyncVectorEnv (its envs live in other processes) and for envs whose
-    state lives elsewhere (Box2D's world, an emulator): restoring part of it would continue another game."""
-    if not hasattr(envs, "envs") or not envs.envs[0].unwrapped.__module__.startswith(EXACT_RESUME_MODULES):
+    """Each sub-env's plain attributes (numbers, arrays) on every wrapper layer, and its generator: enough for the
+    classic-control envs. None for AsyncVectorEnv and envs whose state lives elsewhere (Box2D, an emulator)."""
+    if not hasattr(envs, "envs") or not envs.envs[0].unwrapped.__module__.startswith("gymnasium.envs.classic_control"):
         return None
     snapshot = []
     for env in envs.envs:
-        layers = []
-        while True:
-            layers.append({k: torch.from_numpy(np.array(v, copy=True)) if isinstance(v, (np.ndarray, np.generic))
-                           else v for k, v in vars(env).items() if isinstance(v, (bool, int, float, str)) or v is None
-                           or isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biuf"})
-            if not hasattr(env, "env"):
-                break
+        layers = [vars(env)]
+        while hasattr(env, "env"):
             env = env.env
-        snapshot.append({"layers": layers, "np_random": env.np_random.bit_generator.state})
+            layers.append(vars(env))
+        snapshot.append({"np_random": env.np_random.bit_generator.state, "layers": [
+            {k: torch.from_numpy(np.array(v)) if isinstance(v, (np.ndarray, np.generic)) else v for k, v in d.items()
+             if isinstance(v, (bool, int, float, str, type(None))) or isinstance(v, (np.ndarray, np.generic))
+             and v.dtype.kind in "biuf"} for d in layers]})
     return snapshot
 
 
-def episodes_state(envs, next_obs, next_done, ep_return, ep_length) -> dict:
-    """The episodes in flight, for the checkpoint: the envs' states, the next observation, the episode counters."""
+def episodes_state(envs, next_obs, next_done, ep_return, ep_length) -> dict:  # the episodes in flight
     return dict(envs=env_state(envs), next_obs=next_obs.cpu(), next_done=next_done.cpu(),
                 ep_return=torch.from_numpy(ep_return), ep_length=torch.from_numpy(ep_length))
 
 
 def restore_episodes(envs, saved: dict, next_obs, next_done, ep_return, ep_length) -> bool:
-    """The checkpoint's episodes in flight go on where they stopped (restored in place); False where they cannot
-    (async envs, an env whose whole state env_state does not save): the envs then start new episodes."""
+    """The checkpoint's episodes go on (in place); False where env_state saves none: the envs start new ones."""
     if saved["envs"] is None or env_state(envs) is None:
         return False
     if len(saved["envs"]) != len(envs.envs):
@@ -220,9 +150,7 @@ def restore_episodes(envs, saved: dict, next_obs, next_done, ep_return, ep_lengt
     return True
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Agent: separate actor and critic MLPs (64x64 tanh), orthogonal init
-# ---------------------------------------------------------------------------------------------------------
+# --- Agent: separate actor and critic MLPs (64x64 tanh), orthogonal init ----------------------------------
 def layer_init(layer: nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     torch.nn.init.orthogonal_(layer.weight, std)  # detail: orthogonal init with scaled gains
     torch.nn.init.constant_(layer.bias, bias_const)
@@ -232,27 +160,19 @@ def layer_init(layer: nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.
 class Agent(nn.Module):
     def __init__(self, obs_dim: int, n_actions: int):
         super().__init__()
-        self.critic = nn.Sequential(
-            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 1), std=1.0),
-        )
-        self.actor = nn.Sequential(
-            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, n_actions), std=0.01),  # detail: small last-layer gain -> near-uniform start
-        )
+        self.critic = nn.Sequential(layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64)),
+                                    nn.Tanh(), layer_init(nn.Linear(64, 1), std=1.0))
+        self.actor = nn.Sequential(layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64)),
+                                   nn.Tanh(), layer_init(nn.Linear(64, n_actions), std=0.01))  # detail: gain 0.01
 
     def get_value(self, x: torch.Tensor) -> torch.Tensor:
         return self.critic(x).squeeze(-1)
 
     def get_action_and_value(self, x: torch.Tensor, action: Optional[torch.Tensor] = None):
-        """Sample (or score) an action. Returns action, log pi(a|s), entropy, V(s)."""
-        return self(x, action)[:4]
+        return self(x, action)[:4]  # action, log pi(a|s), entropy, V(s)
 
     def forward(self, x: torch.Tensor, action: Optional[torch.Tensor] = None):
-        """get_action_and_value, plus log pi(.|s) of every action (the KL-penalty variant's exact KL compares the old
-        and the new ones). The update calls the agent itself, so that DDP can average the gradients."""
+        """get_action_and_value, plus log pi(.|s) of every action (the KL-penalty variant's exact KL)."""
         logits = self.actor(x)
         logp_all = torch.log_softmax(logits, dim=-1)
         if action is None:  # Gumbel-max sampling: one draw from Categorical(logits), cheap and compilable
@@ -263,21 +183,13 @@ class Agent(nn.Module):
         return action, logprob, entropy, self.get_value(x), logp_all
 
     def act(self, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
-        """The action to play (evaluation, load_policy): sampled, or the most likely one."""
         return self.actor(x).argmax(-1) if deterministic else self.get_action_and_value(x)[0]
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The PPO math: pure functions (the tests check each against a plain loop)
-# ---------------------------------------------------------------------------------------------------------
+# --- The PPO math: pure functions (the tests check each against a plain loop) -----------------------------
 def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, lam: float):
-    """Generalized advantage estimation by the backward recursion of the note.
-
-    rewards, values, dones: (T, N); dones[t] = 1 if obs[t] is the first of a new episode (the transition at t-1
-    ended one). next_value, next_done: (N,) for the observation after the last step. Truncated episodes must
-    already carry gamma * V(final_obs) in their last reward (see main), so a done here always means "no bootstrap".
-    Returns advantages and returns R_t = A_t + V(s_t), both (T, N).
-    """
+    """GAE by the note's backward recursion. (T, N) inputs; dones[t] = 1 if obs[t] starts a new episode; a truncated
+    episode already carries gamma * V(final_obs) in its last reward. Returns advantages and R_t = A_t + V(s_t)."""
     T = rewards.shape[0]
     advantages = torch.zeros_like(rewards)
     lastgaelam = torch.zeros_like(next_value)
@@ -294,11 +206,9 @@ def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, lam
 
 def bootstrap_truncated(reward: np.ndarray, terminations, truncations, infos, agent: Agent, gamma: float,
                         device: torch.device) -> None:
-    """Truncation is not termination: an episode cut by a time limit gets r + gamma * V(final obs) as its last reward
-    (in place), so that GAE, which stops at every episode end, still bootstraps it."""
-    trunc_only = np.logical_and(truncations, np.logical_not(terminations))
-    if trunc_only.any():
-        idx = np.nonzero(trunc_only)[0]
+    """Truncation is not termination: a time-limit step's reward gets + gamma * V(final obs), in place."""
+    idx = np.nonzero(np.logical_and(truncations, np.logical_not(terminations)))[0]
+    if len(idx):
         with torch.inference_mode():
             final_value = agent.get_value(obs_tensor(np.stack(infos["final_obs"][idx]), device))
         reward[idx] += gamma * final_value.cpu().numpy()
@@ -310,16 +220,15 @@ def normalize_advantages(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 
 
 def normalize_advantages_rollout(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """The note's advantage normalisation over the whole rollout: (A - mean) / sqrt(population variance + eps)."""
+    """The note's form, over the whole rollout: (A - mean) / sqrt(population variance + eps)."""
     return (adv - adv.mean()) / torch.sqrt(adv.var(unbiased=False) + eps)
 
 
 def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, entropy,
              clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool, kl_coef=None,
              kl=None):
-    """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync).
-    kl_coef (a number or 0-d tensor) selects the KL-penalty policy loss instead: -r*A + kl_coef * kl, with kl the
-    exact KL(pi_old(.|s) || pi(.|s)) of each sample's state (categorical_kl), as in the PPO paper."""
+    """Clipped policy loss + c_v * value loss - c_H * entropy, and statistics (tensors, no host sync). With kl_coef,
+    the KL-penalty policy loss -r*A + kl_coef * kl instead (kl: categorical_kl of each sample's state)."""
     if kl_coef is not None and kl is None:
         raise ValueError("ppo_loss: kl_coef needs kl, the KL(pi_old(.|s) || pi(.|s)) of each sample")
     logratio = newlogprob - oldlogprob
@@ -350,14 +259,12 @@ def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, en
 
 
 def categorical_kl(old_logp: torch.Tensor, new_logp: torch.Tensor) -> torch.Tensor:
-    """KL(pi_old(.|s) || pi(.|s)) of each state, exact: the sum over actions of p_old * (log p_old - log p).
-    (..., A) -> (...)."""
+    """Exact KL(pi_old(.|s) || pi(.|s)) of each state: sum over actions of p_old * (log p_old - log p)."""
     return (old_logp.exp() * (old_logp - new_logp)).sum(-1)
 
 
 def adapt_kl_coef(coef: float, kl: float, target: float) -> float:
-    """The PPO paper's rule for the KL-penalty variant: halve the coefficient when the update moved the policy by
-    less than target/1.5, double it above 1.5*target; kept within [1e-6, 1e6] so that it can always come back."""
+    """The PPO paper's rule: halve below target/1.5, double above 1.5*target; within [1e-6, 1e6]."""
     if kl < target / 1.5:
         coef /= 2
     elif kl > target * 1.5:
@@ -366,9 +273,8 @@ def adapt_kl_coef(coef: float, kl: float, target: float) -> float:
 
 
 class KLPenalty:
-    """The note's adaptive-KL-penalty variant in one place (PPO paper, sec. 4): each minibatch's policy loss is
-    -r*A + beta * KL(pi_old(.|s) || pi(.|s)) instead of the clipped one (loss_terms); after each update the rollout's
-    KL (rollout_kl) halves or doubles beta with --kl-penalty-target (adapt)."""
+    """The adaptive-KL-penalty variant (PPO paper, sec. 4): the policy loss -r*A + beta * KL(pi_old || pi)
+    (loss_terms); after each update the rollout's KL (rollout_kl) halves or doubles beta (adapt)."""
 
     def __init__(self, args: Args, device: torch.device):
         self.target = args.kl_penalty_target
@@ -376,12 +282,11 @@ class KLPenalty:
         self.coef = torch.tensor(self.beta, device=device)  # in a tensor, which the (compiled) update reads
 
     def loss_terms(self, old_logp_all: torch.Tensor, logp_all: torch.Tensor) -> dict:
-        """ppo_loss's keyword arguments kl_coef and kl for one minibatch."""
-        return dict(kl_coef=self.coef, kl=categorical_kl(old_logp_all, logp_all))
+        return dict(kl_coef=self.coef, kl=categorical_kl(old_logp_all, logp_all))  # ppo_loss's keyword arguments
 
     @torch.no_grad()
     def rollout_kl(self, actor: nn.Module, b_obs, b_old_logp_all, minibatch_size: int) -> torch.Tensor:
-        """KL(pi_old || pi_theta) averaged over the rollout's states after the update: the d of the adaptive rule."""
+        """KL(pi_old || pi_theta) averaged over the rollout's states after the update: the d of the rule."""
         total = torch.zeros((), device=b_obs.device)
         for start in range(0, len(b_obs), minibatch_size):
             mb = slice(start, start + minibatch_size)
@@ -392,15 +297,12 @@ class KLPenalty:
         if self.target is not None:
             self.set(adapt_kl_coef(self.beta, kl, self.target))
 
-    def set(self, beta: float) -> None:
-        """The coefficient of the next update (adapt; a resumed run's adapted value)."""
+    def set(self, beta: float) -> None:  # the coefficient of the next update (adapt; a resumed run's value)
         self.beta = beta
         self.coef.fill_(beta)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Training loop
-# ---------------------------------------------------------------------------------------------------------
+# --- Training loop ----------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     rank, world, device = setup_distributed(args.cuda)  # torchrun: one process per rank (gloo, or NCCL per GPU)
     ckpt = load_checkpoint(args.resume) if args.resume else None
@@ -455,8 +357,7 @@ def main(args: Args) -> dict:
         return action, logprob, value, logp_all
 
     def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_old_logp_all):
-        """One gradient step on one minibatch."""
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=False)  # one gradient step on one minibatch
         _, newlogprob, entropy, newvalue, logp_all = train_agent(mb_obs, mb_actions)
         penalty = kl_penalty.loss_terms(mb_old_logp_all, logp_all) if kl_penalty else {}
         loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
@@ -565,21 +466,18 @@ def main(args: Args) -> dict:
 SCRIPT = "ppo.py"
 
 
-class Failure(Exception):  # [SHARED]
-    """An expected failure, one line from __main__: exit 2 for bad input or a checkpoint that does not fit, else 1."""
-
+class Failure(Exception):  # [SHARED] one line from __main__: exit 2 bad input / a checkpoint that does not fit, else 1
     def __init__(self, message: str, code: int = 2):
         super().__init__(message)
         self.code = code
 
 
-def setup_distributed(cuda: bool) -> tuple[int, int, torch.device]:  # [SHARED]
-    """Rank, world size, device; under torchrun a process group (gloo on the CPU, NCCL with one GPU per rank)."""
+def setup_distributed(cuda: bool) -> tuple[int, int, torch.device]:  # [SHARED] rank, world size, device
     world, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if world > 1:
+    if world > 1:  # gloo on the CPU, NCCL with one GPU per rank
         torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=1))
     return int(os.environ.get("RANK", "0")), world, device
 
@@ -588,20 +486,17 @@ def all_ranks_mean(x: torch.Tensor, world: int) -> torch.Tensor:  # [SHARED]
     if world > 1:
         x = x.clone()
         torch.distributed.all_reduce(x)
-        x /= world
-    return x
+    return x / world
 
 
-def gather_objects(obj, world: int) -> list:  # [SHARED]
-    """[obj of rank 0, obj of rank 1, ...] on every rank."""
+def gather_objects(obj, world: int) -> list:  # [SHARED] [obj of rank 0, obj of rank 1, ...] on every rank
     out = [obj] * world
     if world > 1:
         torch.distributed.all_gather_object(out, obj)
     return out
 
 
-def set_torch_determinism(on: bool) -> None:  # [SHARED]
-    """--torch-deterministic (cuDNN, cuBLAS, warn-only); fresh CUDA memory is not NaN-filled: every buffer is written."""
+def set_torch_determinism(on: bool) -> None:  # [SHARED] fresh CUDA memory is not NaN-filled: every buffer is written
     torch.backends.cudnn.deterministic = on
     torch.use_deterministic_algorithms(on, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
@@ -609,48 +504,38 @@ def set_torch_determinism(on: bool) -> None:  # [SHARED]
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
-def make_run_dir(args, rank: int, world: int) -> str:  # [SHARED]
-    """The resumed checkpoint's directory, or a new runs/<env>__<exp>__<seed>__<time>[-2, -3, ...] made by rank 0."""
+def make_run_dir(args, rank: int, world: int) -> str:  # [SHARED] the resumed one, or a new one made by rank 0
     if args.resume:
         return os.path.dirname(os.path.abspath(args.resume))
-    run_dir = None
-    if rank == 0:
-        base = os.path.join(args.runs_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
-        run_dir, n = base, 1
-        while True:
-            try:
-                os.makedirs(run_dir)
-                break
-            except FileExistsError:  # another run started in the same second
-                n += 1
-                run_dir = f"{base}-{n}"
-            except OSError as e:
-                raise Failure(f"cannot create the run directory {run_dir}: {e.strerror or e}", code=1) from None
+    base = os.path.join(args.runs_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
+    run_dir, n = base, 1
+    while rank == 0:
+        try:
+            os.makedirs(run_dir)
+            break
+        except FileExistsError:  # another run started in the same second
+            n, run_dir = n + 1, f"{base}-{n + 1}"
+        except OSError as e:
+            raise Failure(f"cannot create the run directory {run_dir}: {e.strerror or e}", code=1) from None
     return gather_objects(run_dir, world)[0]
 
 
-def open_logs(args, run_dir: str, rank: int, resumed: bool):  # [SHARED]
-    """TensorBoard's writer in the run directory, and wandb with --track; rank 0 alone logs (None elsewhere)."""
+def open_logs(args, run_dir: str, rank: int, resumed: bool):  # [SHARED] TensorBoard (wandb with --track), rank 0
     if rank != 0:
         return None
     from torch.utils.tensorboard import SummaryWriter
-
     if args.track:
         import wandb
-
-        name = os.path.basename(run_dir)
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                   config=vars(args), name=name, id=name, resume="allow", dir=run_dir)
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
+                   name=os.path.basename(run_dir), id=os.path.basename(run_dir), resume="allow", dir=run_dir)
     writer = SummaryWriter(run_dir)
     if not resumed:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in
-                                                                                 vars(args).items()))
+        table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
     return writer
 
 
-class StopSignals:  # [SHARED]
-    """While active, SIGTERM / SIGINT are noted (main stops at the end of the iteration), then the handlers return."""
-
+class StopSignals:  # [SHARED] while active, SIGTERM / SIGINT are noted (main stops at the end of the iteration)
     def __enter__(self):
         self.received: list[int] = []
         self.previous = {s: signal.signal(s, lambda signum, _: self.received.append(signum))
@@ -669,8 +554,7 @@ def check_finite(stats: dict, iteration: int, last_checkpoint: Optional[str]) ->
         raise Failure(f"non-finite {', '.join(bad)} at iteration {iteration}; stopping ({kept})", code=1)
 
 
-def eta_text(seconds: float) -> str:  # [SHARED]
-    """2h05m, 13m20s or 45s ("?" before the speed is known)."""
+def eta_text(seconds: float) -> str:  # [SHARED] 2h05m, 13m20s or 45s ("?" before the speed is known)
     if not math.isfinite(seconds) or seconds < 0:
         return "?"
     s = int(seconds)
@@ -685,58 +569,8 @@ def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:  # [SHA
 def launcher(world: int) -> str:  # [SHARED]
     return f"{f'torchrun --nproc-per-node {world}' if world > 1 else 'python'} {SCRIPT}"
 
-def log_episodes(writer, recent: list, ep_return: np.ndarray, ep_length: np.ndarray, done: np.ndarray, step: int):
-    """The episodes that ended in this step: their return and length logged, their counters zeroed."""
-    for i in np.nonzero(done)[0]:
-        recent.append(float(ep_return[i]))
-        if writer is not None:
-            writer.add_scalar("charts/episodic_return", ep_return[i], step)
-            writer.add_scalar("charts/episodic_length", ep_length[i], step)
-    ep_return[done], ep_length[done] = 0.0, 0
 
-
-def iteration_stats(update_stats: list[dict], world: int, **extra) -> dict:
-    """ONE host sync per iteration: the update's statistics averaged over the minibatches, and `extra` (the rollout's
-    KL, the count of stop signals), averaged over the ranks."""
-    means = [torch.stack([s[k] for s in update_stats]).mean() for k in update_stats[0]]
-    device = means[0].device
-    x = torch.stack([*means, *(torch.as_tensor(v, dtype=torch.float32, device=device) for v in extra.values())])
-    return dict(zip([*update_stats[0], *extra], all_ranks_mean(x, world).tolist()))
-
-
-def log_iteration(writer, args: Args, stats: dict, lr: float, kl_penalty, iteration: int, num_iterations: int,
-                  global_step: int, recent: list, clock: dict, rank: int, world: int) -> None:
-    """TensorBoard's scalars of the iteration, and the progress line every 5 s (and at the last iteration)."""
-    now = time.time()
-    rate = (global_step - clock["steps"]) / max(now - clock["start"], 1e-9)  # steps/s, all processes
-    scalars = {"charts/learning_rate": lr, "charts/SPS": int(rate), **{f"losses/{k}": stats[k] for k in (
-        "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance")}}
-    if kl_penalty is not None:  # (the coefficient this update used)
-        scalars.update({"losses/kl": stats["kl"], "charts/kl_coef": kl_penalty.beta})
-    for tag, value in scalars.items() if writer is not None else ():
-        writer.add_scalar(tag, value, global_step)
-    if rank == 0 and (now - clock["printed"] >= 5.0 or iteration == num_iterations):
-        if args.cudagraphs and not clock["printed"] and cudagraph_skips():  # after the first iteration
-            print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs: why)")
-        clock["printed"] = now
-        steps_left = (num_iterations - iteration) * args.num_envs * args.num_steps * world
-        print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={int(rate)}  "
-              f"return(last 20)={np.mean(recent[-20:]) if recent else float('nan'):.1f}  "
-              f"approx_kl={stats['approx_kl']:.4f}"
-              + (f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else "")
-              + f"  eta={eta_text(steps_left / rate if rate > 0 else math.inf)}", flush=True)
-
-
-def close_run(envs, writer, world: int) -> None:
-    envs.close()
-    if writer is not None:
-        writer.close()
-    if world > 1:
-        torch.distributed.destroy_process_group()
-
-# --- checkpoints ------------------------------------------------------------------------------------------
-def save_checkpoint(path: str, state: dict) -> None:  # [SHARED]
-    """Written to a temporary file, then renamed: a kill or a full disk keeps the previous checkpoint whole."""
+def save_checkpoint(path: str, state: dict) -> None:  # [SHARED] through a temporary file: the last one survives a kill
     try:
         with open(f"{path}.tmp", "wb") as f:  # (a Python file: torch's error then carries the OSError)
             torch.save(state, f)
@@ -764,8 +598,7 @@ def load_checkpoint(path: str) -> dict:  # [SHARED]
 
 
 @contextlib.contextmanager
-def checkpoint_fits(path: str):  # [SHARED]
-    """What torch or the envs raise on a checkpoint that does not fit this run (env, shapes, keys) is one line."""
+def checkpoint_fits(path: str):  # [SHARED] what torch or the envs raise on a checkpoint that does not fit: one line
     try:
         yield
     except Failure:
@@ -778,12 +611,9 @@ def first_line(e: BaseException) -> str:  # [SHARED]
     return (str(e).splitlines() or [""])[0]
 
 
-def rng_state() -> dict:  # [SHARED]
-    """torch's CPU generator, and this process's CUDA one when it is in use."""
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+def rng_state() -> dict:  # [SHARED] torch's CPU generator, and this process's CUDA one when it is in use
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if cuda else {})}
 
 
 def set_rng_state(state: dict, device: torch.device) -> None:  # [SHARED]
@@ -793,124 +623,36 @@ def set_rng_state(state: dict, device: torch.device) -> None:  # [SHARED]
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:  # [SHARED]
-    """Adam's moments and steps, keeping this run's settings (fused, capturable, lr on this device): a CUDA
-    checkpoint resumes on the CPU and the reverse."""
+    # Adam's moments and steps, keeping this run's settings (fused, capturable, lr on this device)
     own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for g, settings in zip(optimizer.param_groups, own):
         g.update(settings, lr=torch.tensor(float(g["lr"]), device=device))
         for p in g["params"]:
             st = optimizer.state.get(p, {})
-            if torch.is_tensor(st.get("step")):
+            if torch.is_tensor(st.get("step")):  # on the parameter's device where capturable or fused
                 on_param = g.get("capturable") or g.get("fused")
                 st["step"] = st["step"].to(p.device if on_param else "cpu", torch.float32, copy=True)
 
-def save_state(run_dir: str, args: Args, agent: Agent, optimizer, kl_penalty, iteration: int, global_step: int,
-               episodes: dict, rank: int, world: int) -> str:
-    """Called by every rank: every rank's RNG and episodes in flight gathered, rank 0 writes runs/<run>/checkpoint.pt
-    (--stop-after is not kept: the printed command runs to the end)."""
-    rng, episodes = gather_objects(rng_state(), world), gather_objects(episodes, world)
-    path = os.path.join(run_dir, "checkpoint.pt")
-    if rank == 0:
-        save_checkpoint(path, dict(
-            script=SCRIPT, env_id=args.env_id, args={**dataclasses.asdict(args), "stop_after": 0},
-            model=agent.state_dict(), optimizer=optimizer.state_dict(), iteration=iteration, global_step=global_step,
-            kl_coef=kl_penalty.beta if kl_penalty else None, world_size=world, rng=rng, episodes=episodes))
-    return path
 
-
-def check_resume(ckpt: dict, args: Args, world: int) -> None:
-    """The checkpoint's env and number of processes (its iterations, seeds and envs are per process) are this run's."""
-    if ckpt["env_id"] != args.env_id:
-        raise Failure(f"{args.resume} was trained on {ckpt['env_id']}, not {args.env_id}")
-    if ckpt["world_size"] != world:
-        raise Failure(f"{args.resume} was written by {ckpt['world_size']} process(es); resume it with as many: "
-                      f"{launcher(ckpt['world_size'])} --resume {args.resume}")
-
-
-# --- evaluation and load_policy ---------------------------------------------------------------------------
-def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "",
-             stop=lambda: False) -> list[float]:
-    """The returns of `episodes` episodes (fewer once stop() says so), actions sampled or, with --eval-deterministic,
-    the most likely ones; --capture-video records them."""
-    env = make_env(args.env_id, 0, args.capture_video, video_dir)()
-    returns, ep_ret = [], 0.0
-    obs, _ = env.reset(seed=args.seed + 10_000)
-    while len(returns) < episodes and not stop():
-        with torch.inference_mode():
-            action = agent.act(obs_tensor(obs[None], device), args.eval_deterministic)
-        obs, r, term, trunc, _ = env.step(int(action))
-        ep_ret += float(r)
-        if term or trunc:
-            returns.append(ep_ret)
-            ep_ret = 0.0
-            if len(returns) < episodes:
-                obs, _ = env.reset()
-    env.close()
-    return returns
-
-
-def log_evaluation(writer, args: Args, returns: list, global_step: int, signals: list, ckpt_path: str):
-    """The evaluation's mean return (None after a stop signal, which the line says)."""
-    if signals:
-        return print(f"stopped during the evaluation ({signal.Signals(signals[0]).name}); the trained model is in "
-                     f"{ckpt_path}", flush=True)
-    mean, std = float(np.mean(returns)), float(np.std(returns))
-    writer.add_scalar("eval/episodic_return", mean, global_step)
-    print(f"eval: {len(returns)} episodes{' (deterministic)' * args.eval_deterministic}, return {mean:.2f} ± "
-          f"{std:.2f}")
-    return returns
-
-
-def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
-    """A trained policy for your own code: `policy = load_policy("runs/<run>/checkpoint.pt")`, then `policy(obs)`,
-    an action for one observation of the checkpoint's env, or one per row of a batch (Failure: not a checkpoint)."""
-    import gymnasium as gym
-
-    ckpt = load_checkpoint(path)
-    with gym.make(ckpt["env_id"]) as probe:
-        shape, n_actions = probe.observation_space.shape, int(probe.action_space.n)
-    agent = Agent(int(np.prod(shape)), n_actions).to(device)
-    agent.load_state_dict(ckpt["model"])
-
-    @torch.inference_mode()
-    def policy(obs):
-        obs = np.asarray(obs)
-        batch = obs.shape != shape and obs.shape[1:] == shape
-        if obs.shape != shape and not batch:
-            raise ValueError(f"an observation of shape {obs.shape}: expected {shape} or a batch of them")
-        actions = agent.act(obs_tensor(obs if batch else obs[None], device), deterministic).cpu().numpy()
-        return actions if batch else actions[0]
-
-    return policy
-
-# --- compile and CUDA-graph helpers -----------------------------------------------------------------------
-def compile_hot_functions(policy, update, agent, args):  # [SHARED]
-    """Eager, --compile, or --cudagraphs (torch.compile's reduce-overhead mode: each graph recorded once, replayed;
-    parameters, gradients and capturable Adam at fixed addresses keep the optimizer step inside the graph). The
-    gradients are allocated here, outside any graph's memory pool; the update zeroes them in place."""
-    for p in agent.parameters():
+def compile_hot_functions(policy, update, agent, args):  # [SHARED] eager, --compile, or --cudagraphs (reduce-overhead)
+    for p in agent.parameters():  # allocated here, outside any graph's pool: the update zeroes them in place
         p.grad = torch.zeros_like(p)
     if not (args.compile or args.cudagraphs):
         return policy, update
     if args.torch_deterministic:  # compiled code draws the same random numbers as eager code
         import torch._inductor.config as inductor_config
-
         inductor_config.fallback_random = True
     mode = "reduce-overhead" if args.cudagraphs else None
     return torch.compile(policy, mode=mode), torch.compile(update, mode=mode)
 
 
-def cudagraph_skips() -> int:  # [SHARED]
-    """How many compiled graphs torch ran without CUDA graphs (--cudagraphs says so instead of falling back)."""
+def cudagraph_skips() -> int:  # [SHARED] how many compiled graphs torch ran without CUDA graphs
     from torch._dynamo.utils import counters
-
     return counters["inductor"]["cudagraph_skips"]
 
 
-# --- command line -----------------------------------------------------------------------------------------
-def parse_count(text: str) -> int:  # [SHARED]
-    """500000, 5e5, 1e7 or 1_000_000; a number that is not whole is an error."""
+def parse_count(text: str) -> int:  # [SHARED] 500000, 5e5, 1e7 or 1_000_000; a number that is not whole is an error
     value = float(text.replace("_", ""))  # (ValueError: tyro says the flag wants an INT)
     if not value.is_integer():
         raise ValueError(f"{text!r} is not a whole number")
@@ -922,8 +664,7 @@ Count = Annotated[int, tyro.constructors.PrimitiveConstructorSpec(  # [SHARED]
     is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)])]
 
 
-def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED]
-    """tyro's command line (its own errors: exit 2); with --resume the checkpoint's arguments are the defaults."""
+def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED] with --resume, its arguments are the defaults
     argv = sys.argv[1:] if argv is None else argv
     resume = next((a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
                    if (a == "--resume" and i + 1 < len(argv)) or a.startswith("--resume=")), None)
@@ -935,20 +676,134 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED]
         validate(args)  # bad values: one line, exit 2, before anything is written
     return args
 
+
+def log_episodes(writer, recent: list, ep_return: np.ndarray, ep_length: np.ndarray, done: np.ndarray, step: int):
+    for i in np.nonzero(done)[0]:  # the episodes that ended in this step: logged, then their counters zeroed
+        recent.append(float(ep_return[i]))
+        if writer is not None:
+            writer.add_scalar("charts/episodic_return", ep_return[i], step)
+            writer.add_scalar("charts/episodic_length", ep_length[i], step)
+    ep_return[done], ep_length[done] = 0.0, 0
+
+
+def iteration_stats(update_stats: list[dict], world: int, **extra) -> dict:  # the one host sync of an iteration
+    means = [torch.stack([s[k] for s in update_stats]).mean() for k in update_stats[0]]
+    extra_t = [torch.as_tensor(v, dtype=torch.float32, device=means[0].device) for v in extra.values()]
+    return dict(zip([*update_stats[0], *extra], all_ranks_mean(torch.stack([*means, *extra_t]), world).tolist()))
+
+
+def log_iteration(writer, args: Args, stats: dict, lr: float, kl_penalty, iteration: int, num_iterations: int,
+                  global_step: int, recent: list, clock: dict, rank: int, world: int) -> None:
+    # TensorBoard's scalars of the iteration, and the progress line every 5 s (and at the last iteration)
+    now = time.time()
+    rate = (global_step - clock["steps"]) / max(now - clock["start"], 1e-9)  # steps/s, all processes
+    scalars = {"charts/learning_rate": lr, "charts/SPS": int(rate), **{f"losses/{k}": stats[k] for k in (
+        "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance")}}
+    if kl_penalty is not None:  # (the coefficient this update used)
+        scalars.update({"losses/kl": stats["kl"], "charts/kl_coef": kl_penalty.beta})
+    for tag, value in scalars.items() if writer is not None else ():
+        writer.add_scalar(tag, value, global_step)
+    if rank == 0 and (now - clock["printed"] >= 5.0 or iteration == num_iterations):
+        if args.cudagraphs and not clock["printed"] and cudagraph_skips():  # after the first iteration
+            print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs: why)")
+        clock["printed"] = now
+        eta = (num_iterations - iteration) * args.num_envs * args.num_steps * world / rate if rate > 0 else math.inf
+        kl = f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else ""
+        print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={int(rate)}  return(last 20)="
+              f"{np.mean(recent[-20:]) if recent else float('nan'):.1f}  approx_kl={stats['approx_kl']:.4f}{kl}  "
+              f"eta={eta_text(eta)}", flush=True)
+
+
+def close_run(envs, writer, world: int) -> None:
+    envs.close()
+    if writer is not None:
+        writer.close()
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+def save_state(run_dir: str, args: Args, agent: Agent, optimizer, kl_penalty, iteration: int, global_step: int,
+               episodes: dict, rank: int, world: int) -> str:  # every rank's RNG and episodes; rank 0 writes
+    rng, episodes = gather_objects(rng_state(), world), gather_objects(episodes, world)
+    path = os.path.join(run_dir, "checkpoint.pt")
+    if rank == 0:
+        save_checkpoint(path, dict(
+            script=SCRIPT, env_id=args.env_id, args={**dataclasses.asdict(args), "stop_after": 0},
+            model=agent.state_dict(), optimizer=optimizer.state_dict(), iteration=iteration, global_step=global_step,
+            kl_coef=kl_penalty.beta if kl_penalty else None, world_size=world, rng=rng, episodes=episodes))
+    return path
+
+
+def check_resume(ckpt: dict, args: Args, world: int) -> None:  # its env and number of processes are this run's
+    if ckpt["env_id"] != args.env_id:
+        raise Failure(f"{args.resume} was trained on {ckpt['env_id']}, not {args.env_id}")
+    if ckpt["world_size"] != world:
+        raise Failure(f"{args.resume} was written by {ckpt['world_size']} process(es); resume it with as many: "
+                      f"{launcher(ckpt['world_size'])} --resume {args.resume}")
+
+
+def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "",
+             stop=lambda: False) -> list[float]:  # the returns of `episodes` episodes (fewer once stop() says so)
+    env = make_env(args.env_id, 0, args.capture_video, video_dir)()
+    returns, ep_ret = [], 0.0
+    obs, _ = env.reset(seed=args.seed + 10_000)
+    with torch.inference_mode():
+        while len(returns) < episodes and not stop():
+            obs, r, term, trunc, _ = env.step(int(agent.act(obs_tensor(obs[None], device), args.eval_deterministic)))
+            ep_ret += float(r)
+            if term or trunc:
+                returns, ep_ret = returns + [ep_ret], 0.0
+                if len(returns) < episodes:
+                    obs, _ = env.reset()
+    env.close()
+    return returns
+
+
+def log_evaluation(writer, args: Args, returns: list, global_step: int, signals: list, ckpt_path: str):
+    if signals:  # the evaluation's returns, or None after a stop signal, which the line says
+        return print(f"stopped during the evaluation ({signal.Signals(signals[0]).name}); the trained model is in "
+                     f"{ckpt_path}", flush=True)
+    writer.add_scalar("eval/episodic_return", np.mean(returns), global_step)
+    print(f"eval: {len(returns)} episodes{' (deterministic)' * args.eval_deterministic}, return "
+          f"{np.mean(returns):.2f} ± {np.std(returns):.2f}")
+    return returns
+
+
+def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
+    """`policy = load_policy("runs/<run>/checkpoint.pt")`: `policy(obs)` is the trained agent's action for one
+    observation of the checkpoint's env, or one per row of a batch (Failure: not a checkpoint)."""
+    import gymnasium as gym
+
+    ckpt = load_checkpoint(path)
+    with gym.make(ckpt["env_id"]) as probe:
+        shape, n_actions = probe.observation_space.shape, int(probe.action_space.n)
+    agent = Agent(int(np.prod(shape)), n_actions).to(device)
+    agent.load_state_dict(ckpt["model"])
+
+    @torch.inference_mode()
+    def policy(obs):
+        obs = np.asarray(obs)
+        if obs.shape != shape and obs.shape[1:] != shape:
+            raise ValueError(f"an observation of shape {obs.shape}: expected {shape} or a batch of them")
+        actions = agent.act(obs_tensor(obs if obs.shape != shape else obs[None], device), deterministic).cpu().numpy()
+        return actions if obs.shape != shape else actions[0]
+
+    return policy
+
+
 def validate(args: Args) -> None:
     """Bad values, an env ppo.py cannot drive, --cuda without a GPU: one line, exit 2, before anything is written."""
     import gymnasium as gym
 
-    for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "torch_threads",
-                 "eval_episodes", "checkpoint_every", "stop_after", "seed"):
-        low = 1 if name in ("num_envs", "num_steps", "num_minibatches", "update_epochs", "torch_threads") else 0
-        if getattr(args, name) < low:
-            raise Failure(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
-    for f in dataclasses.fields(Args):  # nan / inf pass the range checks below unnoticed
-        if isinstance(getattr(args, f.name), float) and not math.isfinite(getattr(args, f.name)):
-            raise Failure(f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(args, f.name)}")
     batch, world = args.num_envs * args.num_steps, int(os.environ.get("WORLD_SIZE", "1"))
-    for bad, message in [
+    local_gpus = torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    values = {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()}
+    checks = [(values[k] < low, f"{k} must be >= {low}, got {values[k]}") for low, names in (
+        (1, "--num-envs --num-steps --num-minibatches --update-epochs --torch-threads"),
+        (0, "--total-timesteps --eval-episodes --checkpoint-every --stop-after --seed")) for k in names.split()]
+    checks += [(not math.isfinite(v), f"{k} must be a finite number, got {v}") for k, v in values.items()
+               if isinstance(v, float)]  # nan and inf pass the range checks unnoticed
+    for bad, message in checks + [
         (0 < args.total_timesteps < batch * world, f"--total-timesteps {args.total_timesteps} is less than one rollout "
                                                    f"of every process ({world} x num_envs*num_steps = {batch})"),
         (batch % args.num_minibatches, f"num_envs*num_steps = {batch} is not divisible by --num-minibatches"),
@@ -964,8 +819,8 @@ def validate(args: Args) -> None:
          "--target-kl and --kl-penalty-target must be positive"),
         (args.cuda and not torch.cuda.is_available(), "--cuda given (or taken from the checkpoint: --no-cuda resumes "
                                                       "on the CPU) but torch finds no CUDA device"),
-        (args.cuda and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-         f"--cuda with {os.environ.get('LOCAL_WORLD_SIZE')} processes on this machine but fewer GPUs"),
+        (args.cuda and local_gpus, f"--cuda with {os.environ.get('LOCAL_WORLD_SIZE')} processes on this machine but "
+                                   "fewer GPUs"),
         (args.cudagraphs and not args.cuda, "--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)"),
         (args.cudagraphs and world > 1, "--cudagraphs is not supported under torchrun (DDP's all-reduce is outside "
                                         "the graph)")]:
@@ -982,8 +837,8 @@ def validate(args: Args) -> None:
         raise Failure(f"{args.env_id} has a {type(probe.observation_space).__name__} observation space; ppo.py needs "
                       "a Box")
 
-# --- the one error boundary -------------------------------------------------------------------------------
-if __name__ == "__main__":
+
+if __name__ == "__main__":  # the one error boundary
     try:
         main(parse_args())
     except Failure as e:  # every rank finds bad input and rank 0 says it; a failed write is said where it happened

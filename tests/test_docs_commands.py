@@ -368,15 +368,19 @@ def test_flags_in_help_reads_option_lines_only():
 
 
 def field_helps(script: str) -> dict[str, str]:
-    """Each Args field of a script with the docstring under it: what tyro prints as the field's help."""
+    """Each Args field of a script with the docstring under it or the `# comment` after it on its line: what tyro
+    prints as the field's help."""
     import ast
 
-    tree = ast.parse(open(os.path.join(ROOT, script)).read())
+    source = open(os.path.join(ROOT, script)).read()
+    lines, tree = source.splitlines(), ast.parse(source)
     args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
     helps = {}
-    for field, doc in zip(args.body, args.body[1:]):
+    for field, doc in zip(args.body, [*args.body[1:], None]):
         if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
             helps[field.target.id] = doc.value.value
+        elif isinstance(field, ast.AnnAssign) and "  # " in lines[field.end_lineno - 1][field.end_col_offset:]:
+            helps[field.target.id] = lines[field.end_lineno - 1][field.end_col_offset:].split("  # ", 1)[1]
     return helps
 
 
