@@ -204,6 +204,8 @@ class RunningMeanStd:
         if mean.shape != self.mean.shape:
             raise ValueError(f"normalisation statistics of shape {tuple(mean.shape)}, expected {self.mean.shape}")
         self.mean, self.var, self.count = mean, state["var"].numpy().astype(np.float64), float(state["count"])
+        if self.added is not None:  # what this rank adds from now on, on top of the loaded state
+            self.track_additions()
 
 
 def normalize_obs(obs: np.ndarray, rms: RunningMeanStd, clip: float, eps: float = 1e-8) -> np.ndarray:
@@ -241,10 +243,13 @@ class Normalizer:
     mean/std (--norm-obs) and rewards scaled by the running std of the discounted return (--norm-reward), both clipped.
     The statistics grow in rollouts only; evaluation and load_policy use them frozen."""
 
-    def __init__(self, args: Args, obs_dim: int, device: torch.device):
+    def __init__(self, args: Args, obs_dim: int, device: torch.device, track_additions: bool = False):
         self.obs_rms = RunningMeanStd((obs_dim,))
         self.reward_scaler = RewardScaler(args.num_envs, args.gamma, args.reward_clip)
         self.args, self.device = args, device
+        if track_additions:  # under torchrun (see merge_ranks)
+            self.obs_rms.track_additions()
+            self.reward_scaler.rms.track_additions()
 
     def obs(self, raw: np.ndarray, update: bool = False) -> torch.Tensor:
         """The Agent's input for a batch of raw observations; update: add them to the statistics first (rollouts)."""
@@ -370,6 +375,17 @@ def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, lam
     return advantages, advantages + values
 
 
+def bootstrap_truncated(reward: np.ndarray, terminations, truncations, infos, agent: Agent, norm: Normalizer,
+                        gamma: float) -> None:
+    """Truncation is not termination: reward += gamma * V(final obs) (in place) for the episodes that a time limit cut,
+    the final observation normalised with the same statistics as the policy's inputs."""
+    idx = np.nonzero(np.logical_and(truncations, np.logical_not(terminations)))[0]
+    if len(idx):
+        with torch.inference_mode():
+            final_value = agent.get_value(norm.obs(np.stack(infos["final_obs"][idx])))
+        reward[idx] += gamma * final_value.cpu().numpy()
+
+
 def normalize_advantages(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(A - mean) / (std + eps), with the unbiased std as in CleanRL and the OpenAI baselines."""
     return (adv - adv.mean()) / (adv.std() + eps)
@@ -486,10 +502,7 @@ class KLPenalty:
 def main(args: Args) -> dict:
     rank, world, device = setup_distributed(args.cuda)  # torchrun: one process per rank (gloo, or NCCL per GPU)
     ckpt = load_checkpoint(args.resume) if args.resume else None
-    if ckpt is not None:
-        check_resume(ckpt, args, world)  # the same env, processes, rollout and normalisation switches
     run_dir = make_run_dir(args, rank, world)
-    writer = open_logs(args, run_dir, rank, resumed=ckpt is not None)  # TensorBoard; wandb with --track
 
     # Seeding (each rank its own stream)
     random.seed(args.seed + rank)
@@ -497,7 +510,6 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed + rank)
     set_torch_determinism(args.torch_deterministic)
     torch.set_num_threads(args.torch_threads)
-
     batch_size = args.num_envs * args.num_steps  # per process; under torchrun the global batch is world times it
     minibatch_size = batch_size // args.num_minibatches
     num_iterations = args.total_timesteps // (batch_size * world)
@@ -510,32 +522,26 @@ def main(args: Args) -> dict:
     next_obs_np, _ = envs.reset(seed=[args.seed + offset + rank * args.num_envs + i for i in range(args.num_envs)])
     next_done = np.zeros(args.num_envs, dtype=np.float32)
     episodes = {"return": np.zeros(args.num_envs), "length": np.zeros(args.num_envs, dtype=np.int64), "recent": []}
-    norm = Normalizer(args, obs_dim, device)  # observation normalisation, reward scaling (details 6-9)
-
+    norm = Normalizer(args, obs_dim, device, track_additions=world > 1)  # details 6-9; merge_ranks: see the loop
     agent = Agent(obs_dim, act_dim).to(device)
-    # lr in a tensor, so that annealing it recompiles nothing. CPU: the fused Adam is one kernel instead of one per
-    # parameter (4x faster for these small nets); CUDA: capturable keeps the step counters on the GPU (no host sync)
+    # lr in a tensor: annealing recompiles nothing; CPU: fused Adam (one kernel); CUDA: capturable (no host sync)
     optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
                                  capturable=args.cuda, fused=True if not args.cuda else None)
-    penalised = args.kl_penalty_coef is not None or args.kl_penalty_target is not None
-    kl_penalty = KLPenalty(args, device) if penalised else None
+    kl_penalty = KLPenalty(args, device) if (args.kl_penalty_coef, args.kl_penalty_target) != (None, None) else None
     first_iteration, global_step, next_obs = 1, 0, None
     if ckpt is not None:  # exact resume: networks, Adam, RNG, statistics, KL coefficient, the episodes in flight
         with checkpoint_fits(args.resume):
+            check_resume(ckpt, args, world)  # the same env, processes, rollout and normalisation switches
             agent.load_state_dict(ckpt["model"])
             load_optimizer_state(optimizer, ckpt["optimizer"], device)
             set_rng_state(ckpt["rng"][rank], device)
             norm.obs_rms.load_state_dict(ckpt["obs_rms"])
             norm.reward_scaler.rms.load_state_dict(ckpt["return_rms"])
-            if kl_penalty is not None and args.kl_penalty_target is not None and ckpt["kl_coef"] is not None:
+            if kl_penalty and args.kl_penalty_target is not None and ckpt["kl_coef"] is not None:
                 kl_penalty.set(ckpt["kl_coef"])  # the adapted coefficient goes on
-            if ckpt["episodes"][rank]["envs"] is not None and args.vector_mode == "sync":
-                next_obs, next_done = load_episodes(ckpt["episodes"][rank], envs, episodes, norm, device)
-        first_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
-        say_resumed(args, ckpt, rank, exact=next_obs is not None)
-    if world > 1:  # each rank's statistics see its own data during a rollout; merge_ranks combines them after it
-        norm.obs_rms.track_additions()
-        norm.reward_scaler.rms.track_additions()
+            next_obs, next_done = load_episodes(ckpt, rank, args, envs, episodes, norm, device)  # (where they can)
+            first_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
+    writer = open_logs(args, run_dir, rank, resumed=ckpt is not None)  # TensorBoard; wandb with --track
     if next_obs is None:  # new episodes: their first observations join the statistics (unless nothing is left to do)
         next_obs = norm.obs(next_obs_np, update=first_iteration <= num_iterations)
     train_agent = agent
@@ -561,9 +567,7 @@ def main(args: Args) -> dict:
         return stats
 
     policy, update = compile_hot_functions(policy, update, agent, args)  # --compile, --cudagraphs
-
-    # Rollout storage (T, N, ...): rewards and dones on the host (numpy, for compute_gae), the rest on the device;
-    # old_means: the mean of pi_old(.|s) in every state (the KL-penalty variant's KL; the log std is one for all)
+    # Rollout storage (T, N, ...), rewards and dones on the host (compute_gae); old_means: pi_old's (the KL variant)
     obs = torch.zeros((args.num_steps, args.num_envs, obs_dim), device=device)
     actions, old_means = (torch.zeros((args.num_steps, args.num_envs, act_dim), device=device) for _ in range(2))
     logprobs, values = (torch.zeros((args.num_steps, args.num_envs), device=device) for _ in range(2))
@@ -571,8 +575,7 @@ def main(args: Args) -> dict:
     # the final checkpoint: asked for, or the run writes them anyway (and the model is on disk before evaluation)
     save_final = args.save_model or args.checkpoint_every or args.stop_after or args.eval_episodes or ckpt is not None
     last_checkpoint = os.path.abspath(args.resume) if args.resume else None
-    clock, stats, finished = {"start": time.time(), "steps": global_step, "printed": 0.0}, {}, True
-
+    clock, stats, eval_returns = {"start": time.time(), "steps": global_step, "printed": 0.0}, {}, None
     with StopSignals() as signals:  # SIGTERM / Ctrl-C are honoured at the end of an iteration
         for iteration in range(first_iteration, num_iterations + 1):
             lr_now = args.learning_rate
@@ -596,14 +599,8 @@ def main(args: Args) -> dict:
                 count_episodes(writer, episodes, raw_reward, done, global_step)  # charts/episodic_return, _length
                 next_obs = norm.obs(next_obs_np, update=True)  # detail: observation normalisation and clipping
                 reward = norm.reward(raw_reward, done)  # detail: reward scaling and clipping
-                # Truncation is not termination: bootstrap r + gamma * V(final obs) for episodes cut by a time limit,
-                # the final observation normalised with the same statistics as the policy's inputs.
-                trunc_only = np.logical_and(truncations, np.logical_not(terminations))
-                if trunc_only.any():
-                    idx = np.nonzero(trunc_only)[0]
-                    with torch.inference_mode():
-                        final_value = agent.get_value(norm.obs(np.stack(infos["final_obs"][idx])))
-                    reward[idx] += args.gamma * final_value.cpu().numpy()
+                # Truncation is not termination: r + gamma * V(final obs) where a time limit cut the episode
+                bootstrap_truncated(reward, terminations, truncations, infos, agent, norm, args.gamma)
                 rewards[step], next_done = reward, done.astype(np.float32)
             if world > 1:  # every rank's normalisation statistics become those of all ranks' data
                 merge_ranks([norm.obs_rms, norm.reward_scaler.rms], world)
@@ -636,8 +633,8 @@ def main(args: Args) -> dict:
 
             # 5. Update reference policy: theta_old <- theta, implicitly (the next rollout samples from theta). The
             # KL-penalty variant measures KL(pi_old || pi_theta) over the rollout and adapts its coefficient to it.
-            extra = {"kl": kl_penalty.rollout_kl(agent, b_obs, b_old_means, old_logstd, minibatch_size)} if kl_penalty else {}
-            stats = iteration_stats(update_stats, extra, world, signals)  # one host sync: all ranks' means, signals
+            kl = kl_penalty.rollout_kl(agent, b_obs, b_old_means, old_logstd, minibatch_size) if kl_penalty else None
+            stats = iteration_stats(update_stats, world, signals, kl)  # the one host sync: all ranks' means, signals
             check_finite(stats, iteration, last_checkpoint)  # a non-finite update stops here (exit 1)
             stats["explained_variance"] = explained_variance(b_values.cpu().numpy(), b_returns.cpu().numpy())
             log_iteration(writer, args, stats, lr_now, kl_penalty, global_step, iteration, num_iterations,
@@ -645,29 +642,22 @@ def main(args: Args) -> dict:
             if kl_penalty:
                 kl_penalty.adapt(stats["kl"])  # the coefficient of the next update
 
-            finished = iteration == num_iterations
-            stop = stats["signals"] > 0 or (args.stop_after and iteration - first_iteration + 1 >= args.stop_after)
-            if stop or (args.checkpoint_every and iteration % args.checkpoint_every == 0) or (finished and save_final):
-                last_checkpoint = save_state(os.path.join(run_dir, "checkpoint.pt"), args, agent, optimizer, norm,
-                                             kl_penalty, iteration, global_step, envs, next_obs, next_done,
-                                             episodes, rank, world)
-            if stop and not finished:
-                if rank == 0:
-                    why = (signal.Signals(signals.received[0]).name if signals.received else "a signal to another "
-                           "rank" if stats["signals"] else f"--stop-after {args.stop_after}")
-                    print(f"stopped at iteration {iteration} ({why}); continue with: {launcher(world)} --resume "
-                          f"{last_checkpoint}", flush=True)
+            stop = stats["signals"] > 0 or 0 < args.stop_after <= iteration - first_iteration + 1
+            if stop or (args.checkpoint_every and iteration % args.checkpoint_every == 0) or (
+                    iteration == num_iterations and save_final):
+                last_checkpoint = save_state(run_dir, args, agent, optimizer, norm, kl_penalty, iteration, global_step,
+                                             (envs, next_obs, next_done, episodes), rank, world)
+            if stop and iteration < num_iterations:
+                say_stopped(iteration, signals, stats, args, world, rank, last_checkpoint)  # and the resume command
                 break
-        # the trained model is on disk before evaluation starts; a signal during evaluation stops it cleanly
-        eval_returns = None
-        if finished and args.eval_episodes:
-            eval_returns = evaluate_all_ranks(agent, args, device, norm.obs_rms, run_dir, rank, world, signals,
-                                              writer, global_step, last_checkpoint)
-    envs.close()
-    close_logs(writer, args, world)
+        else:  # the trained model is on disk before the evaluation starts; a signal stops the evaluation cleanly
+            if args.eval_episodes and rank == 0:
+                eval_returns = evaluate_and_log(agent, args, device, norm.obs_rms, run_dir, writer, global_step,
+                                                signals, last_checkpoint)
+    close_run(envs, writer, args, world)
     return {"global_step": global_step, "run_dir": run_dir, "stats": stats, "returns": episodes["recent"],
-            "agent": agent, "obs_rms": norm.obs_rms, "return_rms": norm.reward_scaler.rms, "eval_returns": eval_returns,
-            "sps": int((global_step - clock["steps"]) / (time.time() - clock["start"]))}
+            "agent": agent, "obs_rms": norm.obs_rms, "return_rms": norm.reward_scaler.rms,
+            **({"eval_returns": eval_returns} if eval_returns is not None else {})}
 
 
 # =========================================================================================================
@@ -817,18 +807,17 @@ def count_episodes(writer, episodes: dict, reward: np.ndarray, done: np.ndarray,
         if writer is not None:
             writer.add_scalar("charts/episodic_return", episodes["return"][i], global_step)
             writer.add_scalar("charts/episodic_length", episodes["length"][i], global_step)
-    episodes["return"][done] = 0.0
-    episodes["length"][done] = 0
+    episodes["return"][done], episodes["length"][done] = 0.0, 0
 
 
-def iteration_stats(update_stats: list[dict], extra: dict, world: int, signals: StopSignals) -> dict:
-    """The iteration's one host sync: the update's statistics averaged over its minibatches and over the ranks,
-    `extra` (the rollout's KL) averaged over the ranks, and how many ranks a stop signal reached ("signals")."""
-    names = [*update_stats[0], *extra]
+def iteration_stats(update_stats: list[dict], world: int, signals: StopSignals, kl=None) -> dict:
+    """The iteration's one host sync: the update's statistics averaged over its minibatches and over the ranks, the
+    rollout's KL (the KL-penalty variant) averaged over the ranks, and how many ranks a stop signal reached."""
+    extra = {} if kl is None else {"kl": kl}
     values = [torch.stack([s[k] for s in update_stats]).mean() for k in update_stats[0]] + list(extra.values())
     values.append(torch.tensor(float(bool(signals.received)), device=values[0].device))
     *means, signalled = all_ranks_mean(torch.stack([v.float() for v in values]), world).tolist()
-    return {**dict(zip(names, means)), "signals": round(signalled * world)}
+    return {**dict(zip([*update_stats[0], *extra], means)), "signals": round(signalled * world)}
 
 
 def log_iteration(writer, args: Args, stats: dict, lr: float, kl_penalty, global_step: int, iteration: int,
@@ -837,26 +826,48 @@ def log_iteration(writer, args: Args, stats: dict, lr: float, kl_penalty, global
     if writer is None:
         return
     rate = (global_step - clock["steps"]) / max(time.time() - clock["start"], 1e-9)  # steps/s, all processes
-    writer.add_scalar("charts/learning_rate", lr, global_step)
-    for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance"):
-        writer.add_scalar(f"losses/{k}", stats[k], global_step)
-    writer.add_scalar("charts/SPS", int(rate), global_step)
-    if kl_penalty is not None:
-        writer.add_scalar("losses/kl", stats["kl"], global_step)
-        writer.add_scalar("charts/kl_coef", kl_penalty.beta, global_step)  # the coefficient this update used
+    scalars = {"charts/learning_rate": lr, "charts/SPS": int(rate), **{f"losses/{k}": stats[k] for k in (
+        "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance")}}
+    if kl_penalty is not None:  # the rollout's KL and the coefficient this update used
+        scalars.update({"losses/kl": stats["kl"], "charts/kl_coef": kl_penalty.beta})
+    for tag, value in scalars.items():
+        writer.add_scalar(tag, value, global_step)
     if time.time() - clock["printed"] >= 5.0 or iteration == num_iterations:
         clock["printed"] = time.time()
-        steps_left = (num_iterations - iteration) * steps_per_iteration
+        eta = eta_text((num_iterations - iteration) * steps_per_iteration / rate if rate > 0 else math.inf)
         print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={int(rate)}  return(last 20)="
-              f"{np.mean(recent[-20:]) if recent else float('nan'):.1f}  approx_kl={stats['approx_kl']:.4f}"
-              + (f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else "")
-              + f"  eta={eta_text(steps_left / rate if rate > 0 else math.inf)}", flush=True)
-    if first and args.cudagraphs and cudagraph_skips():
-        print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs says why)",
+              f"{np.mean(recent[-20:]) if recent else math.nan:.1f}  approx_kl={stats['approx_kl']:.4f}"
+              + (f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else "") + f"  eta={eta}",
               flush=True)
+    if first and args.cudagraphs and cudagraph_skips():
+        print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs says why)")
 
 
-def close_logs(writer, args: Args, world: int) -> None:
+def say_stopped(iteration: int, signals: StopSignals, stats: dict, args: Args, world: int, rank: int,
+                path: str) -> None:
+    if rank == 0:
+        why = signal.Signals(signals.received[0]).name if signals.received else (
+            "a signal to another rank" if stats["signals"] > 0 else f"--stop-after {args.stop_after}")
+        print(f"stopped at iteration {iteration} ({why}); continue with: {launcher(world)} --resume {path}", flush=True)
+
+
+def evaluate_and_log(agent: Agent, args: Args, device: torch.device, obs_rms: RunningMeanStd, run_dir: str, writer,
+                     global_step: int, signals: StopSignals, path: str) -> Optional[list]:
+    """--eval-episodes on rank 0, logged; None if a signal stopped it (the trained model is in the checkpoint)."""
+    returns = evaluate(agent, args, device, args.eval_episodes, obs_rms, os.path.join(run_dir, "videos"),
+                       stop=lambda: bool(signals.received))
+    if signals.received:
+        print(f"stopped during the evaluation ({signal.Signals(signals.received[0]).name}); the trained model is in "
+              f"{path}", flush=True)
+        return None
+    writer.add_scalar("eval/episodic_return", float(np.mean(returns)), global_step)
+    print(f"eval: {len(returns)} episodes{' (deterministic)' if args.eval_deterministic else ''}, return "
+          f"{np.mean(returns):.2f} ± {np.std(returns):.2f}")
+    return returns
+
+
+def close_run(envs, writer, args: Args, world: int) -> None:
+    envs.close()
     if writer is not None:
         writer.close()
         if args.track:
@@ -942,74 +953,63 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: 
 
 
 # --- checkpoints: this script's states, exact resume of the episodes in flight -----------------------------
-def save_state(path: str, args: Args, agent: Agent, optimizer, norm: Normalizer, kl_penalty, iteration: int,
-               global_step: int, envs, next_obs, next_done, episodes: dict, rank: int, world: int) -> str:
-    """Every rank's RNG and episodes in flight (envs, next observation, episode counters, the reward scaler's running
-    return) gathered; rank 0 writes the checkpoint. The networks and the normalisation statistics (merged after each
-    rollout) are the same on every rank. Returns the checkpoint's path."""
+def save_state(run_dir: str, args: Args, agent: Agent, optimizer, norm: Normalizer, kl_penalty, iteration: int,
+               global_step: int, rollout: tuple, rank: int, world: int) -> str:
+    """Every rank's RNG and episodes in flight (rollout: envs, next observation and done, episode counters; and the
+    reward scaler's running returns) gathered; rank 0 writes the checkpoint. The networks and the normalisation
+    statistics (merged after each rollout) are the same on every rank. Returns the checkpoint's path."""
+    envs, next_obs, next_done, episodes = rollout
     mine = dict(envs=env_state(envs), next_obs=next_obs.cpu(), next_done=torch.tensor(next_done),
                 ep_return=torch.tensor(episodes["return"]), ep_length=torch.tensor(episodes["length"]),
                 reward_ret=torch.tensor(norm.reward_scaler.ret))
-    ranks = gather_objects((rng_state(), mine), world)
-    if rank == 0:
+    ranks, path = gather_objects((rng_state(), mine), world), os.path.abspath(os.path.join(run_dir, "checkpoint.pt"))
+    if rank == 0:  # (--stop-after is not kept: the resumed run goes on to the end unless told otherwise)
         save_checkpoint(path, {
-            "script": SCRIPT, "env_id": args.env_id, "args": dataclasses.asdict(args), "model": agent.state_dict(),
-            "optimizer": optimizer.state_dict(), "iteration": iteration, "global_step": global_step,
-            "kl_coef": kl_penalty.beta if kl_penalty else None, "world_size": world,
+            "script": SCRIPT, "env_id": args.env_id, "args": {**dataclasses.asdict(args), "stop_after": 0},
+            "model": agent.state_dict(), "optimizer": optimizer.state_dict(), "iteration": iteration,
+            "global_step": global_step, "kl_coef": kl_penalty.beta if kl_penalty else None, "world_size": world,
             "rng": [r for r, _ in ranks], "episodes": [e for _, e in ranks],
             "obs_rms": norm.obs_rms.state_dict(), "return_rms": norm.reward_scaler.rms.state_dict()})
-    return os.path.abspath(path)
+    return path
 
 
-def load_episodes(saved: dict, envs, episodes: dict, norm: Normalizer, device: torch.device) -> tuple:
-    """The episodes in flight where the checkpoint stopped them: envs, counters, the reward scaler's running return.
-    Returns (next_obs, next_done)."""
-    n = len(envs.envs)
-    load_env_state(envs, saved["envs"])
-    episodes["return"][:] = fitted(saved["ep_return"], (n,)).numpy()
-    episodes["length"][:] = fitted(saved["ep_length"], (n,)).numpy()
-    norm.reward_scaler.ret[:] = fitted(saved["reward_ret"], (n,)).numpy()
-    next_obs = fitted(saved["next_obs"], (n, envs.single_observation_space.shape[0])).to(device, torch.float32)
-    return next_obs, fitted(saved["next_done"], (n,)).numpy().astype(np.float32)
-
-
-def fitted(x: torch.Tensor, shape: tuple) -> torch.Tensor:
-    if tuple(x.shape) != shape:
-        raise ValueError(f"a saved state of shape {tuple(x.shape)}, expected {shape}")
-    return x
-
-
-def say_resumed(args: Args, ckpt: dict, rank: int, exact: bool) -> None:
-    if rank != 0:
-        return
-    print(f"resumed {args.resume} at iteration {ckpt['iteration']}, global step {ckpt['global_step']}")
-    saved_total = ckpt["args"].get("total_timesteps", args.total_timesteps)
-    if args.anneal_lr and saved_total != args.total_timesteps:  # not silent: the lr jumps
-        print(f"note: --total-timesteps {args.total_timesteps} differs from the checkpoint's {saved_total}: the "
-              "learning rate now anneals to 0 at the new total")
+def load_episodes(ckpt: dict, rank: int, args: Args, envs, episodes: dict, norm: Normalizer,
+                  device: torch.device) -> tuple:
+    """The episodes in flight of this rank where the checkpoint stopped them (envs, counters, the reward scaler's
+    running returns): (next_obs, next_done); (None, all False) where they cannot continue (async envs, another kind
+    of env), and the run starts new episodes."""
+    saved, n = ckpt["episodes"][rank], args.num_envs
+    exact = saved["envs"] is not None and args.vector_mode == "sync"
+    if rank == 0:
+        print(f"resumed {args.resume} at iteration {ckpt['iteration']}, global step {ckpt['global_step']}"
+              + ("" if exact else " (the environments start new episodes)"))
     if not exact:
-        print("note: environments start new episodes (exact resume needs --vector-mode sync, then and now, and a "
-              "classic-control or MuJoCo env)")
+        return None, np.zeros(n, dtype=np.float32)
+
+    def fitted(x: torch.Tensor, *shape: int) -> np.ndarray:
+        if tuple(x.shape) != shape:
+            raise ValueError(f"a saved state of shape {tuple(x.shape)}, expected {shape}")
+        return x.numpy()
+
+    load_env_state(envs, saved["envs"])
+    episodes["return"][:], episodes["length"][:] = fitted(saved["ep_return"], n), fitted(saved["ep_length"], n)
+    norm.reward_scaler.ret[:] = fitted(saved["reward_ret"], n)
+    next_obs = torch.from_numpy(fitted(saved["next_obs"], n, envs.single_observation_space.shape[0])).to(device)
+    return next_obs, fitted(saved["next_done"], n).astype(np.float32)
 
 
 def check_resume(ckpt: dict, args: Args, world: int) -> None:
     """The checkpoint's env, processes, rollout size (its iteration count and lr schedule hold for them) and
-    normalisation switches (the network was trained on those inputs) are this run's; one line, exit 2, otherwise."""
-    with checkpoint_fits(args.resume):
-        saved = ckpt["args"]
-        if ckpt["env_id"] != args.env_id:
-            raise Failure(f"{args.resume} was trained on {ckpt['env_id']}, not {args.env_id} (pass --env-id "
-                          f"{ckpt['env_id']})")
-        if ckpt["world_size"] != world:  # iterations, seeds and envs are per process
-            raise Failure(f"{args.resume} was written by {ckpt['world_size']} process(es); resume it with as many: "
-                          f"{launcher(ckpt['world_size'])} --resume {args.resume}")
-        if (saved["num_envs"], saved["num_steps"]) != (args.num_envs, args.num_steps):
-            raise Failure(f"{args.resume} was written with --num-envs {saved['num_envs']} --num-steps "
-                          f"{saved['num_steps']}; its iteration count and learning-rate schedule hold for that rollout")
-        for name in ("norm_obs", "norm_reward"):
-            if saved[name] != getattr(args, name):
-                raise Failure(f"{args.resume} was trained with {name}={saved[name]}; --{name.replace('_', '-')} "
-                              "cannot change on --resume")
+    normalisation switches (the network was trained on those inputs) are this run's (in main's checkpoint_fits)."""
+    saved, n = ckpt["args"], ckpt["world_size"]
+    if ckpt["env_id"] != args.env_id:
+        raise Failure(f"{args.resume} was trained on {ckpt['env_id']}, not {args.env_id}")
+    if n != world:  # iterations, seeds and envs are per process
+        raise Failure(f"{args.resume} was written by {n} process(es); resume it with {launcher(n)} --resume ...")
+    for name in ("num_envs", "num_steps", "norm_obs", "norm_reward"):  # the lr schedule; the network's inputs
+        if saved[name] != getattr(args, name):
+            raise Failure(f"{args.resume} was written with --{name.replace('_', '-')} {saved[name]}, which cannot "
+                          "change on --resume")
 
 
 EXACT_RESUME_MODULES = ("gymnasium.envs.classic_control", "gymnasium.envs.mujoco")  # whose whole state is saved
@@ -1022,14 +1022,11 @@ def env_state(envs) -> Optional[list]:
     processes) and for envs whose state lives elsewhere (Box2D's world): a resumed run starts new episodes."""
     if not hasattr(envs, "envs") or not envs.envs[0].unwrapped.__module__.startswith(EXACT_RESUME_MODULES):
         return None
-    snapshot = []
-    for env in envs.envs:
-        layers = [{k: torch.tensor(v) if isinstance(v, np.ndarray) else v for k, v in vars(layer).items()
-                   if isinstance(v, (bool, int, float)) or isinstance(v, np.ndarray) and v.dtype.kind in "biuf"}
-                  for layer in wrapper_layers(env)]
-        snapshot.append({"layers": layers, "np_random": env.unwrapped.np_random.bit_generator.state,
-                         "mujoco": mujoco_state(env.unwrapped)})
-    return snapshot
+    return [{"layers": [{k: torch.tensor(v) if isinstance(v, np.ndarray) else v for k, v in vars(layer).items()
+                         if isinstance(v, (bool, int, float)) or isinstance(v, np.ndarray) and v.dtype.kind in "biuf"}
+                        for layer in wrapper_layers(env)],
+             "np_random": env.unwrapped.np_random.bit_generator.state, "mujoco": mujoco_state(env.unwrapped)}
+            for env in envs.envs]
 
 
 def load_env_state(envs, snapshot: list) -> None:
@@ -1078,18 +1075,17 @@ def set_mujoco_state(env, saved: dict) -> None:
 
 # --- evaluation and load_policy ---------------------------------------------------------------------------
 def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_rms: RunningMeanStd,
-             video_dir: str = "", rank: int = 0, stop=lambda: False) -> list[float]:
+             video_dir: str = "", stop=lambda: False) -> list[float]:
     """Run `episodes` full episodes with actions sampled from the policy (its mean with --eval-deterministic) and
-    the observation statistics frozen; return their undiscounted (raw) returns (fewer once stop() says so).
-    Under torchrun each rank plays with its own seed, and rank 0 alone records videos."""
-    record = args.capture_video and rank == 0
-    env = make_env(args.env_id, 0, record, video_dir)()
+    the observation statistics frozen (rank 0 alone, under torchrun); return their undiscounted (raw) returns (fewer
+    once stop() says so). With --capture-video they are recorded; a renderer that fails is one line, exit 2."""
+    env = make_env(args.env_id, 0, args.capture_video, video_dir)()
     low, high = env.action_space.low, env.action_space.high
     rms = obs_rms if args.norm_obs else None
     try:
-        obs, _ = env.reset(seed=args.seed + 10_000 + rank)  # (RecordVideo renders its first frame here)
+        obs, _ = env.reset(seed=args.seed + 10_000)  # (RecordVideo renders its first frame here)
     except Exception as e:
-        if not record:
+        if not args.capture_video:
             raise
         raise Failure(f"--capture-video: cannot render {args.env_id} offscreen: {type(e).__name__}: "
                       f"{(str(e).splitlines() or [''])[0]} (headless: MUJOCO_GL=egl or MUJOCO_GL=osmesa)") from None
@@ -1105,29 +1101,6 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_
             if len(returns) < episodes:  # no reset after the last one: RecordVideo would start an empty video
                 obs, _ = env.reset()
     env.close()
-    return returns
-
-
-def evaluate_all_ranks(agent: Agent, args: Args, device: torch.device, obs_rms: RunningMeanStd, run_dir: str,
-                       rank: int, world: int, signals: StopSignals, writer, global_step: int,
-                       checkpoint: str) -> Optional[list]:
-    """--eval-episodes, shared among the ranks; rank 0 logs them all. A signal stops it: the trained model is
-    already in the checkpoint, and the line says how to evaluate it again. Returns the returns (None if stopped)."""
-    share = args.eval_episodes // world + int(rank < args.eval_episodes % world)
-    mine = evaluate(agent, args, device, share, obs_rms, os.path.join(run_dir, "videos"), rank,
-                    stop=lambda: bool(signals.received)) if share else []
-    parts = gather_objects((mine, [signal.Signals(s).name for s in signals.received]), world)
-    names = [n for _, sigs in parts for n in sigs]
-    if names:
-        if rank == 0:
-            print(f"stopped during the evaluation ({names[0]}); the trained model is in {checkpoint}; evaluate it "
-                  f"with: {launcher(world)} --resume {checkpoint} --eval-episodes {args.eval_episodes}", flush=True)
-        return None
-    returns = [r for part, _ in parts for r in part]
-    if writer is not None:
-        writer.add_scalar("eval/episodic_return", float(np.mean(returns)), global_step)
-        print(f"eval: {args.eval_episodes} episodes{' (deterministic)' if args.eval_deterministic else ''}, "
-              f"return {np.mean(returns):.2f} ± {np.std(returns):.2f}")
     return returns
 
 
@@ -1231,17 +1204,17 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED]
     """tyro's command line (its own errors: exit 2). With --resume the checkpoint's arguments are the defaults and
     flags given now override them. Then validate(): bad values are one line, exit 2, before anything is written."""
     argv = sys.argv[1:] if argv is None else argv
-    default = None
     resume = next((a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
                    if (a == "--resume" and i + 1 < len(argv)) or a.startswith("--resume=")), None)
-    if resume is not None:
-        saved = load_checkpoint(resume)["args"]
+    if resume is None:
+        args = tyro.cli(Args, args=argv)
+        validate(args)  # [PER SCRIPT]: raises Failure("...") for a bad value
+        return args
+    saved = load_checkpoint(resume)
+    with checkpoint_fits(resume):  # its arguments missing or edited (of another type) are one line too
         names = {f.name for f in dataclasses.fields(Args)}
-        with checkpoint_fits(resume):
-            default = Args(**{k: v for k, v in saved.items() if k in names})
-    args = tyro.cli(Args, args=argv, default=default)
-    validate(args)   # [PER SCRIPT]: raise Failure("...") for each bad value (ranges, divisibility, --cuda without a
-                     # GPU, --cudagraphs without --cuda, env id, another env than the checkpoint's, ...)
+        args = tyro.cli(Args, args=argv, default=Args(**{k: v for k, v in saved["args"].items() if k in names}))
+        validate(args)
     return args
 
 

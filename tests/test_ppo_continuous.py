@@ -441,8 +441,6 @@ def test_capture_video_without_a_renderer_is_one_line_after_the_model_is_saved(t
     (["--num-steps", "0"], "must be positive"),
     (["--gamma", "1.5"], "must lie in [0, 1]"),
     (["--learning-rate", "-3e-4"], "must be positive"),
-    (["--num-envs", "4", "--resume", "{hopper}"], "written with --num-envs 2"),
-    (["--env-id", "Ant-v5", "--resume", "{hopper}"], "was trained on Hopper-v5, not Ant-v5"),
     (["--learning-rate", "nan"], "finite"),
     (["--kl-penalty-coef", "-1"], "must be >= 0"),
     (["--kl-penalty-target", "-0.01"], "must be positive"),
@@ -455,7 +453,7 @@ def test_capture_video_without_a_renderer_is_one_line_after_the_model_is_saved(t
     (["--resume", "{foreign}"], "not a ppo_continuous.py checkpoint"),
     (["--resume", "{corrupt}"], "cannot read checkpoint"),
 ])
-def test_bad_input_from_main_is_one_line_exit_2(tmp_path, argv, needle, capsys, monkeypatch, hopper_checkpoint):
+def test_bad_input_from_main_is_one_line_exit_2(tmp_path, argv, needle, capsys, monkeypatch):
     """In-process, through parse_args and main (a subprocess each costs a torch import; the command line itself is
     tested in test_bad_input_is_one_line_exit_2)."""
     monkeypatch.setattr(pc, "make_vector_env", lambda *a, **k: pytest.fail("bad input reached the envs"))
@@ -463,13 +461,27 @@ def test_bad_input_from_main_is_one_line_exit_2(tmp_path, argv, needle, capsys, 
     (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
     (tmp_path / "file").write_text("")
     paths = dict(missing=tmp_path / "missing.pt", foreign=tmp_path / "foreign.pt", corrupt=tmp_path / "corrupt.pt",
-                 file=tmp_path / "file", hopper=hopper_checkpoint)
+                 file=tmp_path / "file")
     argv = [a.format(**paths) for a in argv]
     if "--runs-dir" not in argv:
         argv += ["--runs-dir", str(tmp_path / "runs")]
     err = one_line_error(capsys, lambda: pc.main(pc.parse_args(argv)))
     assert needle in err, err
     assert not (tmp_path / "runs").exists()  # bad input leaves no run directory behind
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--num-envs", "4"], "written with --num-envs 2"),
+    (["--num-steps", "32"], "written with --num-steps 64"),
+    (["--no-norm-reward"], "written with --norm-reward True"),
+])
+def test_a_checkpoint_of_another_rollout_or_normalisation_is_one_line_exit_2(hopper_checkpoint, argv, needle):
+    """The iteration count and lr schedule hold for the checkpoint's rollout, the network for its normalisation."""
+    before = open(hopper_checkpoint, "rb").read()
+    with pytest.raises(pc.Failure) as e:
+        pc.main(pc.parse_args(["--resume", hopper_checkpoint, *argv]))
+    assert e.value.code == 2 and needle in str(e.value) and hopper_checkpoint in str(e.value), str(e.value)
+    assert open(hopper_checkpoint, "rb").read() == before
 
 
 def read_scalars(run_dir, tag):
