@@ -163,6 +163,68 @@ def make_vector_env(args: Args):
     return cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
 
+# The episodes in flight, saved and restored for an exact resume (checkpoints, below the banner, hold them)
+EXACT_RESUME_MODULES = ("gymnasium.envs.classic_control", "gymnasium.envs.mujoco")  # whose whole state is saved
+
+
+def env_state(envs) -> Optional[list]:
+    """Each sub-environment of a SyncVectorEnv, enough to continue its episode bit for bit: the plain numbers and
+    arrays of every wrapper and of the env (TimeLimit's step counter, a classic-control env's state), its random
+    generator and MuJoCo's simulator state (mujoco_state). None for an AsyncVectorEnv (its envs live in other
+    processes) and for envs whose state lives elsewhere (Box2D's world): a resumed run starts new episodes."""
+    if not hasattr(envs, "envs") or not envs.envs[0].unwrapped.__module__.startswith(EXACT_RESUME_MODULES):
+        return None
+    return [{"layers": [{k: torch.tensor(v) if isinstance(v, np.ndarray) else v for k, v in vars(layer).items()
+                         if isinstance(v, (bool, int, float)) or isinstance(v, np.ndarray) and v.dtype.kind in "biuf"}
+                        for layer in wrapper_layers(env)],
+             "np_random": env.unwrapped.np_random.bit_generator.state, "mujoco": mujoco_state(env.unwrapped)}
+            for env in envs.envs]
+
+
+def load_env_state(envs, snapshot: list) -> None:
+    for env, saved in zip(envs.envs, snapshot, strict=True):
+        for layer, plain in zip(wrapper_layers(env), saved["layers"], strict=True):
+            for k, v in plain.items():
+                setattr(layer, k, v.numpy().copy() if isinstance(v, torch.Tensor) else v)
+        env.unwrapped.np_random.bit_generator.state = saved["np_random"]
+        if saved["mujoco"] is not None:
+            set_mujoco_state(env.unwrapped, saved["mujoco"])
+
+
+def wrapper_layers(env) -> list:
+    """The wrappers of an env, outermost first, then the env itself."""
+    layers = [env]
+    while hasattr(layers[-1], "env"):
+        layers.append(layers[-1].env)
+    return layers
+
+
+def mujoco_state(env) -> Optional[dict]:
+    """A MuJoCo env's simulator state through MuJoCo's own state functions (None for other envs): mj_getState's
+    integration state (time, qpos, qvel, act, the solver's warm start, ctrl, ...), from which every later step
+    follows, and the body positions of the last step's start (xpos, xipos), which Ant's and Humanoid's rewards
+    read before they step (mj_forward on the restored state would compute those of its end)."""
+    if type(getattr(env, "data", None)).__module__.split(".")[0] != "mujoco":
+        return None
+    import mujoco
+
+    state = np.empty(mujoco.mj_stateSize(env.model, mujoco.mjtState.mjSTATE_INTEGRATION))
+    mujoco.mj_getState(env.model, env.data, state, mujoco.mjtState.mjSTATE_INTEGRATION)
+    return {"integration": torch.from_numpy(state), "xpos": torch.tensor(env.data.xpos),
+            "xipos": torch.tensor(env.data.xipos)}
+
+
+def set_mujoco_state(env, saved: dict) -> None:
+    import mujoco
+
+    state = saved["integration"].numpy()
+    if state.shape != (mujoco.mj_stateSize(env.model, mujoco.mjtState.mjSTATE_INTEGRATION),):
+        raise ValueError(f"a MuJoCo state of {state.size} numbers for a model of another size")
+    mujoco.mj_setState(env.model, env.data, state, mujoco.mjtState.mjSTATE_INTEGRATION)
+    mujoco.mj_forward(env.model, env.data)  # the quantities derived from the state (contacts, sensors, ...)
+    env.data.xpos[...], env.data.xipos[...] = saved["xpos"].numpy(), saved["xipos"].numpy()
+
+
 class RunningMeanStd:
     """Mean and (population) variance of a stream of vectors, merged batch by batch with Chan et al.'s parallel
     update, as in OpenAI baselines and gymnasium. count starts at epsilon (mean 0, var 1) as there."""
@@ -1010,67 +1072,6 @@ def check_resume(ckpt: dict, args: Args, world: int) -> None:
         if saved[name] != getattr(args, name):
             raise Failure(f"{args.resume} was written with --{name.replace('_', '-')} {saved[name]}, which cannot "
                           "change on --resume")
-
-
-EXACT_RESUME_MODULES = ("gymnasium.envs.classic_control", "gymnasium.envs.mujoco")  # whose whole state is saved
-
-
-def env_state(envs) -> Optional[list]:
-    """Each sub-environment of a SyncVectorEnv, enough to continue its episode bit for bit: the plain numbers and
-    arrays of every wrapper and of the env (TimeLimit's step counter, a classic-control env's state), its random
-    generator and MuJoCo's simulator state (mujoco_state). None for an AsyncVectorEnv (its envs live in other
-    processes) and for envs whose state lives elsewhere (Box2D's world): a resumed run starts new episodes."""
-    if not hasattr(envs, "envs") or not envs.envs[0].unwrapped.__module__.startswith(EXACT_RESUME_MODULES):
-        return None
-    return [{"layers": [{k: torch.tensor(v) if isinstance(v, np.ndarray) else v for k, v in vars(layer).items()
-                         if isinstance(v, (bool, int, float)) or isinstance(v, np.ndarray) and v.dtype.kind in "biuf"}
-                        for layer in wrapper_layers(env)],
-             "np_random": env.unwrapped.np_random.bit_generator.state, "mujoco": mujoco_state(env.unwrapped)}
-            for env in envs.envs]
-
-
-def load_env_state(envs, snapshot: list) -> None:
-    for env, saved in zip(envs.envs, snapshot, strict=True):
-        for layer, plain in zip(wrapper_layers(env), saved["layers"], strict=True):
-            for k, v in plain.items():
-                setattr(layer, k, v.numpy().copy() if isinstance(v, torch.Tensor) else v)
-        env.unwrapped.np_random.bit_generator.state = saved["np_random"]
-        if saved["mujoco"] is not None:
-            set_mujoco_state(env.unwrapped, saved["mujoco"])
-
-
-def wrapper_layers(env) -> list:
-    """The wrappers of an env, outermost first, then the env itself."""
-    layers = [env]
-    while hasattr(layers[-1], "env"):
-        layers.append(layers[-1].env)
-    return layers
-
-
-def mujoco_state(env) -> Optional[dict]:
-    """A MuJoCo env's simulator state through MuJoCo's own state functions (None for other envs): mj_getState's
-    integration state (time, qpos, qvel, act, the solver's warm start, ctrl, ...), from which every later step
-    follows, and the body positions of the last step's start (xpos, xipos), which Ant's and Humanoid's rewards
-    read before they step (mj_forward on the restored state would compute those of its end)."""
-    if type(getattr(env, "data", None)).__module__.split(".")[0] != "mujoco":
-        return None
-    import mujoco
-
-    state = np.empty(mujoco.mj_stateSize(env.model, mujoco.mjtState.mjSTATE_INTEGRATION))
-    mujoco.mj_getState(env.model, env.data, state, mujoco.mjtState.mjSTATE_INTEGRATION)
-    return {"integration": torch.from_numpy(state), "xpos": torch.tensor(env.data.xpos),
-            "xipos": torch.tensor(env.data.xipos)}
-
-
-def set_mujoco_state(env, saved: dict) -> None:
-    import mujoco
-
-    state = saved["integration"].numpy()
-    if state.shape != (mujoco.mj_stateSize(env.model, mujoco.mjtState.mjSTATE_INTEGRATION),):
-        raise ValueError(f"a MuJoCo state of {state.size} numbers for a model of another size")
-    mujoco.mj_setState(env.model, env.data, state, mujoco.mjtState.mjSTATE_INTEGRATION)
-    mujoco.mj_forward(env.model, env.data)  # the quantities derived from the state (contacts, sensors, ...)
-    env.data.xpos[...], env.data.xipos[...] = saved["xpos"].numpy(), saved["xipos"].numpy()
 
 
 # --- evaluation and load_policy ---------------------------------------------------------------------------
