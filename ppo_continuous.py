@@ -578,7 +578,7 @@ def main(args: Args) -> dict:
 
     # Environments, reset with one seed per env and rank (offset on a resume that cannot restore its episodes)
     envs = make_vector_env(args)
-    obs_dim, act_dim = envs.single_observation_space.shape[0], envs.single_action_space.shape[0]
+    (obs_dim,), (act_dim,) = envs.single_observation_space.shape, envs.single_action_space.shape
     act_low, act_high = envs.single_action_space.low, envs.single_action_space.high
     offset = ckpt["global_step"] if ckpt is not None else 0
     next_obs_np, _ = envs.reset(seed=[args.seed + offset + rank * args.num_envs + i for i in range(args.num_envs)])
@@ -606,9 +606,8 @@ def main(args: Args) -> dict:
     writer = open_logs(args, run_dir, rank, resumed=ckpt is not None)  # TensorBoard; wandb with --track
     if next_obs is None:  # new episodes: their first observations join the statistics (unless nothing is left to do)
         next_obs = norm.obs(next_obs_np, update=first_iteration <= num_iterations)
-    train_agent = agent
-    if world > 1:  # DDP averages the gradients of the update (every rank steps its own envs)
-        train_agent = nn.parallel.DistributedDataParallel(agent, device_ids=[device.index] if args.cuda else None)
+    train_agent = agent if world == 1 else nn.parallel.DistributedDataParallel(  # DDP averages the update's gradients
+        agent, device_ids=[device.index] if args.cuda else None)  # (every rank steps its own envs)
     norm_per_minibatch = args.norm_adv and args.norm_adv_scope == "minibatch"
 
     def policy(obs, fused):  # the rollout's action sampling (actor and critic fused: Agent.fused_weights)
@@ -710,12 +709,14 @@ def main(args: Args) -> dict:
                 last_checkpoint = save_state(run_dir, args, agent, optimizer, norm, kl_penalty, iteration, global_step,
                                              (envs, next_obs, next_done, episodes), rank, world)
             if stop and iteration < num_iterations:
-                say_stopped(iteration, signals, stats, args, world, rank, last_checkpoint)  # and the resume command
+                if rank == 0:
+                    say_stopped(iteration, signals, stats, args, world, last_checkpoint)  # and how to continue
                 break
         else:  # the trained model is on disk before the evaluation starts; a signal stops the evaluation cleanly
             if args.eval_episodes and rank == 0:
-                eval_returns = evaluate_and_log(agent, args, device, norm.obs_rms, run_dir, writer, global_step,
-                                                signals, last_checkpoint)
+                eval_returns = evaluate(agent, args, device, args.eval_episodes, norm.obs_rms,
+                                        os.path.join(run_dir, "videos"), stop=lambda: bool(signals.received))
+                eval_returns = log_evaluation(writer, args, eval_returns, global_step, signals, last_checkpoint)
     close_run(envs, writer, args, world)
     return {"global_step": global_step, "run_dir": run_dir, "stats": stats, "returns": episodes["recent"],
             "agent": agent, "obs_rms": norm.obs_rms, "return_rms": norm.reward_scaler.rms,
@@ -727,12 +728,10 @@ def main(args: Args) -> dict:
 # checkpoints, evaluation and load_policy, compile helpers, the command line and its one error boundary.
 # =========================================================================================================
 SCRIPT = "ppo_continuous.py"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class Failure(Exception):  # [SHARED]
-    """An expected failure, said in one line by __main__: exit code 2 for bad input or a checkpoint that does not
-    fit this run, 1 for a write that failed (disk full) or an update that went non-finite."""
+    """An expected failure, one line from __main__: exit 2 for bad input or a checkpoint that does not fit, else 1."""
 
     def __init__(self, message: str, code: int = 2):
         super().__init__(message)
@@ -740,19 +739,17 @@ class Failure(Exception):  # [SHARED]
 
 
 def setup_distributed(cuda: bool) -> tuple[int, int, torch.device]:  # [SHARED]
-    """Rank, world size and device. Under torchrun a process group: gloo on the CPU, NCCL with one GPU per rank."""
+    """Rank, world size, device; under torchrun a process group (gloo on the CPU, NCCL with one GPU per rank)."""
     world, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if world == 1:
-        return 0, 1, device
-    torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=1))
-    return torch.distributed.get_rank(), world, device
+    if world > 1:
+        torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=1))
+    return int(os.environ.get("RANK", "0")), world, device
 
 
 def all_ranks_mean(x: torch.Tensor, world: int) -> torch.Tensor:  # [SHARED]
-    """The mean of x over the ranks (x itself with one process)."""
     if world > 1:
         x = x.clone()
         torch.distributed.all_reduce(x)
@@ -762,17 +759,14 @@ def all_ranks_mean(x: torch.Tensor, world: int) -> torch.Tensor:  # [SHARED]
 
 def gather_objects(obj, world: int) -> list:  # [SHARED]
     """[obj of rank 0, obj of rank 1, ...] on every rank."""
-    if world == 1:
-        return [obj]
-    out = [None] * world
-    torch.distributed.all_gather_object(out, obj)
+    out = [obj] * world
+    if world > 1:
+        torch.distributed.all_gather_object(out, obj)
     return out
 
 
 def set_torch_determinism(on: bool) -> None:  # [SHARED]
-    """--torch-deterministic: deterministic algorithms (warn-only), cuDNN's and cuBLAS's. Fresh CUDA memory is not
-    filled with NaN (torch's default under deterministic algorithms): it costs time and every buffer is written
-    before it is read."""
+    """--torch-deterministic (cuDNN, cuBLAS, warn-only); fresh CUDA memory is not NaN-filled: every buffer is written."""
     torch.backends.cudnn.deterministic = on
     torch.use_deterministic_algorithms(on, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
@@ -781,8 +775,7 @@ def set_torch_determinism(on: bool) -> None:  # [SHARED]
 
 
 def make_run_dir(args, rank: int, world: int) -> str:  # [SHARED]
-    """The resumed checkpoint's directory, or a new runs/<env>__<exp>__<seed>__<time> (-2, -3, ... when two runs
-    start in the same second). Rank 0 makes it; every rank learns its name."""
+    """The resumed checkpoint's directory, or a new runs/<env>__<exp>__<seed>__<time>[-2, -3, ...] made by rank 0."""
     if args.resume:
         return os.path.dirname(os.path.abspath(args.resume))
     run_dir = None
@@ -793,7 +786,7 @@ def make_run_dir(args, rank: int, world: int) -> str:  # [SHARED]
             try:
                 os.makedirs(run_dir)
                 break
-            except FileExistsError:
+            except FileExistsError:  # another run started in the same second
                 n += 1
                 run_dir = f"{base}-{n}"
             except OSError as e:
@@ -802,7 +795,7 @@ def make_run_dir(args, rank: int, world: int) -> str:  # [SHARED]
 
 
 def open_logs(args, run_dir: str, rank: int, resumed: bool):  # [SHARED]
-    """TensorBoard's writer in the run directory (and wandb with --track); rank 0 alone logs (None elsewhere)."""
+    """TensorBoard's writer in the run directory, and wandb with --track; rank 0 alone logs (None elsewhere)."""
     if rank != 0:
         return None
     from torch.utils.tensorboard import SummaryWriter
@@ -815,17 +808,18 @@ def open_logs(args, run_dir: str, rank: int, resumed: bool):  # [SHARED]
                    config=vars(args), name=name, id=name, resume="allow", dir=run_dir)
     writer = SummaryWriter(run_dir)
     if not resumed:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in
+                                                                                 vars(args).items()))
     return writer
 
 
 class StopSignals:  # [SHARED]
-    """While active, SIGTERM and SIGINT (Ctrl-C) are noted instead of ending the process: main honours them at the end
-    of the iteration (checkpoint, then the command that continues the run) or during the evaluation."""
+    """While active, SIGTERM / SIGINT are noted (main stops at the end of the iteration), then the handlers return."""
 
     def __enter__(self):
         self.received: list[int] = []
-        self.previous = {s: signal.signal(s, lambda signum, frame: self.received.append(signum)) for s in STOP_SIGNALS}
+        self.previous = {s: signal.signal(s, lambda signum, _: self.received.append(signum))
+                         for s in (signal.SIGTERM, signal.SIGINT)}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -834,7 +828,6 @@ class StopSignals:  # [SHARED]
 
 
 def check_finite(stats: dict, iteration: int, last_checkpoint: Optional[str]) -> None:  # [SHARED]
-    """A non-finite loss, KL or gradient norm stops the run (exit 1) before it is logged or saved."""
     bad = [k for k, v in stats.items() if not math.isfinite(v)]
     if bad:
         kept = f"last checkpoint: {last_checkpoint}" if last_checkpoint else "no checkpoint was written"
@@ -842,7 +835,7 @@ def check_finite(stats: dict, iteration: int, last_checkpoint: Optional[str]) ->
 
 
 def eta_text(seconds: float) -> str:  # [SHARED]
-    """Time left for the progress line: 2h05m, 13m20s or 45s ("?" before the speed is known)."""
+    """2h05m, 13m20s or 45s ("?" before the speed is known)."""
     if not math.isfinite(seconds) or seconds < 0:
         return "?"
     s = int(seconds)
@@ -855,13 +848,12 @@ def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:  # [SHA
 
 
 def launcher(world: int) -> str:  # [SHARED]
-    """The command that runs this script with `world` processes (in the messages that say how to go on)."""
     return f"{f'torchrun --nproc-per-node {world}' if world > 1 else 'python'} {SCRIPT}"
 
 
-# --- logging (rank 0 alone has a writer) ------------------------------------------------------------------
+# --- logging, stops, evaluation (rank 0 alone has a writer) -----------------------------------------------
 def count_episodes(writer, episodes: dict, reward: np.ndarray, done: np.ndarray, global_step: int) -> None:
-    """Add a step's raw rewards to the episodes in flight; log those that end (charts/), keep their returns."""
+    """A step's raw rewards join the episodes in flight; those that end are logged and their returns kept."""
     episodes["return"] += reward
     episodes["length"] += 1
     for i in np.nonzero(done)[0]:
@@ -873,8 +865,8 @@ def count_episodes(writer, episodes: dict, reward: np.ndarray, done: np.ndarray,
 
 
 def iteration_stats(update_stats: list[dict], world: int, signals: StopSignals, kl=None) -> dict:
-    """The iteration's one host sync: the update's statistics averaged over its minibatches and over the ranks, the
-    rollout's KL (the KL-penalty variant) averaged over the ranks, and how many ranks a stop signal reached."""
+    """The one host sync: the update's statistics (and the rollout's KL) averaged over minibatches and ranks, and
+    how many ranks a stop signal reached."""
     extra = {} if kl is None else {"kl": kl}
     values = [torch.stack([s[k] for s in update_stats]).mean() for k in update_stats[0]] + list(extra.values())
     values.append(torch.tensor(float(bool(signals.received)), device=values[0].device))
@@ -884,7 +876,7 @@ def iteration_stats(update_stats: list[dict], world: int, signals: StopSignals, 
 
 def log_iteration(writer, args: Args, stats: dict, lr: float, kl_penalty, global_step: int, iteration: int,
                   num_iterations: int, steps_per_iteration: int, recent: list, clock: dict, first: bool) -> None:
-    """TensorBoard's scalars and, every 5 s and at the end, the progress line with the time left."""
+    """TensorBoard's scalars and, every 5 s and at the end, the progress line."""
     if writer is None:
         return
     rate = (global_step - clock["steps"]) / max(time.time() - clock["start"], 1e-9)  # steps/s, all processes
@@ -905,23 +897,46 @@ def log_iteration(writer, args: Args, stats: dict, lr: float, kl_penalty, global
         print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs says why)")
 
 
-def say_stopped(iteration: int, signals: StopSignals, stats: dict, args: Args, world: int, rank: int,
-                path: str) -> None:
-    if rank == 0:
-        why = signal.Signals(signals.received[0]).name if signals.received else (
-            "a signal to another rank" if stats["signals"] > 0 else f"--stop-after {args.stop_after}")
-        print(f"stopped at iteration {iteration} ({why}); continue with: {launcher(world)} --resume {path}", flush=True)
+def say_stopped(iteration: int, signals: StopSignals, stats: dict, args: Args, world: int, path: str) -> None:
+    why = signal.Signals(signals.received[0]).name if signals.received else (
+        "a signal to another rank" if stats["signals"] > 0 else f"--stop-after {args.stop_after}")
+    print(f"stopped at iteration {iteration} ({why}); continue with: {launcher(world)} --resume {path}", flush=True)
 
 
-def evaluate_and_log(agent: Agent, args: Args, device: torch.device, obs_rms: RunningMeanStd, run_dir: str, writer,
-                     global_step: int, signals: StopSignals, path: str) -> Optional[list]:
-    """--eval-episodes on rank 0, logged; None if a signal stopped it (the trained model is in the checkpoint)."""
-    returns = evaluate(agent, args, device, args.eval_episodes, obs_rms, os.path.join(run_dir, "videos"),
-                       stop=lambda: bool(signals.received))
+def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_rms: RunningMeanStd,
+             video_dir: str = "", stop=lambda: False) -> list[float]:
+    """The raw returns of `episodes` episodes (fewer once stop() says so), the statistics frozen, actions sampled
+    (the Gaussian's mean with --eval-deterministic); recorded with --capture-video (a renderer that fails: one line)."""
+    env = make_env(args.env_id, 0, args.capture_video, video_dir)()
+    try:
+        obs, _ = env.reset(seed=args.seed + 10_000)  # (RecordVideo renders its first frame here)
+    except Exception as e:
+        if not args.capture_video:
+            raise
+        raise Failure(f"--capture-video: cannot render {args.env_id} offscreen: {type(e).__name__}: {first_line(e)} "
+                      "(headless: MUJOCO_GL=egl or MUJOCO_GL=osmesa)") from None
+    returns, ep_ret = [], 0.0
+    while len(returns) < episodes and not stop():
+        with torch.inference_mode():
+            action = agent.act(obs_tensor(obs[None], device, obs_rms if args.norm_obs else None, args.obs_clip),
+                               args.eval_deterministic)
+        obs, r, term, trunc, _ = env.step(np.clip(action[0].cpu().numpy(), env.action_space.low, env.action_space.high))
+        ep_ret += float(r)
+        if term or trunc:
+            returns.append(ep_ret)
+            ep_ret = 0.0
+            if len(returns) < episodes:  # no reset after the last one: RecordVideo would start an empty video
+                obs, _ = env.reset()
+    env.close()
+    return returns
+
+
+def log_evaluation(writer, args: Args, returns: list, global_step: int, signals: StopSignals,
+                   path: str) -> Optional[list]:
+    """The evaluation's returns logged; None after a signal stopped it (the trained model is in the checkpoint)."""
     if signals.received:
-        print(f"stopped during the evaluation ({signal.Signals(signals.received[0]).name}); the trained model is in "
-              f"{path}", flush=True)
-        return None
+        return print(f"stopped during the evaluation ({signal.Signals(signals.received[0]).name}); the trained model "
+                     f"is in {path}", flush=True)
     writer.add_scalar("eval/episodic_return", float(np.mean(returns)), global_step)
     print(f"eval: {len(returns)} episodes{' (deterministic)' if args.eval_deterministic else ''}, return "
           f"{np.mean(returns):.2f} ± {np.std(returns):.2f}")
@@ -932,26 +947,24 @@ def close_run(envs, writer, args: Args, world: int) -> None:
     envs.close()
     if writer is not None:
         writer.close()
-        if args.track:
-            import wandb
+    if writer is not None and args.track:
+        import wandb
 
-            wandb.finish()
+        wandb.finish()
     if world > 1:
         torch.distributed.destroy_process_group()
 
 
 # --- checkpoints ------------------------------------------------------------------------------------------
 def save_checkpoint(path: str, state: dict) -> None:  # [SHARED]
-    """Write to a temporary file, then rename: a kill or a full disk during the save leaves the previous checkpoint
-    whole and no partial file; a failed write is one line, exit 1."""
-    tmp = f"{path}.tmp"
+    """Written to a temporary file, then renamed: a kill or a full disk keeps the previous checkpoint whole."""
     try:
-        with open(tmp, "wb") as f:  # (a Python file: torch's error for a failed write then carries the OSError)
+        with open(f"{path}.tmp", "wb") as f:  # (a Python file: torch's error then carries the OSError)
             torch.save(state, f)
-        os.replace(tmp, path)
+        os.replace(f"{path}.tmp", path)
     except Exception as e:
         with contextlib.suppress(OSError):
-            os.remove(tmp)
+            os.remove(f"{path}.tmp")
         cause = e
         while cause is not None and not isinstance(cause, OSError):
             cause = cause.__cause__ or cause.__context__
@@ -962,11 +975,10 @@ def save_checkpoint(path: str, state: dict) -> None:  # [SHARED]
 
 
 def load_checkpoint(path: str) -> dict:  # [SHARED]
-    """A checkpoint of this script, read on the CPU; one that does not load is one line, exit 2."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise Failure(f"cannot read checkpoint {path}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from None
+        raise Failure(f"cannot read checkpoint {path}: {type(e).__name__}: {first_line(e)}") from None
     if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
         raise Failure(f"{path} is not a {SCRIPT} checkpoint")
     return ckpt
@@ -974,19 +986,21 @@ def load_checkpoint(path: str) -> dict:  # [SHARED]
 
 @contextlib.contextmanager
 def checkpoint_fits(path: str):  # [SHARED]
-    """Whatever torch or the envs raise while a checkpoint's states are loaded into this run (another env, edited
-    arguments, missing keys, shapes) is one line, exit 2."""
+    """What torch or the envs raise on a checkpoint that does not fit this run (env, shapes, keys) is one line."""
     try:
         yield
     except Failure:
         raise
     except Exception as e:
-        raise Failure(f"checkpoint {path} does not fit this run: {type(e).__name__}: "
-                      f"{(str(e).splitlines() or [''])[0]}") from None
+        raise Failure(f"checkpoint {path} does not fit this run: {type(e).__name__}: {first_line(e)}") from None
+
+
+def first_line(e: BaseException) -> str:  # [SHARED]
+    return (str(e).splitlines() or [""])[0]
 
 
 def rng_state() -> dict:  # [SHARED]
-    """The script's randomness: torch's CPU generator, and the CUDA one of this process's GPU when it is in use."""
+    """torch's CPU generator, and this process's CUDA one when it is in use."""
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -1000,32 +1014,30 @@ def set_rng_state(state: dict, device: torch.device) -> None:  # [SHARED]
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:  # [SHARED]
-    """Adam's moments and step counters from a checkpoint, keeping this run's settings (fused, capturable, lr as a
-    tensor on this device), so that a CUDA checkpoint resumes on the CPU and the reverse."""
+    """Adam's moments and steps, keeping this run's settings (fused, capturable, lr on this device): a CUDA
+    checkpoint resumes on the CPU and the reverse."""
     own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for g, settings in zip(optimizer.param_groups, own):
-        g.update(settings)
-        g["lr"] = torch.tensor(float(g["lr"]), device=device)
+        g.update(settings, lr=torch.tensor(float(g["lr"]), device=device))
         for p in g["params"]:
             st = optimizer.state.get(p, {})
             if torch.is_tensor(st.get("step")):
                 on_param = g.get("capturable") or g.get("fused")
-                st["step"] = st["step"].to(p.device if on_param else torch.device("cpu"), torch.float32, copy=True)
+                st["step"] = st["step"].to(p.device if on_param else "cpu", torch.float32, copy=True)
 
 
-# --- checkpoints: this script's states, exact resume of the episodes in flight -----------------------------
+# --- checkpoints: this script's states ---------------------------------------------------------------------
 def save_state(run_dir: str, args: Args, agent: Agent, optimizer, norm: Normalizer, kl_penalty, iteration: int,
                global_step: int, rollout: tuple, rank: int, world: int) -> str:
-    """Every rank's RNG and episodes in flight (rollout: envs, next observation and done, episode counters; and the
-    reward scaler's running returns) gathered; rank 0 writes the checkpoint. The networks and the normalisation
-    statistics (merged after each rollout) are the same on every rank. Returns the checkpoint's path."""
+    """Every rank's RNG and episodes in flight (rollout: envs, next obs and done, episode counters) gathered, rank 0
+    writes (networks and statistics are alike on all ranks); --stop-after is not kept. Returns the path."""
     envs, next_obs, next_done, episodes = rollout
     mine = dict(envs=env_state(envs), next_obs=next_obs.cpu(), next_done=torch.tensor(next_done),
                 ep_return=torch.tensor(episodes["return"]), ep_length=torch.tensor(episodes["length"]),
                 reward_ret=torch.tensor(norm.reward_scaler.ret))
     ranks, path = gather_objects((rng_state(), mine), world), os.path.abspath(os.path.join(run_dir, "checkpoint.pt"))
-    if rank == 0:  # (--stop-after is not kept: the resumed run goes on to the end unless told otherwise)
+    if rank == 0:
         save_checkpoint(path, {
             "script": SCRIPT, "env_id": args.env_id, "args": {**dataclasses.asdict(args), "stop_after": 0},
             "model": agent.state_dict(), "optimizer": optimizer.state_dict(), "iteration": iteration,
@@ -1035,11 +1047,9 @@ def save_state(run_dir: str, args: Args, agent: Agent, optimizer, norm: Normaliz
     return path
 
 
-def load_episodes(ckpt: dict, rank: int, args: Args, envs, episodes: dict, norm: Normalizer,
-                  device: torch.device) -> tuple:
-    """The episodes in flight of this rank where the checkpoint stopped them (envs, counters, the reward scaler's
-    running returns): (next_obs, next_done); (None, all False) where they cannot continue (async envs, another kind
-    of env), and the run starts new episodes."""
+def load_episodes(ckpt: dict, rank: int, args: Args, envs, episodes: dict, norm: Normalizer, device) -> tuple:
+    """This rank's episodes in flight as the checkpoint left them: (next_obs, next_done); (None, zeros) where they
+    cannot go on (async envs, another kind of env) and the run starts new episodes."""
     saved, n = ckpt["episodes"][rank], args.num_envs
     exact = saved["envs"] is not None and args.vector_mode == "sync"
     if rank == 0:
@@ -1061,55 +1071,22 @@ def load_episodes(ckpt: dict, rank: int, args: Args, envs, episodes: dict, norm:
 
 
 def check_resume(ckpt: dict, args: Args, world: int) -> None:
-    """The checkpoint's env, processes, rollout size (its iteration count and lr schedule hold for them) and
-    normalisation switches (the network was trained on those inputs) are this run's (in main's checkpoint_fits)."""
-    saved, n = ckpt["args"], ckpt["world_size"]
+    """The checkpoint's env, processes, rollout (its iteration count, lr schedule) and normalisation switches (the
+    network's inputs) are this run's."""
     if ckpt["env_id"] != args.env_id:
         raise Failure(f"{args.resume} was trained on {ckpt['env_id']}, not {args.env_id}")
-    if n != world:  # iterations, seeds and envs are per process
-        raise Failure(f"{args.resume} was written by {n} process(es); resume it with {launcher(n)} --resume ...")
-    for name in ("num_envs", "num_steps", "norm_obs", "norm_reward"):  # the lr schedule; the network's inputs
-        if saved[name] != getattr(args, name):
-            raise Failure(f"{args.resume} was written with --{name.replace('_', '-')} {saved[name]}, which cannot "
-                          "change on --resume")
-
-
-# --- evaluation and load_policy ---------------------------------------------------------------------------
-def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_rms: RunningMeanStd,
-             video_dir: str = "", stop=lambda: False) -> list[float]:
-    """Run `episodes` full episodes with actions sampled from the policy (its mean with --eval-deterministic) and
-    the observation statistics frozen (rank 0 alone, under torchrun); return their undiscounted (raw) returns (fewer
-    once stop() says so). With --capture-video they are recorded; a renderer that fails is one line, exit 2."""
-    env = make_env(args.env_id, 0, args.capture_video, video_dir)()
-    low, high = env.action_space.low, env.action_space.high
-    rms = obs_rms if args.norm_obs else None
-    try:
-        obs, _ = env.reset(seed=args.seed + 10_000)  # (RecordVideo renders its first frame here)
-    except Exception as e:
-        if not args.capture_video:
-            raise
-        raise Failure(f"--capture-video: cannot render {args.env_id} offscreen: {type(e).__name__}: "
-                      f"{(str(e).splitlines() or [''])[0]} (headless: MUJOCO_GL=egl or MUJOCO_GL=osmesa)") from None
-    returns, ep_ret = [], 0.0
-    while len(returns) < episodes and not stop():
-        with torch.inference_mode():
-            action = agent.act(obs_tensor(obs[None], device, rms, args.obs_clip), args.eval_deterministic)
-        obs, r, term, trunc, _ = env.step(np.clip(action[0].cpu().numpy(), low, high))
-        ep_ret += float(r)
-        if term or trunc:
-            returns.append(ep_ret)
-            ep_ret = 0.0
-            if len(returns) < episodes:  # no reset after the last one: RecordVideo would start an empty video
-                obs, _ = env.reset()
-    env.close()
-    return returns
+    if ckpt["world_size"] != world:  # iterations, seeds and envs are per process
+        raise Failure(f"{args.resume} was written by {ckpt['world_size']} process(es); resume it with as many")
+    for name in ("num_envs", "num_steps", "norm_obs", "norm_reward"):
+        if ckpt["args"][name] != getattr(args, name):
+            raise Failure(f"{args.resume} was written with --{name.replace('_', '-')} {ckpt['args'][name]}, which "
+                          "cannot change on --resume")
 
 
 def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
-    """A trained policy for your own code: `policy = load_policy("runs/<run>/checkpoint.pt")`, then
-    `action = policy(obs)` for one raw observation of the checkpoint's env, or `policy(batch)` for one action per
-    row. The saved observation statistics normalise the input (frozen); actions are clipped to the action space.
-    A file that is not a checkpoint of this script raises ValueError."""
+    """A trained policy for your own code: `policy = load_policy("runs/<run>/checkpoint.pt")`, then `policy(obs)` for
+    one raw observation of its env or a batch of them; the saved statistics normalise (frozen), actions are clipped
+    to the action space. Not a checkpoint of this script, or an observation of another shape: ValueError."""
     import gymnasium as gym
 
     try:
@@ -1117,36 +1094,30 @@ def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
     except Failure as e:
         raise ValueError(str(e)) from None
     probe = gym.make(ckpt["env_id"])
-    shape, low, high = probe.observation_space.shape, probe.action_space.low, probe.action_space.high
+    obs_dim, low, high = probe.observation_space.shape[0], probe.action_space.low, probe.action_space.high
     probe.close()
-    obs_dim = int(np.prod(shape))
-    agent = Agent(obs_dim, int(np.prod(low.shape))).to(device)
+    agent = Agent(obs_dim, low.shape[0]).to(device)
     agent.load_state_dict(ckpt["model"])
     obs_rms = RunningMeanStd((obs_dim,))
     obs_rms.load_state_dict(ckpt["obs_rms"])
-    saved = ckpt["args"]
-    rms = obs_rms if saved["norm_obs"] else None
+    rms, clip = obs_rms if ckpt["args"]["norm_obs"] else None, ckpt["args"]["obs_clip"]
 
     @torch.inference_mode()
     def policy(obs):
         obs = np.asarray(obs)
-        if obs.shape in (shape, (obs_dim,)):
-            batch = False
-        elif obs.shape[1:] in (shape, (obs_dim,)):
-            batch = True
-        else:
-            raise ValueError(f"an observation of shape {obs.shape}: expected {shape} or a batch of them")
-        x = obs_tensor(obs.reshape(-1, obs_dim), device, rms, saved["obs_clip"])
-        actions = np.clip(agent.act(x, deterministic).cpu().numpy(), low, high)
-        return actions if batch else actions[0]
+        if obs.shape[-1:] != (obs_dim,) or obs.ndim > 2:
+            raise ValueError(f"an observation of shape {obs.shape}: expected ({obs_dim},) or a batch of them")
+        actions = agent.act(obs_tensor(obs.reshape(-1, obs_dim), device, rms, clip), deterministic).cpu().numpy()
+        actions = np.clip(actions, low, high)
+        return actions if obs.ndim == 2 else actions[0]
 
     return policy
 
 
 def leave_signals_to_main(make):
-    """An async worker ignores SIGINT and SIGTERM: a Ctrl-C reaches the whole process group, and a worker that died
-    of it would break the main process's last step instead of its checkpoint and clean exit. (gymnasium also calls
-    the first thunk in the main process, for the spaces: that one leaves the handlers alone.)"""
+    """An async worker ignores SIGINT / SIGTERM: a Ctrl-C reaches the whole process group, and a worker that died of
+    it would break the main process's last step instead of its checkpoint and clean exit (gymnasium also calls the
+    first thunk in the main process, for the spaces: that one leaves the handlers alone)."""
     def thunk():
         if multiprocessing.parent_process() is not None:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -1158,10 +1129,9 @@ def leave_signals_to_main(make):
 
 # --- compile and CUDA-graph helpers -----------------------------------------------------------------------
 def compile_hot_functions(policy, update, agent, args):  # [SHARED]
-    """The rollout's action sampling and the minibatch update: eager, torch.compile'd (--compile), or with CUDA graphs
-    (--cudagraphs: inductor's reduce-overhead mode, which records each graph once and replays it; the parameters,
-    their gradients and Adam's capturable state stay at fixed addresses, so the optimizer step is inside the graph).
-    The gradients are allocated here, outside any graph's memory pool; the update zeroes them in place."""
+    """Eager, --compile, or --cudagraphs (torch.compile's reduce-overhead mode: each graph recorded once, replayed;
+    parameters, gradients and capturable Adam at fixed addresses keep the optimizer step inside the graph). The
+    gradients are allocated here, outside any graph's memory pool; the update zeroes them in place."""
     for p in agent.parameters():
         p.grad = torch.zeros_like(p)
     if not (args.compile or args.cudagraphs):
@@ -1175,7 +1145,7 @@ def compile_hot_functions(policy, update, agent, args):  # [SHARED]
 
 
 def cudagraph_skips() -> int:  # [SHARED]
-    """How many compiled graphs torch ran without CUDA graphs: --cudagraphs says so instead of falling back silently."""
+    """How many compiled graphs torch ran without CUDA graphs (--cudagraphs says so instead of falling back)."""
     from torch._dynamo.utils import counters
 
     return counters["inductor"]["cudagraph_skips"]
@@ -1183,82 +1153,59 @@ def cudagraph_skips() -> int:  # [SHARED]
 
 # --- command line -----------------------------------------------------------------------------------------
 def parse_count(text: str) -> int:  # [SHARED]
-    """A count written as 500000, 5e5, 1e7 or 1_000_000; anything that is not a whole number is an error."""
-    try:
-        value = float(text.replace("_", ""))
-    except ValueError:
-        raise ValueError(f"{text!r} is not a number") from None
+    """500000, 5e5, 1e7 or 1_000_000; a number that is not whole is an error."""
+    value = float(text.replace("_", ""))  # (ValueError: tyro says the flag wants an INT)
     if not value.is_integer():
         raise ValueError(f"{text!r} is not a whole number")
     return int(value)
 
 
-Count = Annotated[  # [SHARED] (must be defined before Args is evaluated: see "from __future__ import annotations")
-    int,
-    tyro.constructors.PrimitiveConstructorSpec(
-        nargs=1, metavar="INT", instance_from_str=lambda a: parse_count(a[0]),
-        is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)]),
-]
+Count = Annotated[int, tyro.constructors.PrimitiveConstructorSpec(  # [SHARED]
+    nargs=1, metavar="INT", instance_from_str=lambda a: parse_count(a[0]),
+    is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)])]
 
 
 def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED]
-    """tyro's command line (its own errors: exit 2). With --resume the checkpoint's arguments are the defaults and
-    flags given now override them. Then validate(): bad values are one line, exit 2, before anything is written."""
+    """tyro's command line (its own errors: exit 2); with --resume the checkpoint's arguments are the defaults."""
     argv = sys.argv[1:] if argv is None else argv
     resume = next((a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
                    if (a == "--resume" and i + 1 < len(argv)) or a.startswith("--resume=")), None)
-    if resume is None:
-        args = tyro.cli(Args, args=argv)
-        validate(args)  # [PER SCRIPT]: raises Failure("...") for a bad value
-        return args
-    saved = load_checkpoint(resume)
-    with checkpoint_fits(resume):  # its arguments missing or edited (of another type) are one line too
+    saved = load_checkpoint(resume) if resume else None
+    with checkpoint_fits(resume) if resume else contextlib.nullcontext():  # its arguments missing or edited
         names = {f.name for f in dataclasses.fields(Args)}
-        args = tyro.cli(Args, args=argv, default=Args(**{k: v for k, v in saved["args"].items() if k in names}))
-        validate(args)
+        default = Args(**{k: v for k, v in saved["args"].items() if k in names}) if resume else None
+        args = tyro.cli(Args, args=argv, default=default)
+        validate(args)  # bad values: one line, exit 2, before anything is written
     return args
 
 
 def validate(args: Args) -> None:
     """Bad values: one line, exit 2, before anything is written."""
-    for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "torch_threads"):
-        if getattr(args, name) <= 0:
-            raise Failure(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("eval_episodes", "checkpoint_every", "stop_after"):
-        if getattr(args, name) < 0:
-            raise Failure(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise Failure(message)
+
+    for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "torch_threads",
+                 "learning_rate", "clip_coef", "max_grad_norm", "obs_clip", "reward_clip", "target_kl",
+                 "kl_penalty_target"):  # (nan fails these too)
+        need(getattr(args, name) is None or getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive")
+    for name in ("eval_episodes", "checkpoint_every", "stop_after", "ent_coef", "vf_coef", "kl_penalty_coef"):
+        need(getattr(args, name) is None or getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
+    need(all(math.isfinite(v) for v in vars(args).values() if isinstance(v, float)), "a value is not a finite number")
+    need(0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1, "--gamma and --gae-lambda must lie in [0, 1]")
+    need(0 <= args.seed < 2**31, f"--seed must lie in [0, 2**31), got {args.seed}")
     batch, world = args.num_envs * args.num_steps, int(os.environ.get("WORLD_SIZE", "1"))
-    if args.total_timesteps < batch * world:
-        raise Failure(f"--total-timesteps {args.total_timesteps} is less than one rollout (num_envs*num_steps = "
-                      f"{batch}" + (f", times {world} processes)" if world > 1 else ")"))
-    if batch % args.num_minibatches:
-        raise Failure(f"num_envs*num_steps = {batch} is not divisible by --num-minibatches {args.num_minibatches}")
-    if args.norm_adv and args.norm_adv_scope == "minibatch" and batch // args.num_minibatches < 2:
-        raise Failure(f"minibatches of {batch // args.num_minibatches} sample: --norm-adv needs at least 2 (their std)")
-    if not 0 <= args.seed < 2**31:
-        raise Failure(f"--seed must lie in [0, 2**31), got {args.seed}")
-    for f in dataclasses.fields(Args):  # nan / inf pass the range checks below unnoticed
-        if isinstance(getattr(args, f.name), float) and not math.isfinite(getattr(args, f.name)):
-            raise Failure(f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(args, f.name)}")
-    if not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1):
-        raise Failure("--gamma and --gae-lambda must lie in [0, 1]")
-    if min(args.learning_rate, args.clip_coef, args.max_grad_norm, args.obs_clip, args.reward_clip) <= 0:
-        raise Failure("--learning-rate, --clip-coef, --max-grad-norm, --obs-clip and --reward-clip must be positive")
-    if args.ent_coef < 0 or args.vf_coef < 0 or (args.kl_penalty_coef or 0) < 0:
-        raise Failure("--ent-coef, --vf-coef and --kl-penalty-coef must be >= 0")
-    for name in ("target_kl", "kl_penalty_target"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            raise Failure(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.cudagraphs and not args.cuda:
-        raise Failure("--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
-    if args.cudagraphs and world > 1:
-        raise Failure("--cudagraphs is not supported under torchrun (DDP's gradient all-reduce runs outside the graph)")
-    if args.cuda and not torch.cuda.is_available():
-        raise Failure("--cuda given (or taken from the checkpoint: --no-cuda resumes on the CPU) but torch finds no "
-                      "CUDA device")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun: processes on this machine, one GPU each
-    if args.cuda and torch.cuda.device_count() < local:
-        raise Failure(f"--cuda with {local} processes on this machine but {torch.cuda.device_count()} GPU(s)")
+    need(args.total_timesteps >= batch * world, f"--total-timesteps {args.total_timesteps} is less than one rollout "
+         f"({batch} steps of num_envs x num_steps, times {world} process(es))")
+    need(batch % args.num_minibatches == 0, f"num_envs*num_steps = {batch} is not divisible by --num-minibatches")
+    need(not args.norm_adv or args.norm_adv_scope == "rollout" or batch // args.num_minibatches >= 2,
+         "--norm-adv needs minibatches of at least 2 samples (their std)")
+    need(not args.cuda or torch.cuda.is_available(), "--cuda given (or the checkpoint's: --no-cuda resumes on the "
+         "CPU) but torch finds no CUDA device")
+    need(not args.cuda or torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+         "--cuda needs a GPU for each process on this machine")
+    need(not args.cudagraphs or args.cuda, "--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
+    need(not args.cudagraphs or world == 1, "--cudagraphs is not supported under torchrun (DDP's all-reduce)")
     if args.capture_video and not os.environ.get("DISPLAY"):  # (read when mujoco is imported: before check_env)
         os.environ.setdefault("MUJOCO_GL", "egl")
     check_env(args.env_id)
@@ -1269,24 +1216,21 @@ def check_env(env_id: str) -> None:
     import gymnasium as gym
 
     try:
-        probe = gym.make(env_id)
+        with contextlib.closing(gym.make(env_id)) as probe:
+            spaces = {"action": probe.action_space, "observation": probe.observation_space}
     except Exception as e:  # an unknown id, a missing optional dependency of the env, ...
-        raise Failure(f"unknown or unusable env id {env_id!r}: {type(e).__name__}: {e}") from None
-    action_space, observation_space = probe.action_space, probe.observation_space
-    probe.close()
-    if not isinstance(action_space, gym.spaces.Box):
-        raise Failure(f"{env_id} has a {type(action_space).__name__} action space; {SCRIPT} needs a Box (use ppo.py "
-                      "for discrete actions)")
-    for what, space in (("action", action_space), ("observation", observation_space)):
-        if not isinstance(space, gym.spaces.Box) or len(space.shape) != 1:  # (N, dim) batches, clipped to the bounds
-            raise Failure(f"{env_id} has a {space} {what} space; {SCRIPT} needs a flat Box")
+        raise Failure(f"unknown or unusable env id {env_id!r}: {type(e).__name__}: {first_line(e)}") from None
+    for what, space in spaces.items():  # (N, dim) batches, actions clipped to the bounds
+        if not isinstance(space, gym.spaces.Box) or len(space.shape) != 1:
+            raise Failure(f"{env_id} has a {space} {what} space; {SCRIPT} needs a flat Box"
+                          + (" (ppo.py takes discrete actions)" if isinstance(space, gym.spaces.Discrete) else ""))
 
 
 # --- the one error boundary -------------------------------------------------------------------------------
 if __name__ == "__main__":
     try:
         main(parse_args())
-    except Failure as e:  # every rank finds bad input: rank 0 says it; a failed write is said where it happened
+    except Failure as e:  # every rank finds bad input and rank 0 says it; a failed write is said where it happened
         if e.code == 1 or int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(e.code)
