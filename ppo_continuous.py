@@ -40,113 +40,69 @@ import tyro
 @dataclass
 class Args:  # Count: an int that also reads 1e6 (defined with the command line, below the banner)
     # The note's hyperparameters
-    num_steps: Count = 2048
-    """T: steps per environment in each rollout"""
-    update_epochs: Count = 10
-    """E: epochs over each rollout"""
-    num_minibatches: Count = 32
-    """number of minibatches per epoch (each of M = num_envs * T / num_minibatches samples)"""
-    clip_coef: float = 0.2
-    """epsilon: clip range of the probability ratio (and of the value clip)"""
-    learning_rate: float = 3e-4
-    """alpha: Adam learning rate"""
-    gamma: float = 0.99
-    """gamma: discount factor (also the discount of the reward scaler's running return)"""
-    gae_lambda: float = 0.95
-    """lambda: GAE parameter"""
-    vf_coef: float = 0.5
-    """c_v: value loss coefficient"""
-    ent_coef: float = 0.0
-    """c_H: entropy bonus coefficient"""
+    num_steps: Count = 2048  # T: steps per environment in each rollout
+    update_epochs: Count = 10  # E: epochs over each rollout
+    num_minibatches: Count = 32  # number of minibatches per epoch (each of M = num_envs * T / num_minibatches samples)
+    clip_coef: float = 0.2  # epsilon: clip range of the probability ratio (and of the value clip)
+    learning_rate: float = 3e-4  # alpha: Adam learning rate
+    gamma: float = 0.99  # gamma: discount factor (also the discount of the reward scaler's running return)
+    gae_lambda: float = 0.95  # lambda: GAE parameter
+    vf_coef: float = 0.5  # c_v: value loss coefficient
+    ent_coef: float = 0.0  # c_H: entropy bonus coefficient
 
     # Implementation details (CleanRL's, continuous control's) and the note's adaptive-KL-penalty variant
-    anneal_lr: bool = True
-    """anneal the learning rate linearly to 0"""
-    norm_adv: bool = True
-    """standardise the advantages (where: --norm-adv-scope)"""
-    norm_adv_scope: Literal["minibatch", "rollout"] = "minibatch"
-    """minibatch: in each minibatch, (A-mean)/(std+eps) (CleanRL); rollout: once, (A-mean)/sqrt(var+eps) (the note)"""
-    clip_vloss: bool = True
-    """clip the value loss as in the original PPO code"""
-    max_grad_norm: float = 0.5
-    """global gradient norm clip"""
-    target_kl: Optional[float] = None
-    """stop the epochs of an update early once approx_kl exceeds this"""
-    norm_obs: bool = True
-    """normalise observations by their running mean/std (updated in rollouts, frozen in evaluation)"""
-    obs_clip: float = 10.0
-    """clip normalised observations to [-obs_clip, obs_clip]"""
-    norm_reward: bool = True
-    """scale rewards by the running std of the discounted return"""
-    reward_clip: float = 10.0
-    """clip scaled rewards to [-reward_clip, reward_clip]"""
-    kl_penalty_coef: Optional[float] = None
-    """KL-penalty variant (PPO paper): -r*A + coef*KL(pi_old||pi), no ratio clip; None: clip (1 with a target)"""
-    kl_penalty_target: Optional[float] = None
-    """adaptive KL penalty: the coef (--kl-penalty-coef, else 1) halves when KL < target/1.5, doubles if > 1.5*target"""
+    anneal_lr: bool = True  # anneal the learning rate linearly to 0
+    norm_adv: bool = True  # standardise the advantages (where: --norm-adv-scope)
+    norm_adv_scope: Literal["minibatch", "rollout"] = "minibatch"  # per minibatch (CleanRL) or per rollout (the note)
+    clip_vloss: bool = True  # clip the value loss as in the original PPO code
+    max_grad_norm: float = 0.5  # global gradient norm clip
+    target_kl: Optional[float] = None  # stop the epochs of an update early once approx_kl exceeds this
+    norm_obs: bool = True  # normalise observations by their running mean/std (frozen in evaluation)
+    obs_clip: float = 10.0  # clip normalised observations to [-obs_clip, obs_clip]
+    norm_reward: bool = True  # scale rewards by the running std of the discounted return
+    reward_clip: float = 10.0  # clip scaled rewards to [-reward_clip, reward_clip]
+    kl_penalty_coef: Optional[float] = None  # KL-penalty variant: -r*A + coef*KL(pi_old||pi) (None: clip)
+    kl_penalty_target: Optional[float] = None  # adaptive KL penalty: coef halves below target/1.5, doubles over 1.5x
 
     # Environment
-    env_id: str = "HalfCheetah-v5"
-    """id of a gymnasium environment with a continuous (Box) action space"""
-    total_timesteps: Count = 1_000_000
-    """total environment steps of the run"""
-    num_envs: Count = 1
-    """number of parallel environments"""
-    vector_mode: Literal["sync", "async"] = "sync"
-    """gymnasium SyncVectorEnv (one process) or AsyncVectorEnv (one process per env)"""
+    env_id: str = "HalfCheetah-v5"  # id of a gymnasium environment with a continuous (Box) action space
+    total_timesteps: Count = 1_000_000  # total environment steps of the run
+    num_envs: Count = 1  # number of parallel environments
+    vector_mode: Literal["sync", "async"] = "sync"  # SyncVectorEnv (one process) or AsyncVectorEnv (one per env)
 
     # Run: seeds, devices, logging, checkpoints, evaluation
-    exp_name: str = "ppo_continuous"
-    """name of this experiment (part of the run name)"""
-    seed: Count = 1
-    """seed of the experiment (python, numpy, torch and the environments)"""
-    torch_deterministic: bool = True
-    """deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only; cuDNN; cuBLAS workspace)"""
-    cuda: bool = False
-    """run the networks on CUDA (these small MLPs train faster on the CPU)"""
-    compile: bool = False
-    """torch.compile the action sampling and the update step"""
-    cudagraphs: bool = False
-    """CUDA graphs through torch.compile's reduce-overhead mode; implies compilation (needs --cuda)"""
-    torch_threads: Count = 1
-    """torch CPU threads (1 is fastest for small networks)"""
-    track: bool = False
-    """log to Weights & Biases (WANDB_MODE=offline works without network)"""
-    wandb_project_name: str = "ppo-reference"
-    """wandb project name"""
-    wandb_entity: Optional[str] = None
-    """wandb entity (team)"""
-    capture_video: bool = False
-    """record videos of the evaluation episodes under runs/<run>/videos (no DISPLAY: MUJOCO_GL=egl unless set)"""
-    save_model: bool = False
-    """write runs/<run>/checkpoint.pt at the end of training"""
-    checkpoint_every: Count = 0
-    """also write the checkpoint every N iterations (0: only at the end with --save-model)"""
-    resume: Optional[str] = None
-    """continue from this checkpoint.pt (run dir, steps, lr schedule, normalisation); flags not given take its values"""
-    stop_after: Count = 0
-    """stop this process after N iterations with a checkpoint (0: run to the end); --resume continues"""
-    eval_episodes: Count = 0
-    """after training (or right away for a finished --resume checkpoint) evaluate N episodes"""
-    eval_deterministic: bool = False
-    """evaluate with the Gaussian's mean action instead of a sampled one"""
-    runs_dir: str = "runs"
-    """directory that holds the runs"""
+    exp_name: str = "ppo_continuous"  # name of this experiment (part of the run name)
+    seed: Count = 1  # seed of the experiment (python, numpy, torch and the environments)
+    torch_deterministic: bool = True  # deterministic torch algorithms (warn-only), cuDNN and cuBLAS
+    cuda: bool = False  # run the networks on CUDA (these small MLPs train faster on the CPU)
+    compile: bool = False  # torch.compile the action sampling and the update step
+    cudagraphs: bool = False  # CUDA graphs through torch.compile's reduce-overhead mode; implies compilation
+    torch_threads: Count = 1  # torch CPU threads (1 is fastest for small networks)
+    track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works without network)
+    wandb_project_name: str = "ppo-reference"  # wandb project name
+    wandb_entity: Optional[str] = None  # wandb entity (team)
+    capture_video: bool = False  # record the evaluation episodes in runs/<run>/videos (no DISPLAY: MUJOCO_GL=egl)
+    save_model: bool = False  # write runs/<run>/checkpoint.pt at the end of training
+    checkpoint_every: Count = 0  # also write the checkpoint every N iterations (0: only at the end with --save-model)
+    resume: Optional[str] = None  # continue from this checkpoint.pt (flags not given take its values)
+    stop_after: Count = 0  # stop after N iterations of this process, with a checkpoint (0: run to the end)
+    eval_episodes: Count = 0  # after training (or right away for a finished --resume checkpoint) evaluate N episodes
+    eval_deterministic: bool = False  # evaluate with the Gaussian's mean action instead of a sampled one
+    runs_dir: str = "runs"  # directory that holds the runs
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Environments, and what the agent sees of them: normalised observations, scaled rewards
-# ---------------------------------------------------------------------------------------------------------
+# --- Environments, and what the agent sees of them: normalised observations, scaled rewards ------------------
 def make_env(env_id: str, idx: int = 0, capture_video: bool = False, video_dir: str = ""):
     def thunk():
         import gymnasium as gym
 
+        if multiprocessing.parent_process() is not None:  # an async worker leaves a Ctrl-C (sent to the whole
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # process group) and SIGTERM to the main process, which
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # checkpoints: a dead worker would break its last step
         if capture_video and idx == 0:
             env = gym.make(env_id, render_mode="rgb_array")
-            env = gym.wrappers.RecordVideo(env, video_dir, episode_trigger=lambda ep: True, disable_logger=True)
-        else:
-            env = gym.make(env_id)
-        return env
+            return gym.wrappers.RecordVideo(env, video_dir, episode_trigger=lambda ep: True, disable_logger=True)
+        return gym.make(env_id)
 
     return thunk
 
@@ -156,24 +112,9 @@ def make_vector_env(args: Args):
     observation comes back in info["final_obs"], so every stored transition is a real one (no reset transitions)."""
     import gymnasium as gym
 
-    fns = [make_env(args.env_id, i) for i in range(args.num_envs)]
     cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
-    if args.vector_mode == "async":
-        fns = [leave_signals_to_main(fn) for fn in fns]
-    return cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
-
-
-def leave_signals_to_main(make):
-    """An async worker ignores SIGINT / SIGTERM: a Ctrl-C reaches the whole process group, and a worker that died of
-    it would break the main process's last step instead of its checkpoint and clean exit (gymnasium also calls the
-    first thunk in the main process, for the spaces: that one leaves the handlers alone)."""
-    def thunk():
-        if multiprocessing.parent_process() is not None:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        return make()
-
-    return thunk
+    return cls([make_env(args.env_id, i) for i in range(args.num_envs)],
+               autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
 
 class RunningMeanStd:
@@ -299,9 +240,7 @@ def merge_ranks(stats: list[RunningMeanStd], world: int) -> None:
         rms.track_additions()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Agent: separate actor and critic MLPs (64x64 tanh), orthogonal init, diagonal Gaussian policy
-# ---------------------------------------------------------------------------------------------------------
+# --- Agent: separate actor and critic MLPs (64x64 tanh), orthogonal init, diagonal Gaussian policy -----------
 def layer_init(layer: nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     torch.nn.init.orthogonal_(layer.weight, std)  # detail: orthogonal init with scaled gains
     torch.nn.init.constant_(layer.bias, bias_const)
@@ -362,9 +301,7 @@ class Agent(nn.Module):
         return self.actor_mean(x) if deterministic else self.get_action_and_value(x)[0]
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The PPO math: pure functions (the tests check each against a plain loop)
-# ---------------------------------------------------------------------------------------------------------
+# --- The PPO math: pure functions (the tests check each against a plain loop) --------------------------------
 def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, lam: float):
     """Generalized advantage estimation by the backward recursion of the note (CleanRL's loop).
 
@@ -510,9 +447,7 @@ class KLPenalty:
         self.coef.fill_(beta)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The episodes in flight, saved and restored for an exact resume (the checkpoint, below the banner, holds them)
-# ---------------------------------------------------------------------------------------------------------
+# --- The episodes in flight, saved and restored for an exact resume (the checkpoint, below the banner, holds them)
 EXACT_RESUME_MODULES = ("gymnasium.envs.classic_control", "gymnasium.envs.mujoco")  # whose whole state is saved
 
 
@@ -597,9 +532,7 @@ def load_episodes(ckpt: dict, rank: int, args: Args, envs, episodes: dict, norm:
     return next_obs, fitted(saved["next_done"], n).astype(np.float32)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Training loop
-# ---------------------------------------------------------------------------------------------------------
+# --- Training loop -------------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     rank, world, device = setup_distributed(args.cuda)  # torchrun: one process per rank (gloo, or NCCL per GPU)
     ckpt = load_checkpoint(args.resume) if args.resume else None
