@@ -994,6 +994,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: 
         g.update(settings, lr=torch.tensor(float(g["lr"]), device=device))
         for p in g["params"]:
             st = optimizer.state.get(p, {})
+            for k, v in st.items():  # moments in the parameter's memory layout (a fused kernel pairs raw memory)
+                if torch.is_tensor(v) and v.shape == p.shape:
+                    st[k] = torch.empty_like(p).copy_(v)
             if torch.is_tensor(st.get("step")):
                 on_param = g.get("capturable") or g.get("fused")
                 st["step"] = st["step"].to(p.device if on_param else "cpu", torch.float32, copy=True)
