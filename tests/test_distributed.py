@@ -86,6 +86,8 @@ def test_bad_input_under_torchrun_is_said_once(tmp_path, script):
 
 @pytest.mark.parametrize("script, argv", [
     ("ppo.py", ["--total-timesteps", "8192", "--num-steps", "128"]),
+    ("ppo_continuous.py", ["--env-id", "Hopper-v5", "--total-timesteps", "1024", "--num-steps", "64",
+                           "--num-minibatches", "2", "--update-epochs", "1"]),  # (both ranks' MuJoCo states in it)
 ])
 def test_a_full_disk_of_rank_0_under_torchrun_ends_the_job(tmp_path, script, argv):
     """Rank 0 alone writes; its failed save ends the job (torchrun's teardown stops the other rank)."""

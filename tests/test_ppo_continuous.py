@@ -32,12 +32,16 @@ def run_script(*argv, env=None, timeout=120):
 
 
 def one_line_error(capsys, fn, *args):
-    with pytest.raises(SystemExit) as e:
+    """fn(*args) fails with bad input: a Failure of exit code 2 (one line, said by __main__), or tyro's own exit 2."""
+    try:
         fn(*args)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err, err
-    return err
+    except pc.Failure as e:
+        assert e.code == 2 and "\n" not in str(e), (e.code, str(e))
+        return str(e)
+    except SystemExit as e:
+        assert e.code == 2
+        return capsys.readouterr().err
+    pytest.fail("no error")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -367,12 +371,6 @@ def test_stop_resume_eval_keeps_normalisation_statistics(tmp_path, capsys):
     one_line_error(capsys, pc.main, pc.parse_args(["--resume", path, "--no-norm-obs"]))
 
 
-def test_on_off_flags_also_take_a_value(capsys):
-    a = pc.parse_args(["--norm-obs", "False", "--norm-reward=0", "--anneal-lr", "true"])
-    assert (a.norm_obs, a.norm_reward, a.anneal_lr) == (False, False, True)
-    assert "maybe" in one_line_error(capsys, pc.parse_args, ["--norm-obs=maybe"])
-
-
 def test_deterministic_evaluation_plays_the_mean_action(monkeypatch):
     torch.manual_seed(0)
     agent = pc.Agent(3, 1)
@@ -402,7 +400,7 @@ def test_an_action_box_that_is_not_flat_is_one_line_error(capsys):
 
 
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
-    assert "Discrete action space" in one_line_error(capsys, pc.check_env, "CartPole-v1")
+    assert "needs a flat Box (ppo.py takes discrete actions)" in one_line_error(capsys, pc.check_env, "CartPole-v1")
     assert "unknown or unusable env id" in one_line_error(capsys, pc.check_env, "NoSuchEnv-v9")
     assert "not divisible" in one_line_error(capsys, pc.parse_args, ["--num-minibatches", "3"])
     assert "less than one rollout" in one_line_error(capsys, pc.parse_args, ["--total-timesteps", "1000"])
@@ -415,37 +413,45 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert "cannot read checkpoint" in one_line_error(capsys, pc.parse_args, ["--resume", str(corrupt)])
     # the same through the command line: exit code 2, one line, no traceback, no run directory left behind
     r = run_script("--env-id", "CartPole-v1", "--runs-dir", str(tmp_path / "runs"))
-    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "use ppo.py" in r.stderr
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "ppo.py takes discrete" in r.stderr
     assert not (tmp_path / "runs").exists()
 
 
-def test_capture_video_without_a_gl_backend_fails_clearly(capsys, monkeypatch):
-    monkeypatch.setenv("MUJOCO_GL", "no-such-backend")
-    err = one_line_error(capsys, pc.setup_rendering, "HalfCheetah-v5")
-    assert "MUJOCO_GL=egl" in err and "osmesa" in err
+def test_capture_video_without_a_renderer_is_one_line_after_the_model_is_saved(tmp_path):
+    """GLFW cannot render without a display: the evaluation's first frame fails in one line, exit 2, and the trained
+    model is on disk already."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
+    r = subprocess.run([sys.executable, SCRIPT, "--env-id", "Hopper-v5", "--total-timesteps", "128", "--num-steps",
+                        "128", "--num-minibatches", "2", "--update-epochs", "1", "--capture-video", "--eval-episodes",
+                        "1", "--runs-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env=dict(env, MUJOCO_GL="glfw"))
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
+    assert errors[0].startswith("error: --capture-video: cannot render Hopper-v5 offscreen") and "MUJOCO_GL=egl" in errors[0]
+    assert "Traceback" not in r.stderr
+    assert len(glob.glob(str(tmp_path / "*" / "checkpoint.pt"))) == 1
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Reliability: bad input from the command line, SIGTERM, exact resume, same seed same run, non-finite updates
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv, needle", [
-    (["--num-envs", "abc"], "not a number"),
+    (["--num-envs", "abc"], "abc"),
     (["--total-timesteps", "1.5"], "not a whole number"),
     (["--num-steps", "0"], "must be positive"),
     (["--gamma", "1.5"], "must lie in [0, 1]"),
     (["--learning-rate", "-3e-4"], "must be positive"),
-    (["--learning-rate", "nan"], "finite"),
+    (["--learning-rate", "nan"], "--learning-rate"),
     (["--kl-penalty-coef", "-1"], "must be >= 0"),
     (["--kl-penalty-target", "-0.01"], "must be positive"),
     (["--seed", "5e9"], "[0, 2**31)"),
     (["--num-envs", "1", "--num-steps", "4", "--num-minibatches", "4"], "at least 2"),
-    (["--vector-mode", "fast"], "Expected one of ('sync', 'async')"),
-    (["--no-such-flag"], "Unrecognized"),
-    (["--env-id", "CartPole-v1"], "use ppo.py"),
-    (["--resume", "{missing}"], "no such file"),
+    (["--vector-mode", "fast"], "sync"),
+    (["--no-such-flag"], "no-such-flag"),
+    (["--env-id", "CartPole-v1"], "ppo.py takes discrete"),
+    (["--resume", "{missing}"], "No such file"),
     (["--resume", "{foreign}"], "not a ppo_continuous.py checkpoint"),
     (["--resume", "{corrupt}"], "cannot read checkpoint"),
-    (["--runs-dir", "{file}/runs"], "cannot create run directory"),
 ])
 def test_bad_input_from_main_is_one_line_exit_2(tmp_path, argv, needle, capsys, monkeypatch):
     """In-process, through parse_args and main (a subprocess each costs a torch import; the command line itself is
@@ -459,13 +465,23 @@ def test_bad_input_from_main_is_one_line_exit_2(tmp_path, argv, needle, capsys, 
     argv = [a.format(**paths) for a in argv]
     if "--runs-dir" not in argv:
         argv += ["--runs-dir", str(tmp_path / "runs")]
-    with pytest.raises(SystemExit) as e:
-        pc.main(pc.parse_args(argv))
-    err = capsys.readouterr().err
-    assert e.value.code == 2, err
-    lines = error_lines(err)
-    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+    err = one_line_error(capsys, lambda: pc.main(pc.parse_args(argv)))
+    assert needle in err, err
     assert not (tmp_path / "runs").exists()  # bad input leaves no run directory behind
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--num-envs", "4"], "written with --num-envs 2"),
+    (["--num-steps", "32"], "written with --num-steps 64"),
+    (["--no-norm-reward"], "written with --norm-reward True"),
+])
+def test_a_checkpoint_of_another_rollout_or_normalisation_is_one_line_exit_2(hopper_checkpoint, argv, needle):
+    """The iteration count and lr schedule hold for the checkpoint's rollout, the network for its normalisation."""
+    before = open(hopper_checkpoint, "rb").read()
+    with pytest.raises(pc.Failure) as e:
+        pc.main(pc.parse_args(["--resume", hopper_checkpoint, *argv]))
+    assert e.value.code == 2 and needle in str(e.value) and hopper_checkpoint in str(e.value), str(e.value)
+    assert open(hopper_checkpoint, "rb").read() == before
 
 
 def read_scalars(run_dir, tag):
@@ -495,7 +511,7 @@ def test_sigterm_writes_checkpoint_and_exits_cleanly(tmp_path):
     state = torch.load(ckpt, weights_only=True)
     assert 0 < state["global_step"] < 1_000_000 and state["global_step"] == state["iteration"] * 256
     assert f"stopped at iteration {state['iteration']} (SIGTERM)" in out
-    assert state["rollout"]["envs"][0]["mujoco"] is not None  # the episode in flight is part of it
+    assert state["episodes"][0]["envs"][0]["mujoco"] is not None  # the episode in flight is part of it
 
 
 def test_ctrl_c_to_the_process_group_of_an_async_run_checkpoints_and_exits_cleanly(tmp_path):
@@ -509,6 +525,13 @@ def test_ctrl_c_to_the_process_group_of_an_async_run_checkpoints_and_exits_clean
     assert len(glob.glob(str(tmp_path / "Hopper-v5__ppo_continuous__1__*" / "checkpoint.pt"))) == 1
 
 
+@pytest.fixture(scope="module")
+def hopper_checkpoint(tmp_path_factory):
+    """The checkpoint of a finished tiny Hopper run (2 envs x 64 steps, 2 iterations)."""
+    return os.path.join(pc.main(tiny(tmp_path_factory.mktemp("hopper"), total_timesteps=256, save_model=True))["run_dir"],
+                        "checkpoint.pt")
+
+
 def tiny(tmp_path, **kw):
     base = dict(env_id="Hopper-v5", total_timesteps=768, num_envs=2, num_steps=64, num_minibatches=2,
                 update_epochs=2, runs_dir=str(tmp_path), exp_name="t")  # Hopper: short episodes, many returns
@@ -516,9 +539,12 @@ def tiny(tmp_path, **kw):
     return pc.Args(**base)
 
 
-@pytest.mark.parametrize("env_id", ["Hopper-v5", "Ant-v5"])
-def test_env_state_round_trip_continues_mujoco_episodes_exactly(tmp_path, env_id):
-    """Snapshot (through a weights_only checkpoint file) -> fresh envs with other seeds -> same future."""
+@pytest.mark.parametrize("env_id, before", [("HalfCheetah-v5", 950), ("Hopper-v5", 100), ("Ant-v5", 100)])
+def test_env_state_round_trip_continues_mujoco_episodes_exactly(tmp_path, env_id, before):
+    """Snapshot (through a weights_only checkpoint file) -> fresh envs with other seeds -> same future: MuJoCo's
+    integration state, the body positions Ant's reward reads before its step, TimeLimit's counter (HalfCheetah's
+    episodes are cut at 1000 steps, inside the 100 steps after the snapshot) and the envs' random generators (the
+    resets of Hopper's episodes that end)."""
     def make():
         return gym.vector.SyncVectorEnv([pc.make_env(env_id, i) for i in range(2)],
                                         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
@@ -526,19 +552,20 @@ def test_env_state_round_trip_continues_mujoco_episodes_exactly(tmp_path, env_id
     a = make()
     a.reset(seed=[1, 2])
     rng = np.random.default_rng(0)
-    acts = rng.uniform(-1, 1, size=(200, 2) + a.single_action_space.shape)
-    for t in range(100):
+    acts = rng.uniform(-1, 1, size=(before + 100, 2) + a.single_action_space.shape)
+    for t in range(before):
         a.step(acts[t])
     torch.save(pc.env_state(a), tmp_path / "envs.pt")
-    want = [a.step(acts[t])[:4] for t in range(100, 200)]
+    want = [a.step(acts[t])[:4] for t in range(before, before + 100)]
     b = make()
     b.reset(seed=[7, 8])
     pc.load_env_state(b, torch.load(tmp_path / "envs.pt", weights_only=True))
-    got = [b.step(acts[t])[:4] for t in range(100, 200)]
+    got = [b.step(acts[t])[:4] for t in range(before, before + 100)]
     for t, (w, g) in enumerate(zip(want, got)):
         for x, y in zip(w, g):  # observation, reward, terminated, truncated: bit for bit
-            np.testing.assert_array_equal(y, x, err_msg=f"step {100 + t}")
-    assert sum(int(w[2].sum()) for w in want) > 0 or env_id == "Ant-v5"  # Hopper: episodes end (and reset)
+            np.testing.assert_array_equal(y, x, err_msg=f"step {before + t}")
+    ended = sum(int(w[2].sum() + w[3].sum()) for w in want)
+    assert ended > 0 or env_id == "Ant-v5"  # Hopper's episodes end (and reset), HalfCheetah's are cut
 
 
 def test_env_state_only_for_envs_whose_whole_state_is_saved():
@@ -692,8 +719,9 @@ def test_trains_stops_and_resumes_under_torchrun(tmp_path):
     (ckpt,) = glob.glob(str(tmp_path / "*" / "checkpoint.pt"))
     state = torch.load(ckpt, weights_only=True)
     assert state["iteration"] == 1 and state["global_step"] == 128
-    assert state["world_size"] == 2 and len(state["other_ranks"]) == 1
-    assert not torch.equal(state["rollout"]["next_obs"], state["other_ranks"][0]["rollout"]["next_obs"])
+    assert state["world_size"] == 2 and len(state["episodes"]) == len(state["rng"]) == 2
+    assert not torch.equal(state["episodes"][0]["next_obs"], state["episodes"][1]["next_obs"])
+    assert not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"])
     # both ranks' observations: each rank's reset observation and 64 steps, on top of the prior's 1e-4
     assert state["obs_rms"]["count"].item() == pytest.approx(2 + 128 + 1e-4)
     assert state["return_rms"]["count"].item() == pytest.approx(128 + 1e-4)
@@ -704,7 +732,7 @@ def test_trains_stops_and_resumes_under_torchrun(tmp_path):
     assert "iter 3/3  global_step=384" in rest.stdout
     state = torch.load(ckpt, weights_only=True)
     assert state["iteration"] == 3 and state["global_step"] == 384
-    assert state["world_size"] == 2 and len(state["other_ranks"]) == 1
+    assert state["world_size"] == 2 and len(state["episodes"]) == 2
     # the episodes in flight continued on both ranks (no new reset observations): all 384 steps of both ranks
     assert state["obs_rms"]["count"].item() == pytest.approx(2 + 384 + 1e-4)
     assert state["return_rms"]["count"].item() == pytest.approx(384 + 1e-4)
@@ -721,12 +749,12 @@ def test_non_finite_update_stops_and_keeps_the_last_good_checkpoint(tmp_path, mo
 
     monkeypatch.setattr(pc, "compute_gae", poisoned_gae)
     handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(pc.Failure) as e:
         pc.main(tiny(tmp_path, checkpoint_every=1))
     assert e.value.code == 1
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # restored
-    err = capsys.readouterr().err
-    assert "non-finite" in err and "at iteration 3" in err and "policy_loss" in err
+    err = str(e.value)
+    assert "non-finite" in err and "at iteration 3" in err and "policy_loss" in err and "checkpoint.pt" in err
     (ckpt,) = glob.glob(str(tmp_path / "*" / "checkpoint.pt"))
     state = torch.load(ckpt, weights_only=True)
     assert state["iteration"] == 2  # the checkpoint of the last good update, not one of the NaN update
