@@ -30,10 +30,14 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
-import numpy as np
-import torch
-import torch.nn as nn
-import tyro
+# Before torch loads OpenMP: spinning OpenMP threads collapse on a shared CPU (Breakout at the default settings,
+# alternated runs on 2 loaded cores: 75 vs 12-15 SPS). A user's value wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import tyro  # noqa: E402
 
 
 @dataclass
@@ -423,7 +427,7 @@ def main(args: Args) -> dict:
         np.random.seed(args.seed + rank)
         torch.manual_seed(args.seed + rank)
         set_torch_determinism(args.torch_deterministic)
-        torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) // local_world_size()))
+        torch.set_num_threads(args.torch_threads or os.cpu_count() // int(os.getenv("LOCAL_WORLD_SIZE", "1")) or 1)
 
         batch_size = args.num_envs * args.num_steps  # per process; under torchrun the global batch is world times it
         minibatch_size = batch_size // args.num_minibatches
@@ -431,7 +435,6 @@ def main(args: Args) -> dict:
         first_iteration, global_step = (ckpt["iteration"] + 1, ckpt["global_step"]) if ckpt else (1, 0)
 
         # envpool seeds env i with seed + i: each process's envs get seeds of their own, a resumed run fresh ones
-        # (envpool cannot save its emulators: a resumed run plays new games)
         envs = make_envs(args, args.num_envs, args.seed + global_step + rank * args.num_envs)
         next_obs_np, info = envs.reset()
         obs_shape, n_actions = envs.single_observation_space.shape, int(envs.single_action_space.n)  # (4, 84, 84)
@@ -441,8 +444,8 @@ def main(args: Args) -> dict:
         # over the 1.7M parameters; on CUDA `capturable` keeps the step counters on the GPU (CUDA graphs, resume)
         optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
                                      capturable=args.cuda, fused=True if not args.cuda else None)
-        penalised = (args.kl_penalty_coef, args.kl_penalty_target) != (None, None)  # the KL-penalty variant
-        kl_penalty = KLPenalty(args, device) if penalised else None
+        penalised = (args.kl_penalty_coef, args.kl_penalty_target) != (None, None)
+        kl_penalty = KLPenalty(args, device) if penalised else None  # the KL-penalty variant
         if ckpt is not None:  # exact resume of the learner: networks, Adam, RNG of every rank, the KL coefficient
             with checkpoint_fits(args.resume):
                 agent.load_state_dict(ckpt["model"])
@@ -543,30 +546,34 @@ def main(args: Args) -> dict:
 
             # 5. Update reference policy: theta_old <- theta, implicitly (the next rollout samples from theta). The
             # KL-penalty variant measures KL(pi_old || pi_theta) over the rollout and adapts its coefficient to it.
-            rollout_kl = kl_penalty.rollout_kl(agent, b_obs, b_old_logp_all, b_mask, minibatch_size) if kl_penalty \
-                else None
+            rollout_kl = kl_penalty and kl_penalty.rollout_kl(agent, b_obs, b_old_logp_all, b_mask, minibatch_size)
             stats = iteration_stats(update_stats, rollout_kl, signals, world, device)  # one host sync, all ranks
             check_finite(stats, iteration, last_checkpoint)  # a non-finite update stops the run (exit 1)
             stats["explained_variance"] = explained_variance(values_h[mask > 0], returns[mask > 0])  # real steps
             sps = int((global_step - start_step) / (time.time() - start_time))
             last_print = log_iteration(writer, args, stats, iteration, num_iterations, global_step, sps, lr_now,
-                                       recent_returns, kl_penalty, iteration == first_iteration, last_print)
+                                       recent_returns, kl_penalty, last_print)
             if kl_penalty:
                 kl_penalty.adapt(stats["kl"])  # the coefficient of the next update
 
             signalled = stats.pop("signals") > 0  # a signal to any rank
-            stop = signalled or bool(args.stop_after and iteration - first_iteration + 1 >= args.stop_after)
+            stop = signalled or 0 < args.stop_after <= iteration - first_iteration + 1
             if stop or (args.checkpoint_every and iteration % args.checkpoint_every == 0) or (
                     iteration == num_iterations and final_save):
                 last_checkpoint = save_state(run_dir, args, agent, optimizer, kl_penalty, iteration, global_step,
                                              rank, world)
             if stop and iteration < num_iterations:
-                say_stopped(iteration, last_checkpoint, signals, signalled, args.stop_after, rank, world)
+                if rank == 0:
+                    why = signal.Signals(signals.received[0]).name if signals.received else (
+                        "a signal to another rank" if signalled else f"--stop-after {args.stop_after}")
+                    print(f"stopped at iteration {iteration} ({why}); continue with: {launcher(world)} --resume "
+                          f"{last_checkpoint}", flush=True)
                 break
         else:  # the trained model is on disk before the evaluation starts; a signal stops the evaluation cleanly
-            if args.eval_episodes:
-                evaluate_shares(agent, args, device, run_dir, signals, rank, world, writer, global_step,
-                                last_checkpoint or args.resume, result)  # result["eval_returns"] unless stopped
+            if args.eval_episodes and rank == 0:
+                result["eval_returns"] = evaluate(agent, args, device, args.eval_episodes,
+                                                  os.path.join(run_dir, "videos"), stop=lambda: bool(signals.received))
+                log_evaluation(writer, args, result, signals, last_checkpoint or args.resume, global_step)
         close_all(envs, writer, world)
     return {**result, "global_step": global_step, "stats": stats}
 
@@ -576,12 +583,10 @@ def main(args: Args) -> dict:
 # checkpoints, evaluation and load_policy, compile helpers, the command line and its one error boundary.
 # =========================================================================================================
 SCRIPT = "ppo_atari_envpool.py"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class Failure(Exception):  # [SHARED]
-    """An expected failure, said in one line by __main__: exit code 2 for bad input or a checkpoint that does not
-    fit this run, 1 for a write that failed (disk full) or an update that went non-finite."""
+    """An expected failure, one line from __main__: exit 2 for bad input or a checkpoint that does not fit, else 1."""
 
     def __init__(self, message: str, code: int = 2):
         super().__init__(message)
@@ -589,19 +594,17 @@ class Failure(Exception):  # [SHARED]
 
 
 def setup_distributed(cuda: bool) -> tuple[int, int, torch.device]:  # [SHARED]
-    """Rank, world size and device. Under torchrun a process group: gloo on the CPU, NCCL with one GPU per rank."""
+    """Rank, world size, device; under torchrun a process group (gloo on the CPU, NCCL with one GPU per rank)."""
     world, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if world == 1:
-        return 0, 1, device
-    torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=1))
-    return torch.distributed.get_rank(), world, device
+    if world > 1:
+        torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=1))
+    return int(os.environ.get("RANK", "0")), world, device
 
 
 def all_ranks_mean(x: torch.Tensor, world: int) -> torch.Tensor:  # [SHARED]
-    """The mean of x over the ranks (x itself with one process)."""
     if world > 1:
         x = x.clone()
         torch.distributed.all_reduce(x)
@@ -611,17 +614,14 @@ def all_ranks_mean(x: torch.Tensor, world: int) -> torch.Tensor:  # [SHARED]
 
 def gather_objects(obj, world: int) -> list:  # [SHARED]
     """[obj of rank 0, obj of rank 1, ...] on every rank."""
-    if world == 1:
-        return [obj]
-    out = [None] * world
-    torch.distributed.all_gather_object(out, obj)
+    out = [obj] * world
+    if world > 1:
+        torch.distributed.all_gather_object(out, obj)
     return out
 
 
 def set_torch_determinism(on: bool) -> None:  # [SHARED]
-    """--torch-deterministic: deterministic algorithms (warn-only), cuDNN's and cuBLAS's. Fresh CUDA memory is not
-    filled with NaN (torch's default under deterministic algorithms): it costs time and every buffer is written
-    before it is read."""
+    """--torch-deterministic (cuDNN, cuBLAS, warn-only); fresh CUDA memory is not NaN-filled: every buffer is written."""
     torch.backends.cudnn.deterministic = on
     torch.use_deterministic_algorithms(on, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
@@ -630,8 +630,7 @@ def set_torch_determinism(on: bool) -> None:  # [SHARED]
 
 
 def make_run_dir(args, rank: int, world: int) -> str:  # [SHARED]
-    """The resumed checkpoint's directory, or a new runs/<env>__<exp>__<seed>__<time> (-2, -3, ... when two runs
-    start in the same second). Rank 0 makes it; every rank learns its name."""
+    """The resumed checkpoint's directory, or a new runs/<env>__<exp>__<seed>__<time>[-2, -3, ...] made by rank 0."""
     if args.resume:
         return os.path.dirname(os.path.abspath(args.resume))
     run_dir = None
@@ -642,7 +641,7 @@ def make_run_dir(args, rank: int, world: int) -> str:  # [SHARED]
             try:
                 os.makedirs(run_dir)
                 break
-            except FileExistsError:
+            except FileExistsError:  # another run started in the same second
                 n += 1
                 run_dir = f"{base}-{n}"
             except OSError as e:
@@ -651,7 +650,7 @@ def make_run_dir(args, rank: int, world: int) -> str:  # [SHARED]
 
 
 def open_logs(args, run_dir: str, rank: int, resumed: bool):  # [SHARED]
-    """TensorBoard's writer in the run directory (and wandb with --track); rank 0 alone logs (None elsewhere)."""
+    """TensorBoard's writer in the run directory, and wandb with --track; rank 0 alone logs (None elsewhere)."""
     if rank != 0:
         return None
     from torch.utils.tensorboard import SummaryWriter
@@ -664,17 +663,18 @@ def open_logs(args, run_dir: str, rank: int, resumed: bool):  # [SHARED]
                    config=vars(args), name=name, id=name, resume="allow", dir=run_dir)
     writer = SummaryWriter(run_dir)
     if not resumed:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in
+                                                                                 vars(args).items()))
     return writer
 
 
 class StopSignals:  # [SHARED]
-    """While active, SIGTERM and SIGINT (Ctrl-C) are noted instead of ending the process: main honours them at the end
-    of the iteration (checkpoint, then the command that continues the run) or during the evaluation."""
+    """While active, SIGTERM / SIGINT are noted (main stops at the end of the iteration), then the handlers return."""
 
     def __enter__(self):
         self.received: list[int] = []
-        self.previous = {s: signal.signal(s, lambda signum, frame: self.received.append(signum)) for s in STOP_SIGNALS}
+        self.previous = {s: signal.signal(s, lambda signum, _: self.received.append(signum))
+                         for s in (signal.SIGTERM, signal.SIGINT)}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -683,7 +683,6 @@ class StopSignals:  # [SHARED]
 
 
 def check_finite(stats: dict, iteration: int, last_checkpoint: Optional[str]) -> None:  # [SHARED]
-    """A non-finite loss, KL or gradient norm stops the run (exit 1) before it is logged or saved."""
     bad = [k for k, v in stats.items() if not math.isfinite(v)]
     if bad:
         kept = f"last checkpoint: {last_checkpoint}" if last_checkpoint else "no checkpoint was written"
@@ -691,7 +690,7 @@ def check_finite(stats: dict, iteration: int, last_checkpoint: Optional[str]) ->
 
 
 def eta_text(seconds: float) -> str:  # [SHARED]
-    """Time left for the progress line: 2h05m, 13m20s or 45s ("?" before the speed is known)."""
+    """2h05m, 13m20s or 45s ("?" before the speed is known)."""
     if not math.isfinite(seconds) or seconds < 0:
         return "?"
     s = int(seconds)
@@ -704,22 +703,19 @@ def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:  # [SHA
 
 
 def launcher(world: int) -> str:  # [SHARED]
-    """The command that runs this script with `world` processes (in the messages that say how to go on)."""
     return f"{f'torchrun --nproc-per-node {world}' if world > 1 else 'python'} {SCRIPT}"
 
 
 # --- checkpoints ------------------------------------------------------------------------------------------
 def save_checkpoint(path: str, state: dict) -> None:  # [SHARED]
-    """Write to a temporary file, then rename: a kill or a full disk during the save leaves the previous checkpoint
-    whole and no partial file; a failed write is one line, exit 1."""
-    tmp = f"{path}.tmp"
+    """Written to a temporary file, then renamed: a kill or a full disk keeps the previous checkpoint whole."""
     try:
-        with open(tmp, "wb") as f:  # (a Python file: torch's error for a failed write then carries the OSError)
+        with open(f"{path}.tmp", "wb") as f:  # (a Python file: torch's error then carries the OSError)
             torch.save(state, f)
-        os.replace(tmp, path)
+        os.replace(f"{path}.tmp", path)
     except Exception as e:
         with contextlib.suppress(OSError):
-            os.remove(tmp)
+            os.remove(f"{path}.tmp")
         cause = e
         while cause is not None and not isinstance(cause, OSError):
             cause = cause.__cause__ or cause.__context__
@@ -730,11 +726,10 @@ def save_checkpoint(path: str, state: dict) -> None:  # [SHARED]
 
 
 def load_checkpoint(path: str) -> dict:  # [SHARED]
-    """A checkpoint of this script, read on the CPU; one that does not load is one line, exit 2."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise Failure(f"cannot read checkpoint {path}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from None
+        raise Failure(f"cannot read checkpoint {path}: {type(e).__name__}: {first_line(e)}") from None
     if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
         raise Failure(f"{path} is not a {SCRIPT} checkpoint")
     return ckpt
@@ -742,19 +737,21 @@ def load_checkpoint(path: str) -> dict:  # [SHARED]
 
 @contextlib.contextmanager
 def checkpoint_fits(path: str):  # [SHARED]
-    """Whatever torch or the envs raise while a checkpoint's states are loaded into this run (another env, edited
-    arguments, missing keys, shapes) is one line, exit 2."""
+    """What torch or the envs raise on a checkpoint that does not fit this run (env, shapes, keys) is one line."""
     try:
         yield
     except Failure:
         raise
     except Exception as e:
-        raise Failure(f"checkpoint {path} does not fit this run: {type(e).__name__}: "
-                      f"{(str(e).splitlines() or [''])[0]}") from None
+        raise Failure(f"checkpoint {path} does not fit this run: {type(e).__name__}: {first_line(e)}") from None
+
+
+def first_line(e: BaseException) -> str:  # [SHARED]
+    return (str(e).splitlines() or [""])[0]
 
 
 def rng_state() -> dict:  # [SHARED]
-    """The script's randomness: torch's CPU generator, and the CUDA one of this process's GPU when it is in use."""
+    """torch's CPU generator, and this process's CUDA one when it is in use."""
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -768,26 +765,24 @@ def set_rng_state(state: dict, device: torch.device) -> None:  # [SHARED]
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:  # [SHARED]
-    """Adam's moments and step counters from a checkpoint, keeping this run's settings (fused, capturable, lr as a
-    tensor on this device), so that a CUDA checkpoint resumes on the CPU and the reverse."""
+    """Adam's moments and steps, keeping this run's settings (fused, capturable, lr on this device): a CUDA
+    checkpoint resumes on the CPU and the reverse."""
     own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for g, settings in zip(optimizer.param_groups, own):
-        g.update(settings)
-        g["lr"] = torch.tensor(float(g["lr"]), device=device)
+        g.update(settings, lr=torch.tensor(float(g["lr"]), device=device))
         for p in g["params"]:
             st = optimizer.state.get(p, {})
             if torch.is_tensor(st.get("step")):
                 on_param = g.get("capturable") or g.get("fused")
-                st["step"] = st["step"].to(p.device if on_param else torch.device("cpu"), torch.float32, copy=True)
+                st["step"] = st["step"].to(p.device if on_param else "cpu", torch.float32, copy=True)
 
 
 # --- compile and CUDA-graph helpers -----------------------------------------------------------------------
 def compile_hot_functions(policy, update, agent, args):  # [SHARED]
-    """The rollout's action sampling and the minibatch update: eager, torch.compile'd (--compile), or with CUDA graphs
-    (--cudagraphs: inductor's reduce-overhead mode, which records each graph once and replays it; the parameters,
-    their gradients and Adam's capturable state stay at fixed addresses, so the optimizer step is inside the graph).
-    The gradients are allocated here, outside any graph's memory pool; the update zeroes them in place."""
+    """Eager, --compile, or --cudagraphs (torch.compile's reduce-overhead mode: each graph recorded once, replayed;
+    parameters, gradients and capturable Adam at fixed addresses keep the optimizer step inside the graph). The
+    gradients are allocated here, outside any graph's memory pool; the update zeroes them in place."""
     for p in agent.parameters():
         p.grad = torch.zeros_like(p)
     if not (args.compile or args.cudagraphs):
@@ -801,26 +796,15 @@ def compile_hot_functions(policy, update, agent, args):  # [SHARED]
 
 
 def cudagraph_skips() -> int:  # [SHARED]
-    """How many compiled graphs torch ran without CUDA graphs: --cudagraphs says so instead of falling back silently."""
+    """How many compiled graphs torch ran without CUDA graphs (--cudagraphs says so instead of falling back)."""
     from torch._dynamo.utils import counters
 
     return counters["inductor"]["cudagraph_skips"]
 
 
-# --- this script's run helpers ----------------------------------------------------------------------------
-def local_world_size() -> int:
-    """torchrun's processes on this machine (1 without torchrun)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
-def gpu_for_each_process() -> bool:
-    """--cuda's default: whether torch sees a GPU for each process on this machine (as CleanRL: the GPU if any)."""
-    return torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size()
-
-
+# --- this script's run helpers: resume checks, logging, checkpoint, evaluation, load_policy --------------
 def check_resume(ckpt: Optional[dict], args: Args, world: int) -> None:
-    """A checkpoint resumes with its env, rollout size and number of processes (its iterations and lr schedule hold
-    for them); envpool's games cannot be saved, so they start anew (said once)."""
+    """Its env, rollout size and processes are this run's (the iterations and lr schedule hold for them)."""
     if ckpt is None:
         return
     n, saved = ckpt.get("world_size"), ckpt.get("args", {})
@@ -846,63 +830,49 @@ def log_games(writer, games: list, recent_returns: list, global_step: int) -> No
 
 
 def iteration_stats(update_stats: list, rollout_kl, signals: StopSignals, world: int, device) -> dict:
-    """ONE host sync per iteration: the update's statistics averaged over the minibatches and the ranks, the rollout's
-    KL (KL-penalty variant) and the number of stop signals that reached any rank."""
-    names = list(update_stats[0]) + ["kl"] * (rollout_kl is not None) + ["signals"]
+    """ONE host sync: the update's statistics (mean over minibatches and ranks), the rollout's KL, the signals."""
+    names = [*update_stats[0], *["kl"] * (rollout_kl is not None), "signals"]
     means = [torch.stack([s[k] for s in update_stats]).mean() for k in update_stats[0]]
     extra = [rollout_kl] * (rollout_kl is not None) + [torch.tensor(float(len(signals.received)), device=device)]
-    values = all_ranks_mean(torch.stack([*means, *extra]), world).tolist()
-    stats = dict(zip(names, values))
-    stats["signals"] *= world
-    return stats
+    stats = dict(zip(names, all_ranks_mean(torch.stack([*means, *extra]), world).tolist()))
+    return {**stats, "signals": stats["signals"] * world}
 
 
 def log_iteration(writer, args: Args, stats: dict, iteration: int, num_iterations: int, global_step: int, sps: int,
-                  lr: float, recent_returns: list, kl_penalty, first: bool, last_print: float) -> float:
-    """TensorBoard (rank 0) and the progress line every 5 s; returns when that line was last printed."""
+                  lr: float, recent_returns: list, kl_penalty, last_print: float) -> float:
+    """TensorBoard (rank 0) and the progress line every 5 s (returns when it was last printed)."""
     if writer is None:
         return last_print
-    writer.add_scalar("charts/learning_rate", lr, global_step)
-    for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance"):
-        writer.add_scalar(f"losses/{k}", stats[k], global_step)
-    writer.add_scalar("charts/SPS", sps, global_step)
-    if kl_penalty is not None:
-        writer.add_scalar("losses/kl", stats["kl"], global_step)
-        writer.add_scalar("charts/kl_coef", kl_penalty.beta, global_step)  # the coefficient this update used
-    if args.cudagraphs and first and cudagraph_skips():
+    scalars = {"charts/learning_rate": lr, "charts/SPS": sps, **{f"losses/{k}": stats[k] for k in (
+        "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance")}}
+    if kl_penalty is not None:  # (the coefficient this update used)
+        scalars.update({"losses/kl": stats["kl"], "charts/kl_coef": kl_penalty.beta})
+    for tag, value in scalars.items():
+        writer.add_scalar(tag, value, global_step)
+    if args.cudagraphs and last_print == 0.0 and cudagraph_skips():
         print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs says why)")
     if time.time() - last_print < 5.0 and iteration < num_iterations:
         return last_print
-    recent = np.mean(recent_returns[-20:]) if recent_returns else float("nan")
-    steps_left = (num_iterations - iteration) * args.num_envs * args.num_steps * int(os.environ.get("WORLD_SIZE", "1"))
-    print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={sps}  return(last 20)={recent:.1f}  "
-          f"approx_kl={stats['approx_kl']:.4f}" + (f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}"
-                                                   if kl_penalty else "")
+    steps_left = (num_iterations - iteration) * global_step / max(iteration, 1)
+    print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={sps}  return(last 20)="
+          f"{np.mean(recent_returns[-20:]) if recent_returns else float('nan'):.1f}  approx_kl={stats['approx_kl']:.4f}"
+          + (f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else "")
           + f"  eta={eta_text(steps_left / sps if sps > 0 else math.inf)}", flush=True)
     return time.time()
 
 
 def save_state(run_dir: str, args: Args, agent: Agent, optimizer, kl_penalty, iteration: int, global_step: int,
                rank: int, world: int) -> str:
-    """The checkpoint (every rank calls it; rank 0 writes): the learner and every rank's RNG, not envpool's games.
-    Not kept: --stop-after (the printed command runs to the end) and the device (a resumed run takes this machine's
-    default, --cuda)."""
+    """Every rank calls it, rank 0 writes: the learner and every rank's RNG (not envpool's games). Not kept:
+    --stop-after (the printed command runs to the end), --cuda (a resumed run takes this machine's default)."""
     rngs, path = gather_objects(rng_state(), world), os.path.join(run_dir, "checkpoint.pt")
     if rank == 0:
-        save_checkpoint(path, {
-            "script": SCRIPT, "env_id": args.env_id, "args": {**{k: v for k, v in vars(args).items() if k != "cuda"}, "stop_after": 0},
-            "model": agent.state_dict(), "optimizer": optimizer.state_dict(), "iteration": iteration,
-            "global_step": global_step, "kl_coef": kl_penalty.beta if kl_penalty else None, "world_size": world,
-            "rng": rngs})
+        save_checkpoint(path, dict(
+            script=SCRIPT, env_id=args.env_id, args={**{k: v for k, v in vars(args).items() if k != "cuda"},
+                                                     "stop_after": 0},
+            model=agent.state_dict(), optimizer=optimizer.state_dict(), iteration=iteration, global_step=global_step,
+            kl_coef=kl_penalty.beta if kl_penalty else None, world_size=world, rng=rngs))
     return path
-
-
-def say_stopped(iteration: int, path: str, signals: StopSignals, signalled: bool, stop_after: int, rank: int,
-                world: int) -> None:
-    if rank == 0:
-        why = signal.Signals(signals.received[0]).name if signals.received else \
-            "a signal to another rank" if signalled else f"--stop-after {stop_after}"
-        print(f"stopped at iteration {iteration} ({why}); continue with: {launcher(world)} --resume {path}", flush=True)
 
 
 def close_all(envs, writer, world: int) -> None:
@@ -913,64 +883,50 @@ def close_all(envs, writer, world: int) -> None:
         torch.distributed.destroy_process_group()
 
 
-# --- evaluation and load_policy ---------------------------------------------------------------------------
-def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "", rank: int = 0,
+def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "",
              stop=lambda: False) -> list[float]:
-    """Play `episodes` whole games (all lives) with actions sampled from the policy (its most likely ones with
-    --eval-deterministic); return their unclipped scores (fewer once stop() says so). With --capture-video rank 0
-    writes each game's RGB frames to video_dir/game-<k>.mp4."""
-    video = args.capture_video and rank == 0
-    env = make_envs(args, 1, args.seed + 10_000 + rank, **({"render_mode": "rgb_array"} if video else {}))
+    """Play `episodes` whole games (all lives) with sampled actions (the most likely with --eval-deterministic);
+    their unclipped scores (fewer once stop() says so). --capture-video: video_dir/game-<k>.mp4 of each game."""
+    env = make_envs(args, 1, args.seed + 10_000, **({"render_mode": "rgb_array"} if args.capture_video else {}))
     stats, returns, frames = EpisodeStats(1), [], []
     obs, _ = env.reset()
     while len(returns) < episodes and not stop():
         with torch.inference_mode():
             action = agent.act(obs_tensor(obs, device), args.eval_deterministic)
         obs, _, term, trunc, info = env.step(action.cpu().numpy())
-        frames += [env.render()[0]] if video else []
+        frames += [env.render()[0]] if args.capture_video else []
         for _, ret, length in stats.update(info["reward"], term, trunc, info["terminated"]):
             returns.append(ret)
-            if rank == 0:  # games are long
-                print(f"eval game {len(returns)}/{episodes}: score {ret:.0f}, {length} steps", flush=True)
-            if video:
+            print(f"eval game {len(returns)}/{episodes}: score {ret:.0f}, {length} steps", flush=True)  # games are long
+            if args.capture_video:
                 from moviepy import ImageSequenceClip
 
-                os.makedirs(video_dir, exist_ok=True)
-                ImageSequenceClip(frames, fps=30).write_videofile(f"{video_dir}/game-{len(returns)}.mp4", logger=None)
+                try:
+                    os.makedirs(video_dir, exist_ok=True)
+                    ImageSequenceClip(frames, fps=30).write_videofile(f"{video_dir}/game-{len(returns)}.mp4",
+                                                                      logger=None)
+                except OSError as e:
+                    raise Failure(f"cannot write the evaluation videos in {video_dir}: {e.strerror or e}", 1) from None
                 frames = []
     env.close()
     return returns
 
 
-def evaluate_shares(agent: Agent, args: Args, device, run_dir: str, signals: StopSignals, rank: int, world: int,
-                    writer, global_step: int, path: str, result: dict) -> None:
-    """--eval-episodes after training: every rank plays its share of the games, rank 0 logs them all. A signal stops
-    the evaluation (the trained model is on disk); a failed write of the videos is one line, exit 1."""
-    share = args.eval_episodes // world + int(rank < args.eval_episodes % world)
-    video_dir = os.path.join(run_dir, "videos")
-    try:
-        mine = evaluate(agent, args, device, share, video_dir, rank, stop=lambda: bool(signals.received))
-    except OSError as e:
-        raise Failure(f"cannot write the evaluation videos in {video_dir}: {e.strerror or e} (the trained model is in "
-                      f"{path})", code=1) from None
-    parts = gather_objects((mine, [signal.Signals(s).name for s in signals.received]), world)
-    returns, names = [r for p, _ in parts for r in p], [n for _, sigs in parts for n in sigs]
-    if names:
-        if rank == 0:
-            print(f"stopped during the evaluation ({names[0]}); the trained model is in {path}; evaluate it with: "
-                  f"{launcher(world)} --resume {path} --eval-episodes {args.eval_episodes}", flush=True)
+def log_evaluation(writer, args: Args, result: dict, signals: StopSignals, path: str, global_step: int) -> None:
+    if signals.received:  # (the trained model is on disk)
+        result.pop("eval_returns")
+        print(f"stopped during the evaluation ({signal.Signals(signals.received[0]).name}); the trained model is in "
+              f"{path}; evaluate it with: {launcher(1)} --resume {path} --eval-episodes {args.eval_episodes}")
         return
-    result["eval_returns"] = returns
-    if rank == 0:
-        writer.add_scalar("eval/episodic_return", float(np.mean(returns)), global_step)
-        print(f"eval: {args.eval_episodes} games{' (deterministic)' if args.eval_deterministic else ''}, return "
-              f"{np.mean(returns):.2f} ± {np.std(returns):.2f}")
+    returns = result["eval_returns"]
+    writer.add_scalar("eval/episodic_return", float(np.mean(returns)), global_step)
+    print(f"eval: {len(returns)} games{' (deterministic)' if args.eval_deterministic else ''}, return "
+          f"{np.mean(returns):.2f} ± {np.std(returns):.2f}")
 
 
 def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
-    """A trained policy for your own code: `policy = load_policy("runs/<run>/checkpoint.pt")`, then
-    `action = policy(obs)` for one stacked observation (4, 84, 84) uint8, or `policy(batch)` for one action per
-    observation, from envs made as in training: `make_envs(Args(env_id=..., sticky_actions=...), n, seed)`."""
+    """A trained policy for your own code: `policy = load_policy("runs/<run>/checkpoint.pt")`, then `policy(obs)`
+    for one stacked observation (4, 84, 84) uint8 or a batch, from envs made as in training (make_envs)."""
     ckpt = load_checkpoint(path)  # (Failure, an Exception, with its one-line reason)
     agent = Agent(int(ckpt["model"]["actor.weight"].shape[0])).to(device)
     agent.load_state_dict(ckpt["model"])
@@ -989,99 +945,92 @@ def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
 
 # --- command line -----------------------------------------------------------------------------------------
 def parse_count(text: str) -> int:  # [SHARED]
-    """A count written as 500000, 5e5, 1e7 or 1_000_000; anything that is not a whole number is an error."""
-    try:
-        value = float(text.replace("_", ""))
-    except ValueError:
-        raise ValueError(f"{text!r} is not a number") from None
+    """500000, 5e5, 1e7 or 1_000_000; a number that is not whole is an error."""
+    value = float(text.replace("_", ""))  # (ValueError: tyro says the flag wants an INT)
     if not value.is_integer():
         raise ValueError(f"{text!r} is not a whole number")
     return int(value)
 
 
-Count = Annotated[  # [SHARED] (must be defined before Args is evaluated: see "from __future__ import annotations")
-    int,
-    tyro.constructors.PrimitiveConstructorSpec(
-        nargs=1, metavar="INT", instance_from_str=lambda a: parse_count(a[0]),
-        is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)]),
-]
+Count = Annotated[int, tyro.constructors.PrimitiveConstructorSpec(  # [SHARED]
+    nargs=1, metavar="INT", instance_from_str=lambda a: parse_count(a[0]),
+    is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)])]
 
 
 def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED]
-    """tyro's command line (its own errors: exit 2). With --resume the checkpoint's arguments are the defaults and
-    flags given now override them. Then validate(): bad values are one line, exit 2, before anything is written."""
+    """tyro's command line (its own errors: exit 2); with --resume the checkpoint's arguments are the defaults."""
     argv = sys.argv[1:] if argv is None else argv
     resume = next((a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
                    if (a == "--resume" and i + 1 < len(argv)) or a.startswith("--resume=")), None)
-    if resume is None:
-        args = tyro.cli(Args, args=argv)
-        validate(args)  # [PER SCRIPT]: raises Failure("...") for a bad value
-        return args
-    saved = load_checkpoint(resume)
-    with checkpoint_fits(resume):  # its arguments missing or edited (of another type) are one line too
+    saved = load_checkpoint(resume) if resume else None
+    with checkpoint_fits(resume) if resume else contextlib.nullcontext():  # its arguments missing or edited
         names = {f.name for f in dataclasses.fields(Args)}
-        args = tyro.cli(Args, args=argv, default=Args(**{k: v for k, v in saved["args"].items() if k in names}))
-        validate(args)
+        default = Args(**{k: v for k, v in saved["args"].items() if k in names}) if resume else None
+        args = tyro.cli(Args, args=argv, default=default)
+        validate(args)  # bad values: one line, exit 2, before anything is written
     return args
 
 
-def validate(args: Args) -> None:  # [PER SCRIPT]
-    """Bad values: one line, exit 2, before anything is written."""
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            raise Failure(message)
-
+def validate(args: Args) -> None:
     world, batch = int(os.environ.get("WORLD_SIZE", "1")), args.num_envs * args.num_steps
-    need(min(args.num_envs, args.num_steps, args.num_minibatches, args.update_epochs, args.max_episode_steps) > 0,
-         "--num-envs, --num-steps, --num-minibatches, --update-epochs and --max-episode-steps must be positive")
-    need(min(args.total_timesteps, args.eval_episodes, args.checkpoint_every, args.stop_after, args.torch_threads,
-             args.num_threads) >= 0, "counts (--total-timesteps, --eval-episodes, ...) must be >= 0")
-    need(batch % args.num_minibatches == 0,
-         f"num_envs*num_steps = {batch} is not divisible by --num-minibatches {args.num_minibatches}")
     bad = [f.name for f in dataclasses.fields(Args) if isinstance(getattr(args, f.name), float)
-           and not math.isfinite(getattr(args, f.name))]  # nan / inf pass the range checks below unnoticed
-    need(not bad, f"--{bad[0].replace('_', '-') if bad else ''} must be a finite number")
-    need(0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1, "--gamma and --gae-lambda must lie in [0, 1]")
-    need(min(args.learning_rate, args.clip_coef, args.max_grad_norm) > 0,
-         "--learning-rate, --clip-coef and --max-grad-norm must be positive")
-    need(min(args.ent_coef, args.vf_coef) >= 0, "--ent-coef and --vf-coef must be >= 0")
-    need(args.target_kl is None or args.target_kl > 0, "--target-kl must be positive")
-    need(args.kl_penalty_coef is None or args.kl_penalty_coef >= 0, "--kl-penalty-coef must be >= 0")
-    need(args.kl_penalty_target is None or args.kl_penalty_target > 0, "--kl-penalty-target must be positive")
-    need(0 <= args.seed and args.seed + args.total_timesteps + world * args.num_envs < 2**31,
-         f"--seed {args.seed}: envpool seeds (seed + global step + env index) must lie in [0, 2**31)")
-    need(max(args.max_episode_steps, args.num_threads, args.num_envs) < 2**31,
-         "--max-episode-steps, --num-threads and --num-envs must be below 2**31")
-    need(args.total_timesteps == 0 or args.total_timesteps >= batch * world,
-         f"--total-timesteps {args.total_timesteps} is less than one rollout ({batch} steps x {world} processes)")
-    need(args.cuda or not args.cudagraphs, "--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
-    need(world == 1 or not args.cudagraphs, "--cudagraphs is not supported under torchrun (DDP's all-reduce runs "
-         "outside the graph)")
-    need(not args.cuda or torch.cuda.is_available(), "--cuda given but torch finds no CUDA device (without the flag "
-         "the script uses the GPU if there is one)")
-    need(not args.cuda or gpu_for_each_process(),
-         f"--cuda with {local_world_size()} processes on this machine but {torch.cuda.device_count()} GPU(s)")
+           and not math.isfinite(getattr(args, f.name))]  # nan / inf pass the range checks unnoticed
     ids = atari_env_ids()
     close = difflib.get_close_matches(args.env_id, ids, n=5, cutoff=0.5)
-    need(args.env_id in ids, f"unknown envpool Atari task {args.env_id!r}; " + (
-        f"did you mean {', '.join(close)}?" if close else f"e.g. {', '.join(ids[:5])}, ... ({len(ids)} in all)"))
-    if int(os.environ.get("RANK", "0")) == 0 and args.eval_episodes == 0:
-        for flag in ("--eval-deterministic",) * args.eval_deterministic + ("--capture-video",) * args.capture_video:
+    for wrong, message in (
+        (min(args.num_envs, args.num_steps, args.num_minibatches, args.update_epochs, args.max_episode_steps) <= 0,
+         "--num-envs, --num-steps, --num-minibatches, --update-epochs and --max-episode-steps must be positive"),
+        (min(args.total_timesteps, args.eval_episodes, args.checkpoint_every, args.stop_after, args.torch_threads,
+             args.num_threads) < 0, "counts (--total-timesteps, --eval-episodes, ...) must be >= 0"),
+        (batch % max(args.num_minibatches, 1), f"num_envs*num_steps = {batch} is not divisible by --num-minibatches "
+                                               f"{args.num_minibatches}"),
+        (bad, f"--{bad[0].replace('_', '-') if bad else ''} must be a finite number"),
+        (not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1), "--gamma and --gae-lambda must lie in [0, 1]"),
+        (min(args.learning_rate, args.clip_coef, args.max_grad_norm) <= 0,
+         "--learning-rate, --clip-coef and --max-grad-norm must be positive"),
+        (min(args.ent_coef, args.vf_coef) < 0, "--ent-coef and --vf-coef must be >= 0"),
+        (args.target_kl is not None and args.target_kl <= 0, "--target-kl must be positive"),
+        ((args.kl_penalty_coef or 0) < 0, "--kl-penalty-coef must be >= 0"),
+        (args.kl_penalty_target is not None and args.kl_penalty_target <= 0, "--kl-penalty-target must be positive"),
+        (not 0 <= args.seed < 2**31 - args.total_timesteps - world * args.num_envs,
+         f"--seed {args.seed}: envpool seeds (seed + global step + env index) must lie in [0, 2**31)"),
+        (max(args.max_episode_steps, args.num_threads, args.num_envs) >= 2**31,
+         "--max-episode-steps, --num-threads and --num-envs must be below 2**31"),
+        (0 < args.total_timesteps < batch * world,
+         f"--total-timesteps {args.total_timesteps} is less than one rollout ({batch} steps x {world} processes)"),
+        (args.cudagraphs and not args.cuda, "--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)"),
+        (args.cudagraphs and world > 1, "--cudagraphs is not supported under torchrun (DDP's all-reduce runs outside "
+                                        "the graph)"),
+        (args.cuda and not torch.cuda.is_available(), "--cuda given but torch finds no CUDA device (without the flag "
+                                                      "the script uses the GPU if there is one)"),
+        (args.cuda and not gpu_for_each_process(), f"--cuda with {os.environ.get('LOCAL_WORLD_SIZE', '1')} processes "
+                                                   f"on this machine but {torch.cuda.device_count()} GPU(s)"),
+        (args.env_id not in ids, f"unknown envpool Atari task {args.env_id!r}; " + (
+            f"did you mean {', '.join(close)}?" if close else f"e.g. {', '.join(ids[:5])}, ... ({len(ids)} in all)")),
+    ):
+        if wrong:
+            raise Failure(message)
+    for flag, on in (("--eval-deterministic", args.eval_deterministic), ("--capture-video", args.capture_video)):
+        if on and not args.eval_episodes and int(os.environ.get("RANK", "0")) == 0:
             print(f"note: {flag} applies to the --eval-episodes games; none asked")
 
 
 def atari_env_ids() -> list[str]:
-    """envpool's Atari task ids (those whose spec is AtariEnvSpec)."""
     from envpool.registration import registry
 
     return sorted(e for e, spec in registry.specs.items() if spec[1] == "AtariEnvSpec")
+
+
+def gpu_for_each_process() -> bool:
+    """--cuda's default: a GPU for each process of this machine (torchrun's LOCAL_WORLD_SIZE), as CleanRL's."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 # --- the one error boundary -------------------------------------------------------------------------------
 if __name__ == "__main__":
     try:
         main(parse_args())
-    except Failure as e:  # every rank finds bad input: rank 0 says it; a failed write is said where it happened
+    except Failure as e:  # every rank finds bad input and rank 0 says it; a failed write is said where it happened
         if e.code == 1 or int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(e.code)
