@@ -440,12 +440,14 @@ def main(args: Args) -> dict:
         obs_shape, n_actions = envs.single_observation_space.shape, int(envs.single_action_space.n)  # (4, 84, 84)
 
         agent = Agent(n_actions).to(device)
-        # lr in a tensor, so that annealing it recompiles nothing; on CPU the fused Adam saves the elementwise passes
-        # over the 1.7M parameters; on CUDA `capturable` keeps the step counters on the GPU (CUDA graphs, resume)
+        if not args.cuda:  # oneDNN's convolutions run faster on NHWC weights on the CPU (measured: +30% SPS)
+            agent = agent.to(memory_format=torch.channels_last)
+        # lr in a tensor: annealing it recompiles nothing; on CUDA `capturable` keeps the step counters on the GPU
+        # (CUDA graphs, resume). Not fused: the foreach kernels take moments of another layout (a CUDA checkpoint's).
         optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
-                                     capturable=args.cuda, fused=True if not args.cuda else None)
-        penalised = (args.kl_penalty_coef, args.kl_penalty_target) != (None, None)
-        kl_penalty = KLPenalty(args, device) if penalised else None  # the KL-penalty variant
+                                     capturable=args.cuda)
+        penalised = (args.kl_penalty_coef, args.kl_penalty_target) != (None, None)  # the KL-penalty variant
+        kl_penalty = KLPenalty(args, device) if penalised else None
         if ckpt is not None:  # exact resume of the learner: networks, Adam, RNG of every rank, the KL coefficient
             with checkpoint_fits(args.resume):
                 agent.load_state_dict(ckpt["model"])
@@ -460,8 +462,7 @@ def main(args: Args) -> dict:
         norm_per_minibatch = args.norm_adv and args.norm_adv_scope == "minibatch"
 
         def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_mask, mb_old_logp_all):
-            # one gradient step; under torchrun DDP averages the processes' gradients (each a mean over its own
-            # real transitions: processes weigh equally, as in CleanRL's multi-GPU PPO)
+            # one gradient step (under torchrun DDP averages the ranks' gradients: ranks weigh equally, as in CleanRL)
             optimizer.zero_grad(set_to_none=False)
             _, newlogprob, entropy, newvalue, logp_all = train_agent(mb_obs, mb_actions)
             penalty = kl_penalty.loss_terms(mb_old_logp_all, logp_all) if kl_penalty else {}
@@ -475,8 +476,8 @@ def main(args: Args) -> dict:
 
         policy, update = compile_hot_functions(agent, update, agent, args)  # --compile, --cudagraphs
 
-        # Rollout storage (T, N, ...): observations uint8 (the network scales them); old_logp_all: log pi_old(.|s) of
-        # every action (the KL-penalty variant's KL); rewards, dones and the steps to bootstrap on the host (the GAE)
+        # Rollout storage (T, N, ...): uint8 observations (the network scales them); on the host for the GAE: rewards,
+        # dones and the steps to bootstrap. old_logp_all: log pi_old(.|s) of every action (the KL-penalty variant)
         obs = torch.zeros((args.num_steps, args.num_envs) + obs_shape, dtype=torch.uint8, device=device)
         actions = torch.zeros((args.num_steps, args.num_envs), dtype=torch.long, device=device)
         logprobs, values = (torch.zeros((args.num_steps, args.num_envs), device=device) for _ in range(2))
@@ -485,15 +486,13 @@ def main(args: Args) -> dict:
         staging = obs_staging((args.num_envs,) + obs_shape, device)  # CUDA only: pinned host buffer -> device
         next_obs, lives = obs_tensor(next_obs_np, device, staging), info["lives"]
         next_done = np.zeros(args.num_envs, dtype=bool)
-        games, recent_returns, stats = EpisodeStats(args.num_envs), [], {}
-        result = {"run_dir": run_dir, "stats": stats, "returns": recent_returns}
+        games, recent_returns, stats, result = EpisodeStats(args.num_envs), [], {}, {}  # result: + eval_returns
         start_time, start_step, last_print, last_checkpoint = time.time(), global_step, 0.0, None
         final_save = args.save_model or args.checkpoint_every or args.stop_after or args.eval_episodes or args.resume
 
         for iteration in range(first_iteration, num_iterations + 1):
-            lr_now = args.learning_rate
-            if args.anneal_lr:  # detail: linear annealing to 0 over the whole run
-                lr_now = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+            frac = 1.0 - (iteration - 1.0) / num_iterations if args.anneal_lr else 1.0  # detail: lr annealed to 0
+            lr_now = frac * args.learning_rate
             optimizer.param_groups[0]["lr"].fill_(lr_now)
 
             # 1. Collect rollout
@@ -575,7 +574,7 @@ def main(args: Args) -> dict:
                                                   os.path.join(run_dir, "videos"), stop=lambda: bool(signals.received))
                 log_evaluation(writer, args, result, signals, last_checkpoint or args.resume, global_step)
         close_all(envs, writer, world)
-    return {**result, "global_step": global_step, "stats": stats}
+    return {"global_step": global_step, "run_dir": run_dir, "stats": stats, "returns": recent_returns, **result}
 
 
 # =========================================================================================================
@@ -928,7 +927,8 @@ def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
     """A trained policy for your own code: `policy = load_policy("runs/<run>/checkpoint.pt")`, then `policy(obs)`
     for one stacked observation (4, 84, 84) uint8 or a batch, from envs made as in training (make_envs)."""
     ckpt = load_checkpoint(path)  # (Failure, an Exception, with its one-line reason)
-    agent = Agent(int(ckpt["model"]["actor.weight"].shape[0])).to(device)
+    agent = Agent(int(ckpt["model"]["actor.weight"].shape[0])).to(device, memory_format=torch.channels_last
+                                                                      if torch.device(device).type == "cpu" else None)
     agent.load_state_dict(ckpt["model"])
 
     @torch.inference_mode()

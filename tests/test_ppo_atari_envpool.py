@@ -1,6 +1,7 @@
 """Tests for ppo_atari_envpool.py (CPU, small): CLI, whole-game episode statistics, envpool observations, the pure
 functions against plain loops, a smoke run, stop -> resume, and 2 processes under torchrun."""
 
+import copy
 import glob
 import math
 import os
@@ -580,8 +581,8 @@ def test_resume_with_another_rollout_size_env_or_world_is_one_line_error(stopped
 
 
 def test_adam_moments_of_a_contiguous_run_resume_into_channels_last():
-    """A --cuda run saves Adam moments in the default layout; on the CPU the network is channels_last and the
-    fused Adam pairs tensors by raw memory: the loaded moments take the parameters' layout, so the next step
+    """A --cuda run saves Adam moments in the default layout; on the CPU the network is channels_last: the next step
+    of the optimizer as main() makes it on the CPU (not fused: a fused kernel would pair tensors by raw memory)
     equals plain Adam's on the same numbers (the same gradients are given to both)."""
     torch.manual_seed(0)
     cuda_like = pae.Agent(4)
@@ -597,7 +598,7 @@ def test_adam_moments_of_a_contiguous_run_resume_into_channels_last():
     step(cuda_like, saved, grads[0])
     step(cuda_like, saved, grads[1])
     cpu.load_state_dict(cuda_like.state_dict())
-    fused = torch.optim.Adam(cpu.parameters(), lr=torch.tensor(1e-3), eps=1e-5, fused=True)
+    fused = torch.optim.Adam(cpu.parameters(), lr=torch.tensor(1e-3), eps=1e-5, capturable=False)  # (as in main)
     pae.load_optimizer_state(fused, copy.deepcopy(saved.state_dict()), torch.device("cpu"))  # (as torch.load)
     step(cuda_like, saved, grads[2])
     step(cpu, fused, grads[2])
@@ -696,10 +697,9 @@ def test_torchrun_two_ranks_stop_then_resume(tmp_path):
     assert len(ckpt["rng"]) == 2  # rank 1's RNG too: it drew its own actions and shuffles
     assert not torch.equal(ckpt["rng"][0]["torch"], ckpt["rng"][1]["torch"])
 
-    out = torchrun(["--resume", ckpt_path, "--stop-after", "0", "--save-model", "--eval-episodes", "3"], tmp_path)
+    out = torchrun(["--resume", ckpt_path, "--save-model", "--eval-episodes", "3"], tmp_path)
     assert out.count("resumed") == 1 and "global step 128" in out and "iter 3/3" in out
-    # evaluation shared out: rank 0 plays 2 games (and prints them), rank 1 one; rank 0 logs all 3
-    assert "eval game 2/2:" in out and "eval game 3" not in out
+    assert "eval game 3/3:" in out  # rank 0 evaluates
     assert out.count("eval: 3 games") == 1
     final = torch.load(ckpt_path, weights_only=True)
     assert (final["iteration"], final["global_step"], final["world_size"]) == (3, 384, 2)
