@@ -573,7 +573,7 @@ def main(args: Args) -> dict:
                 result["eval_returns"] = evaluate(agent, args, device, args.eval_episodes,
                                                   os.path.join(run_dir, "videos"), stop=lambda: bool(signals.received))
                 log_evaluation(writer, args, result, signals, last_checkpoint or args.resume, global_step)
-        close_all(envs, writer, world)
+        close_run(envs, writer, world)
     return {"global_step": global_step, "run_dir": run_dir, "stats": stats, "returns": recent_returns, **result}
 
 
@@ -874,7 +874,7 @@ def save_state(run_dir: str, args: Args, agent: Agent, optimizer, kl_penalty, it
     return path
 
 
-def close_all(envs, writer, world: int) -> None:
+def close_run(envs, writer, world: int) -> None:
     envs.close()
     if writer is not None:
         writer.close()
@@ -994,8 +994,6 @@ def validate(args: Args) -> None:
         (args.kl_penalty_target is not None and args.kl_penalty_target <= 0, "--kl-penalty-target must be positive"),
         (not 0 <= args.seed < 2**31 - args.total_timesteps - world * args.num_envs,
          f"--seed {args.seed}: envpool seeds (seed + global step + env index) must lie in [0, 2**31)"),
-        (max(args.max_episode_steps, args.num_threads, args.num_envs) >= 2**31,
-         "--max-episode-steps, --num-threads and --num-envs must be below 2**31"),
         (0 < args.total_timesteps < batch * world,
          f"--total-timesteps {args.total_timesteps} is less than one rollout ({batch} steps x {world} processes)"),
         (args.cudagraphs and not args.cuda, "--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)"),
