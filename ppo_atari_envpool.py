@@ -163,22 +163,12 @@ def make_envs(args: Args, num_envs: int, seed: int, **extra):
     )
 
 
-def obs_tensor(obs, device: torch.device, staging: Optional[tuple] = None) -> torch.Tensor:
+def obs_tensor(obs, device: torch.device) -> torch.Tensor:
     """A batch of observations as the Agent takes them: envpool's stacked frames, (N, 4, 84, 84) uint8, on `device`
-    (the Agent scales them). For CUDA, the rollout passes staging (obs_staging): one non-blocking copy into the same
-    device memory at every step, nothing allocated."""
-    if staging is None:
-        return torch.as_tensor(np.asarray(obs), device=device)
-    host, out = staging
-    host.numpy()[:] = obs  # the previous copy out of `host` has finished: action.cpu() synchronised since
-    return out.copy_(host, non_blocking=True)
-
-
-def obs_staging(shape: tuple, device: torch.device) -> Optional[tuple]:
-    """For CUDA only (None on the CPU): a pinned host buffer and a device buffer for each step's observations."""
-    if device.type != "cuda":
-        return None
-    return torch.zeros(shape, dtype=torch.uint8, pin_memory=True), torch.zeros(shape, dtype=torch.uint8, device=device)
+    (the Agent scales them)."""
+    x = torch.as_tensor(np.asarray(obs))
+    # for CUDA only: through pinned memory (torch's caching host allocator), a non-blocking copy
+    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x
 
 
 class EpisodeStats:
@@ -483,8 +473,7 @@ def main(args: Args) -> dict:
         logprobs, values = (torch.zeros((args.num_steps, args.num_envs), device=device) for _ in range(2))
         old_logp_all = torch.zeros((args.num_steps, args.num_envs, n_actions), device=device)
         rewards, dones, truncs = (np.zeros((args.num_steps, args.num_envs), dtype=np.float32) for _ in range(3))
-        staging = obs_staging((args.num_envs,) + obs_shape, device)  # CUDA only: pinned host buffer -> device
-        next_obs, lives = obs_tensor(next_obs_np, device, staging), info["lives"]
+        next_obs, lives = obs_tensor(next_obs_np, device), info["lives"]
         next_done = np.zeros(args.num_envs, dtype=bool)
         games, recent_returns, stats, result = EpisodeStats(args.num_envs), [], {}, {}  # result: + eval_returns
         start_time, start_step, last_print, last_checkpoint = time.time(), global_step, 0.0, None
@@ -509,7 +498,7 @@ def main(args: Args) -> dict:
                 next_done = np.logical_or(terminations, truncations)  # detail: a life loss is terminal for GAE
                 log_games(writer, games.update(infos["reward"], terminations, truncations, infos["terminated"]),
                           recent_returns, global_step)  # whole games: all lives, unclipped score
-                next_obs = obs_tensor(next_obs_np, device, staging)
+                next_obs = obs_tensor(next_obs_np, device)
 
             # 2. Compute advantages and returns (GAE), on the host: the values come over once per rollout
             with torch.no_grad():
