@@ -433,9 +433,9 @@ def main(args: Args) -> dict:
         if not args.cuda:  # oneDNN's convolutions run faster on NHWC weights on the CPU (measured: +30% SPS)
             agent = agent.to(memory_format=torch.channels_last)
         # lr in a tensor: annealing it recompiles nothing; on CUDA `capturable` keeps the step counters on the GPU
-        # (CUDA graphs, resume). Not fused: the foreach kernels take moments of another layout (a CUDA checkpoint's).
+        # (CUDA graphs, resume); on the CPU the fused Adam is faster (4 alternated pairs: median +12% SPS, noisy)
         optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
-                                     capturable=args.cuda)
+                                     capturable=args.cuda, fused=not args.cuda or None)
         penalised = (args.kl_penalty_coef, args.kl_penalty_target) != (None, None)  # the KL-penalty variant
         kl_penalty = KLPenalty(args, device) if penalised else None
         if ckpt is not None:  # exact resume of the learner: networks, Adam, RNG of every rank, the KL coefficient
@@ -761,6 +761,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: 
         g.update(settings, lr=torch.tensor(float(g["lr"]), device=device))
         for p in g["params"]:
             st = optimizer.state.get(p, {})
+            for k, v in st.items():  # moments in the parameter's memory layout (a fused kernel pairs raw memory)
+                if torch.is_tensor(v) and v.shape == p.shape:
+                    st[k] = torch.empty_like(p).copy_(v)
             if torch.is_tensor(st.get("step")):
                 on_param = g.get("capturable") or g.get("fused")
                 st["step"] = st["step"].to(p.device if on_param else "cpu", torch.float32, copy=True)

@@ -581,8 +581,8 @@ def test_resume_with_another_rollout_size_env_or_world_is_one_line_error(stopped
 
 
 def test_adam_moments_of_a_contiguous_run_resume_into_channels_last():
-    """A --cuda run saves Adam moments in the default layout; on the CPU the network is channels_last: the next step
-    of the optimizer as main() makes it on the CPU (not fused: a fused kernel would pair tensors by raw memory)
+    """A --cuda run saves Adam moments in the default layout; on the CPU the network is channels_last and the
+    fused Adam pairs tensors by raw memory: the loaded moments take the parameters' layout, so the next step
     equals plain Adam's on the same numbers (the same gradients are given to both)."""
     torch.manual_seed(0)
     cuda_like = pae.Agent(4)
@@ -598,7 +598,7 @@ def test_adam_moments_of_a_contiguous_run_resume_into_channels_last():
     step(cuda_like, saved, grads[0])
     step(cuda_like, saved, grads[1])
     cpu.load_state_dict(cuda_like.state_dict())
-    fused = torch.optim.Adam(cpu.parameters(), lr=torch.tensor(1e-3), eps=1e-5, capturable=False)  # (as in main)
+    fused = torch.optim.Adam(cpu.parameters(), lr=torch.tensor(1e-3), eps=1e-5, fused=True)  # (as main on the CPU)
     pae.load_optimizer_state(fused, copy.deepcopy(saved.state_dict()), torch.device("cpu"))  # (as torch.load)
     step(cuda_like, saved, grads[2])
     step(cpu, fused, grads[2])
