@@ -429,8 +429,8 @@ def main(args: Args) -> dict:
 
             # 5. Update reference policy: theta_old <- theta, implicitly (the next rollout samples from theta). The
             # KL-penalty variant measures KL(pi_old || pi_theta) over the rollout and adapts its coefficient to it.
-            kl = {"kl": kl_penalty.rollout_kl(agent.actor, b_obs, b_old_logp_all, minibatch_size)} if kl_penalty else {}
-            stats = iteration_stats(update_stats, world, signals=len(signals.received), **kl)  # the one host sync
+            kl = kl_penalty.rollout_kl(agent.actor, b_obs, b_old_logp_all, minibatch_size) if kl_penalty else None
+            stats = iteration_stats(update_stats, world, signals, kl)  # the one host sync: all ranks' means, signals
             check_finite(stats, iteration, ckpt_path)
             stats["explained_variance"] = explained_variance(b_values.cpu().numpy(), b_returns.cpu().numpy())
             log_iteration(writer, args, stats, lr_now, kl_penalty, iteration, num_iterations, global_step,
@@ -454,7 +454,7 @@ def main(args: Args) -> dict:
                 eval_returns = evaluate(agent, args, device, args.eval_episodes, os.path.join(run_dir, "videos"),
                                         stop=lambda: bool(signals.received))
                 eval_returns = log_evaluation(writer, args, eval_returns, global_step, signals.received, ckpt_path)
-    close_run(envs, writer, world)
+    close_run(envs, writer, args, world)
     return {"global_step": global_step, "run_dir": run_dir, "stats": stats, "returns": recent_returns,
             **({"eval_returns": eval_returns} if eval_returns is not None else {})}
 
@@ -630,6 +630,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: 
         g.update(settings, lr=torch.tensor(float(g["lr"]), device=device))
         for p in g["params"]:
             st = optimizer.state.get(p, {})
+            for k, v in st.items():  # moments in the parameter's memory layout (a fused kernel pairs raw memory)
+                if torch.is_tensor(v) and v.shape == p.shape:
+                    st[k] = torch.empty_like(p).copy_(v)
             if torch.is_tensor(st.get("step")):  # on the parameter's device where capturable or fused
                 on_param = g.get("capturable") or g.get("fused")
                 st["step"] = st["step"].to(p.device if on_param else "cpu", torch.float32, copy=True)
@@ -686,10 +689,14 @@ def log_episodes(writer, recent: list, ep_return: np.ndarray, ep_length: np.ndar
     ep_return[done], ep_length[done] = 0.0, 0
 
 
-def iteration_stats(update_stats: list[dict], world: int, **extra) -> dict:  # the one host sync of an iteration
-    means = [torch.stack([s[k] for s in update_stats]).mean() for k in update_stats[0]]
-    extra_t = [torch.as_tensor(v, dtype=torch.float32, device=means[0].device) for v in extra.values()]
-    return dict(zip([*update_stats[0], *extra], all_ranks_mean(torch.stack([*means, *extra_t]), world).tolist()))
+def iteration_stats(update_stats: list[dict], world: int, signals: StopSignals, kl=None) -> dict:
+    """The one host sync: the update's statistics (and the rollout's KL) averaged over minibatches and ranks, and
+    how many ranks a stop signal reached."""
+    extra = {} if kl is None else {"kl": kl}
+    values = [torch.stack([s[k] for s in update_stats]).mean() for k in update_stats[0]] + list(extra.values())
+    values.append(torch.tensor(float(bool(signals.received)), device=values[0].device))
+    *means, signalled = all_ranks_mean(torch.stack([v.float() for v in values]), world).tolist()
+    return {**dict(zip([*update_stats[0], *extra], means)), "signals": round(signalled * world)}
 
 
 def log_iteration(writer, args: Args, stats: dict, lr: float, kl_penalty, iteration: int, num_iterations: int,
@@ -714,10 +721,14 @@ def log_iteration(writer, args: Args, stats: dict, lr: float, kl_penalty, iterat
               f"eta={eta_text(eta)}", flush=True)
 
 
-def close_run(envs, writer, world: int) -> None:
+def close_run(envs, writer, args: Args, world: int) -> None:
     envs.close()
     if writer is not None:
         writer.close()
+    if writer is not None and args.track:
+        import wandb
+
+        wandb.finish()
     if world > 1:
         torch.distributed.destroy_process_group()
 

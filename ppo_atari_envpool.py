@@ -359,8 +359,7 @@ def categorical_kl(old_logp: torch.Tensor, new_logp: torch.Tensor) -> torch.Tens
 
 
 def adapt_kl_coef(coef: float, kl: float, target: float) -> float:
-    """The PPO paper's rule for the KL-penalty variant: halve the coefficient when the update moved the policy by
-    less than target/1.5, double it above 1.5*target; kept within [1e-6, 1e6] so that it can always come back."""
+    """The PPO paper's rule: halve below target/1.5, double above 1.5*target; within [1e-6, 1e6]."""
     if kl < target / 1.5:
         coef /= 2
     elif kl > target * 1.5:
@@ -535,7 +534,7 @@ def main(args: Args) -> dict:
             # 5. Update reference policy: theta_old <- theta, implicitly (the next rollout samples from theta). The
             # KL-penalty variant measures KL(pi_old || pi_theta) over the rollout and adapts its coefficient to it.
             rollout_kl = kl_penalty and kl_penalty.rollout_kl(agent, b_obs, b_old_logp_all, b_mask, minibatch_size)
-            stats = iteration_stats(update_stats, rollout_kl, signals, world, device)  # one host sync, all ranks
+            stats = iteration_stats(update_stats, world, signals, rollout_kl)  # the one host sync: all ranks' means, signals
             check_finite(stats, iteration, last_checkpoint)  # a non-finite update stops the run (exit 1)
             stats["explained_variance"] = explained_variance(values_h[mask > 0], returns[mask > 0])  # real steps
             sps = int((global_step - start_step) / (time.time() - start_time))
@@ -562,7 +561,7 @@ def main(args: Args) -> dict:
                 result["eval_returns"] = evaluate(agent, args, device, args.eval_episodes,
                                                   os.path.join(run_dir, "videos"), stop=lambda: bool(signals.received))
                 log_evaluation(writer, args, result, signals, last_checkpoint or args.resume, global_step)
-        close_run(envs, writer, world)
+        close_run(envs, writer, args, world)
     return {"global_step": global_step, "run_dir": run_dir, "stats": stats, "returns": recent_returns, **result}
 
 
@@ -573,21 +572,18 @@ def main(args: Args) -> dict:
 SCRIPT = "ppo_atari_envpool.py"
 
 
-class Failure(Exception):  # [SHARED]
-    """An expected failure, one line from __main__: exit 2 for bad input or a checkpoint that does not fit, else 1."""
-
+class Failure(Exception):  # [SHARED] one line from __main__: exit 2 bad input / a checkpoint that does not fit, else 1
     def __init__(self, message: str, code: int = 2):
         super().__init__(message)
         self.code = code
 
 
-def setup_distributed(cuda: bool) -> tuple[int, int, torch.device]:  # [SHARED]
-    """Rank, world size, device; under torchrun a process group (gloo on the CPU, NCCL with one GPU per rank)."""
+def setup_distributed(cuda: bool) -> tuple[int, int, torch.device]:  # [SHARED] rank, world size, device
     world, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if world > 1:
+    if world > 1:  # gloo on the CPU, NCCL with one GPU per rank
         torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=1))
     return int(os.environ.get("RANK", "0")), world, device
 
@@ -596,20 +592,17 @@ def all_ranks_mean(x: torch.Tensor, world: int) -> torch.Tensor:  # [SHARED]
     if world > 1:
         x = x.clone()
         torch.distributed.all_reduce(x)
-        x /= world
-    return x
+    return x / world
 
 
-def gather_objects(obj, world: int) -> list:  # [SHARED]
-    """[obj of rank 0, obj of rank 1, ...] on every rank."""
+def gather_objects(obj, world: int) -> list:  # [SHARED] [obj of rank 0, obj of rank 1, ...] on every rank
     out = [obj] * world
     if world > 1:
         torch.distributed.all_gather_object(out, obj)
     return out
 
 
-def set_torch_determinism(on: bool) -> None:  # [SHARED]
-    """--torch-deterministic (cuDNN, cuBLAS, warn-only); fresh CUDA memory is not NaN-filled: every buffer is written."""
+def set_torch_determinism(on: bool) -> None:  # [SHARED] fresh CUDA memory is not NaN-filled: every buffer is written
     torch.backends.cudnn.deterministic = on
     torch.use_deterministic_algorithms(on, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
@@ -617,48 +610,38 @@ def set_torch_determinism(on: bool) -> None:  # [SHARED]
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
-def make_run_dir(args, rank: int, world: int) -> str:  # [SHARED]
-    """The resumed checkpoint's directory, or a new runs/<env>__<exp>__<seed>__<time>[-2, -3, ...] made by rank 0."""
+def make_run_dir(args, rank: int, world: int) -> str:  # [SHARED] the resumed one, or a new one made by rank 0
     if args.resume:
         return os.path.dirname(os.path.abspath(args.resume))
-    run_dir = None
-    if rank == 0:
-        base = os.path.join(args.runs_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
-        run_dir, n = base, 1
-        while True:
-            try:
-                os.makedirs(run_dir)
-                break
-            except FileExistsError:  # another run started in the same second
-                n += 1
-                run_dir = f"{base}-{n}"
-            except OSError as e:
-                raise Failure(f"cannot create the run directory {run_dir}: {e.strerror or e}", code=1) from None
+    base = os.path.join(args.runs_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
+    run_dir, n = base, 1
+    while rank == 0:
+        try:
+            os.makedirs(run_dir)
+            break
+        except FileExistsError:  # another run started in the same second
+            n, run_dir = n + 1, f"{base}-{n + 1}"
+        except OSError as e:
+            raise Failure(f"cannot create the run directory {run_dir}: {e.strerror or e}", code=1) from None
     return gather_objects(run_dir, world)[0]
 
 
-def open_logs(args, run_dir: str, rank: int, resumed: bool):  # [SHARED]
-    """TensorBoard's writer in the run directory, and wandb with --track; rank 0 alone logs (None elsewhere)."""
+def open_logs(args, run_dir: str, rank: int, resumed: bool):  # [SHARED] TensorBoard (wandb with --track), rank 0
     if rank != 0:
         return None
     from torch.utils.tensorboard import SummaryWriter
-
     if args.track:
         import wandb
-
-        name = os.path.basename(run_dir)
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                   config=vars(args), name=name, id=name, resume="allow", dir=run_dir)
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
+                   name=os.path.basename(run_dir), id=os.path.basename(run_dir), resume="allow", dir=run_dir)
     writer = SummaryWriter(run_dir)
     if not resumed:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in
-                                                                                 vars(args).items()))
+        table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
     return writer
 
 
-class StopSignals:  # [SHARED]
-    """While active, SIGTERM / SIGINT are noted (main stops at the end of the iteration), then the handlers return."""
-
+class StopSignals:  # [SHARED] while active, SIGTERM / SIGINT are noted (main stops at the end of the iteration)
     def __enter__(self):
         self.received: list[int] = []
         self.previous = {s: signal.signal(s, lambda signum, _: self.received.append(signum))
@@ -677,8 +660,7 @@ def check_finite(stats: dict, iteration: int, last_checkpoint: Optional[str]) ->
         raise Failure(f"non-finite {', '.join(bad)} at iteration {iteration}; stopping ({kept})", code=1)
 
 
-def eta_text(seconds: float) -> str:  # [SHARED]
-    """2h05m, 13m20s or 45s ("?" before the speed is known)."""
+def eta_text(seconds: float) -> str:  # [SHARED] 2h05m, 13m20s or 45s ("?" before the speed is known)
     if not math.isfinite(seconds) or seconds < 0:
         return "?"
     s = int(seconds)
@@ -695,8 +677,7 @@ def launcher(world: int) -> str:  # [SHARED]
 
 
 # --- checkpoints ------------------------------------------------------------------------------------------
-def save_checkpoint(path: str, state: dict) -> None:  # [SHARED]
-    """Written to a temporary file, then renamed: a kill or a full disk keeps the previous checkpoint whole."""
+def save_checkpoint(path: str, state: dict) -> None:  # [SHARED] through a temporary file: the last one survives a kill
     try:
         with open(f"{path}.tmp", "wb") as f:  # (a Python file: torch's error then carries the OSError)
             torch.save(state, f)
@@ -724,8 +705,7 @@ def load_checkpoint(path: str) -> dict:  # [SHARED]
 
 
 @contextlib.contextmanager
-def checkpoint_fits(path: str):  # [SHARED]
-    """What torch or the envs raise on a checkpoint that does not fit this run (env, shapes, keys) is one line."""
+def checkpoint_fits(path: str):  # [SHARED] what torch or the envs raise on a checkpoint that does not fit: one line
     try:
         yield
     except Failure:
@@ -738,12 +718,9 @@ def first_line(e: BaseException) -> str:  # [SHARED]
     return (str(e).splitlines() or [""])[0]
 
 
-def rng_state() -> dict:  # [SHARED]
-    """torch's CPU generator, and this process's CUDA one when it is in use."""
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+def rng_state() -> dict:  # [SHARED] torch's CPU generator, and this process's CUDA one when it is in use
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if cuda else {})}
 
 
 def set_rng_state(state: dict, device: torch.device) -> None:  # [SHARED]
@@ -753,8 +730,7 @@ def set_rng_state(state: dict, device: torch.device) -> None:  # [SHARED]
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:  # [SHARED]
-    """Adam's moments and steps, keeping this run's settings (fused, capturable, lr on this device): a CUDA
-    checkpoint resumes on the CPU and the reverse."""
+    # Adam's moments and steps, keeping this run's settings (fused, capturable, lr on this device)
     own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for g, settings in zip(optimizer.param_groups, own):
@@ -764,32 +740,26 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: 
             for k, v in st.items():  # moments in the parameter's memory layout (a fused kernel pairs raw memory)
                 if torch.is_tensor(v) and v.shape == p.shape:
                     st[k] = torch.empty_like(p).copy_(v)
-            if torch.is_tensor(st.get("step")):
+            if torch.is_tensor(st.get("step")):  # on the parameter's device where capturable or fused
                 on_param = g.get("capturable") or g.get("fused")
                 st["step"] = st["step"].to(p.device if on_param else "cpu", torch.float32, copy=True)
 
 
 # --- compile and CUDA-graph helpers -----------------------------------------------------------------------
-def compile_hot_functions(policy, update, agent, args):  # [SHARED]
-    """Eager, --compile, or --cudagraphs (torch.compile's reduce-overhead mode: each graph recorded once, replayed;
-    parameters, gradients and capturable Adam at fixed addresses keep the optimizer step inside the graph). The
-    gradients are allocated here, outside any graph's memory pool; the update zeroes them in place."""
-    for p in agent.parameters():
+def compile_hot_functions(policy, update, agent, args):  # [SHARED] eager, --compile, or --cudagraphs (reduce-overhead)
+    for p in agent.parameters():  # allocated here, outside any graph's pool: the update zeroes them in place
         p.grad = torch.zeros_like(p)
     if not (args.compile or args.cudagraphs):
         return policy, update
     if args.torch_deterministic:  # compiled code draws the same random numbers as eager code
         import torch._inductor.config as inductor_config
-
         inductor_config.fallback_random = True
     mode = "reduce-overhead" if args.cudagraphs else None
     return torch.compile(policy, mode=mode), torch.compile(update, mode=mode)
 
 
-def cudagraph_skips() -> int:  # [SHARED]
-    """How many compiled graphs torch ran without CUDA graphs (--cudagraphs says so instead of falling back)."""
+def cudagraph_skips() -> int:  # [SHARED] how many compiled graphs torch ran without CUDA graphs
     from torch._dynamo.utils import counters
-
     return counters["inductor"]["cudagraph_skips"]
 
 
@@ -820,13 +790,14 @@ def log_games(writer, games: list, recent_returns: list, global_step: int) -> No
             writer.add_scalar("charts/episodic_length", length, global_step)
 
 
-def iteration_stats(update_stats: list, rollout_kl, signals: StopSignals, world: int, device) -> dict:
-    """ONE host sync: the update's statistics (mean over minibatches and ranks), the rollout's KL, the signals."""
-    names = [*update_stats[0], *["kl"] * (rollout_kl is not None), "signals"]
-    means = [torch.stack([s[k] for s in update_stats]).mean() for k in update_stats[0]]
-    extra = [rollout_kl] * (rollout_kl is not None) + [torch.tensor(float(len(signals.received)), device=device)]
-    stats = dict(zip(names, all_ranks_mean(torch.stack([*means, *extra]), world).tolist()))
-    return {**stats, "signals": stats["signals"] * world}
+def iteration_stats(update_stats: list[dict], world: int, signals: StopSignals, kl=None) -> dict:
+    """The one host sync: the update's statistics (and the rollout's KL) averaged over minibatches and ranks, and
+    how many ranks a stop signal reached."""
+    extra = {} if kl is None else {"kl": kl}
+    values = [torch.stack([s[k] for s in update_stats]).mean() for k in update_stats[0]] + list(extra.values())
+    values.append(torch.tensor(float(bool(signals.received)), device=values[0].device))
+    *means, signalled = all_ranks_mean(torch.stack([v.float() for v in values]), world).tolist()
+    return {**dict(zip([*update_stats[0], *extra], means)), "signals": round(signalled * world)}
 
 
 def log_iteration(writer, args: Args, stats: dict, iteration: int, num_iterations: int, global_step: int, sps: int,
@@ -866,10 +837,14 @@ def save_state(run_dir: str, args: Args, agent: Agent, optimizer, kl_penalty, it
     return path
 
 
-def close_run(envs, writer, world: int) -> None:
+def close_run(envs, writer, args: Args, world: int) -> None:
     envs.close()
     if writer is not None:
         writer.close()
+    if writer is not None and args.track:
+        import wandb
+
+        wandb.finish()
     if world > 1:
         torch.distributed.destroy_process_group()
 
@@ -936,8 +911,7 @@ def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
 
 
 # --- command line -----------------------------------------------------------------------------------------
-def parse_count(text: str) -> int:  # [SHARED]
-    """500000, 5e5, 1e7 or 1_000_000; a number that is not whole is an error."""
+def parse_count(text: str) -> int:  # [SHARED] 500000, 5e5, 1e7 or 1_000_000; a number that is not whole is an error
     value = float(text.replace("_", ""))  # (ValueError: tyro says the flag wants an INT)
     if not value.is_integer():
         raise ValueError(f"{text!r} is not a whole number")
@@ -949,8 +923,7 @@ Count = Annotated[int, tyro.constructors.PrimitiveConstructorSpec(  # [SHARED]
     is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)])]
 
 
-def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED]
-    """tyro's command line (its own errors: exit 2); with --resume the checkpoint's arguments are the defaults."""
+def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED] with --resume, its arguments are the defaults
     argv = sys.argv[1:] if argv is None else argv
     resume = next((a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
                    if (a == "--resume" and i + 1 < len(argv)) or a.startswith("--resume=")), None)
@@ -1017,7 +990,7 @@ def gpu_for_each_process() -> bool:
 
 
 # --- the one error boundary -------------------------------------------------------------------------------
-if __name__ == "__main__":
+if __name__ == "__main__":  # the one error boundary
     try:
         main(parse_args())
     except Failure as e:  # every rank finds bad input and rank 0 says it; a failed write is said where it happened
