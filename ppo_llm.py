@@ -66,9 +66,9 @@ class Args:
     n: Annotated[Count, alias("--group-size", "--num-return-sequences-in-group")] = 4
     """responses per prompt (verl rollout.n); under torchrun write --group-size (torchrun takes --n as its --nnodes)"""
     prompt_length: Annotated[Count, alias("--max-prompt-length")] = 16
-    """maximum prompt tokens (longer dataset prompts are dropped)"""
-    response_length: Annotated[Count, alias("--max-response-length")] = 8
-    """maximum response tokens"""
+    """maximum prompt tokens (longer dataset prompts are dropped and counted); a batch is padded to its longest"""
+    response_length: Annotated[Count, alias("--max-response-length", "--max-completion-length")] = 8
+    """maximum response tokens (8: the built-in task's five digits + EOS; a real task needs its own, e.g. 512)"""
     temperature: float = 1.0
     """sampling temperature; log-probs for training are computed with the same temperature"""
     top_p: float = 1.0
@@ -170,10 +170,10 @@ class Args:
     """prompts per minibatch (each brings its n responses), as in verl"""
     micro_batch_size: Annotated[Count, alias("--ppo-micro-batch-size-per-gpu")] = 16
     """responses per forward/backward, accumulated; unless given, the largest size <= 16 that divides a minibatch"""
-    lr: float = 5e-5
-    """actor learning rate (AdamW)"""
+    lr: Annotated[float, alias("--learning-rate")] = 5e-5
+    """actor learning rate (AdamW; 5e-5 suits the built-in 2M model, 1e-6 is verl's for billions of parameters)"""
     critic_lr: float = 2.5e-4
-    """critic learning rate (AdamW; value head of the shared critic too)"""
+    """critic learning rate (AdamW; value head of the shared critic too; the built-in 2M model's, verl's is 1e-5)"""
     lr_warmup_steps: Count = 5
     """linear learning-rate warm-up over this many optimizer steps"""
     weight_decay: float = 0.0
@@ -210,8 +210,9 @@ class Args:
     """modules that get adapters: all-linear (every linear layer but the output) or names, comma-separated"""
     critic_lora: bool = False
     """--critic separate: LoRA adapters (and its value head in full) on the critic too (off: a full model)"""
-    sft_steps: Count = 60
-    """warm-start: supervised steps on the task's answers before PPO (0: none); few, so the model is partly right"""
+    sft_steps: Optional[Count] = None
+    """supervised warm start on the answers (None: 60 steps on the built-in task, none with --model-name-or-path or
+    --dataset)"""
     sft_lr: float = 2.5e-4
     """warm-start learning rate (the default 2M model learns worse, not faster, from 1e-3 and up)"""
     sft_batch_size: Count = 64
@@ -310,8 +311,9 @@ def prompt_token_ids(tok, prompt, chat: bool = False) -> list[int]:
 
 
 def encode_batch(tok, rows: list[dict], prompt_length: int, chat: bool = False):
-    return left_pad([prompt_token_ids(tok, r["prompt"], chat)[-prompt_length:] for r in rows], tok.pad_token_id,
-                    prompt_length)
+    """Prompts left-padded to the longest of these rows (at most prompt_length tokens: load_dataset drops longer
+    ones, as verl's filter_overlong_prompts; the last prompt_length tokens are kept otherwise)."""
+    return left_pad([prompt_token_ids(tok, r["prompt"], chat)[-prompt_length:] for r in rows], tok.pad_token_id)
 
 
 def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
@@ -416,10 +418,11 @@ def build_policy(args: Args, ckpt: Optional[dict], device):
     ref = None
     if ckpt is not None:
         tok = load_tokenizer(saved_model_dir(args, ckpt, "policy"), args.trust_remote_code)
-        if args.lora_rank:
-            policy = causal_lm(saved_model_dir(args, ckpt, "ref"))
-        else:
-            policy, ref = (causal_lm(saved_model_dir(args, ckpt, m)) for m in ("policy", "ref"))
+        if kl_reads_reference(args) and not args.lora_rank and not ckpt["model"]["ref"]:
+            die(f"--resume {args.resume}: the run had no KL term, so its checkpoint holds no reference model")
+        policy = causal_lm(saved_model_dir(args, ckpt, "ref" if args.lora_rank else "policy"))
+        if kl_reads_reference(args) and not args.lora_rank:
+            ref = causal_lm(saved_model_dir(args, ckpt, "ref"))
     elif args.model_name_or_path:
         tok = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
         policy = causal_lm(args.model_name_or_path)
@@ -473,7 +476,7 @@ def build_critic(args: Args, policy, ckpt: Optional[dict], device):
     critic, value_head, saved = None, None, saved_model_dir(args, ckpt, "critic")
     if args.critic == "separate":
         if args.critic_lora:  # the policy's trunk as PPO starts (on resume: ref/) + new or saved LoRA adapters
-            critic = with_lora(make_critic(policy), args, "TOKEN_CLS", saved)
+            critic = frozen_in_bf16(with_lora(make_critic(policy), args, "TOKEN_CLS", saved), args)
         else:
             critic = make_critic(policy) if ckpt is None else load_pretrained(
                 "a critic", saved, AutoModelForTokenClassification.from_pretrained, args.trust_remote_code)
@@ -487,18 +490,36 @@ def build_critic(args: Args, policy, ckpt: Optional[dict], device):
     return critic, value_head
 
 
+def kl_reads_reference(args: Args) -> bool:
+    """Whether a KL term (in the reward, or as a loss) reads the reference policy: without one it is not built."""
+    return args.use_kl_in_reward or args.use_kl_loss
+
+
 def reference_policy(args: Args, policy, ref, ckpt: Optional[dict], device):
-    """(policy, frozen reference). Without --lora-rank: the reference is a copy of the policy as PPO starts (on
-    resume the checkpoint's ref/). With it: LoRA adapters go on the policy (new, or the checkpoint's) and the
-    reference is the policy with them off (AdaptersOff)."""
+    """(policy, frozen reference or None where no KL term reads it). Without --lora-rank: the reference is a copy of
+    the policy as PPO starts (on resume the checkpoint's ref/). With it: LoRA adapters go on the policy (new, or the
+    checkpoint's) and the reference is the policy with them off (AdaptersOff). Frozen weights (the reference, the
+    LoRA base) are stored in bf16 in a bf16 run."""
     if not args.lora_rank:
-        return policy, disable_dropout(copy.deepcopy(policy) if ref is None else ref).to(device).eval().requires_grad_(
-            False)
+        if not kl_reads_reference(args):
+            return policy, None
+        ref = disable_dropout(copy.deepcopy(policy) if ref is None else ref).eval().requires_grad_(False)
+        return policy, frozen_in_bf16(ref, args).to(device)
     policy = disable_dropout(with_lora(policy, args, "CAUSAL_LM", saved_model_dir(args, ckpt, "policy"))).to(device)
     trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     print(f"LoRA: rank {args.lora_rank}, alpha {args.lora_alpha:g} on {args.lora_target_modules}: "
           f"{trained / 1e6:.3f}M trained parameters")
-    return policy, AdaptersOff(policy)
+    return frozen_in_bf16(policy, args), AdaptersOff(policy) if kl_reads_reference(args) else None
+
+
+def frozen_in_bf16(model, args: Args):
+    """A bf16 run (--precision): the parameters that are not trained (requires_grad False) stored in bf16, as
+    autocast would cast them at every forward; trained ones stay float32 (master weights). fp32 runs: unchanged."""
+    if use_bf16(args):
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
+    return model
 
 
 class AdaptersOff(nn.Module):
@@ -543,38 +564,47 @@ def lora_targets(args: Args):
 # --- Generation and scoring: left-padded prompts, KV-cache sampling, log-probs recomputed with the same temperature ---
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id, pad_id: int, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False, all_done=None, bf16: bool = False):
+             top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False, all_done=None, bf16: bool = False,
+             check_every: Optional[int] = None):
     """Batched sampling with KV cache; stops when every row has produced EOS (eos_id: one id or a list of stop ids).
-    Returns (B, max_new_tokens) tokens, pad after EOS. all_done(done) -> bool: whether every rank is done (FSDP2: each
-    forward is a collective, so all ranks take the same number of steps). bf16: under bf16 autocast (--precision)."""
-    B = prompt_ids.shape[0]
-    stop_ids = torch.as_tensor(eos_id, device=prompt_ids.device)  # (on the device once, not once a token)
+    Returns (B, L) tokens, pad after EOS, L <= max_new_tokens: up to the step where the last row ended. Only the last
+    position's logits are computed (logits_to_keep). Whether all rows are done is asked every check_every tokens (a
+    host sync on a GPU; default 8 there, 1 on the CPU); the steps after the last EOS are cut off. all_done(done) ->
+    bool: whether every rank is done (FSDP2: each forward is a collective, so all ranks take the same number of
+    steps). bf16: under bf16 autocast (--precision)."""
+    B, device = prompt_ids.shape[0], prompt_ids.device
+    check_every = check_every or (1 if device.type == "cpu" else 8)
+    stop_ids = torch.as_tensor(eos_id, device=device)  # (on the device once, not once a token)
     was_training = model.training
     model.eval()  # KV cache on (HF turns it off in training mode under gradient checkpointing)
-    mask = prompt_mask.clone()
-    pos = position_ids_from(mask)
+    mask = F.pad(prompt_mask, (0, max_new_tokens), value=1)  # (the response columns, as the steps reach them)
+    P = prompt_ids.shape[1]
+    pos = position_ids_from(prompt_mask)
+    tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
     # bf16 autocast as in scoring and training (the log-probs used in the loss are recomputed there)
-    with torch.autocast(prompt_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
-        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True,
+                    logits_to_keep=1)
         next_pos = pos[:, -1:] + 1
-        done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
-        tokens = []
-        for _ in range(max_new_tokens):
+        for t in range(max_new_tokens):
             tok = sample_token(out.logits[:, -1], temperature, top_p, top_k, gen, greedy)
-            tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-            tokens.append(tok)
-            done |= is_stop(tok, stop_ids)
-            if bool(done.all()) if all_done is None else all_done(done):
+            tokens[:, t] = tok.masked_fill(done, pad_id)
+            done |= is_stop(tokens[:, t], stop_ids)
+            if t + 1 == max_new_tokens or (t + 1) % check_every == 0 and (
+                    bool(done.all()) if all_done is None else all_done(done)):
                 break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                        past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=tokens[:, t:t + 1], attention_mask=mask[:, :P + t + 1], position_ids=next_pos,
+                        past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
             next_pos = next_pos + 1
     model.train(was_training)
-    resp = torch.stack(tokens, dim=1)
-    if resp.shape[1] < max_new_tokens:
-        resp = F.pad(resp, (0, max_new_tokens - resp.shape[1]), value=pad_id)
-    return resp
+    return trim_responses(tokens[:, :t + 1], eos_id)
+
+
+def trim_responses(responses: torch.Tensor, stops) -> torch.Tensor:
+    """Responses cut after the column where the longest one ends (its stop token, or the last column)."""
+    length = response_mask_from(responses, stops).sum(-1).max() if responses.numel() else 0
+    return responses[:, :max(int(length), 1)]
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen, greedy: bool = False):
@@ -628,61 +658,94 @@ def position_ids_from(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def sample_responses(policy, tok, rows: list[dict], args: Args, stops, gen, device, all_done=None):
+def sample_responses(policy, tok, rows: list[dict], args: Args, stops, gen, device, all_done=None, world: int = 1):
     """The rollout's responses to rows' prompts, generated in chunks of --rollout-micro-batch-size (every rank runs
     the same number of chunks). Returns responses (B, R) on the CPU and [prompt | response] ids and attention mask
-    (B, Lp + R) on the device. The policy is left in eval mode, for scoring."""
+    (B, Lp + R) on the device: Lp the longest prompt of the batch, R the longest response (of all ranks under
+    torchrun), not the limits. The policy is left in eval mode, for scoring."""
     policy.eval()
     p_ids, p_mask = encode_batch(tok, rows, args.prompt_length, args.apply_chat_template)
     size = args.rollout_micro_batch_size or p_ids.shape[0]
-    resp = torch.cat([generate(policy, p_ids[s:s + size].to(device), p_mask[s:s + size].to(device),
-                               args.response_length, stops, tok.pad_token_id, args.temperature, args.top_p,
-                               args.top_k, gen, all_done=all_done, bf16=use_bf16(args)).cpu()
-                      for s in range(0, p_ids.shape[0], size)])
+    chunks = [generate(policy, p_ids[s:s + size].to(device), p_mask[s:s + size].to(device), args.response_length,
+                       stops, tok.pad_token_id, args.temperature, args.top_p, args.top_k, gen, all_done=all_done,
+                       bf16=use_bf16(args)).cpu() for s in range(0, p_ids.shape[0], size)]
+    R = max(c.shape[1] for c in chunks)
+    R = max(gather_objects(R, world)) if world > 1 else R  # (the ranks gather (B, R) tensors)
+    resp = torch.cat([F.pad(c, (0, R - c.shape[1]), value=tok.pad_token_id) for c in chunks])
     attn = torch.cat([p_mask, response_mask_from(resp, stops)], 1)
     return resp, torch.cat([p_ids, resp], 1).to(device), attn.to(device)
 
 
 def model_forward(model, input_ids, attention_mask, resp_len: int, temperature: float, shared_value_head=None,
-                  full: bool = False, entropy: bool = False):
+                  full: bool = False, entropy: bool = False, entropy_grad: bool = False):
     """One forward over [prompt | response]: per response token the log-prob (logits / temperature), optionally
-    entropy, the full log-distribution (kl type 'full') and the shared-trunk value. Logit at t predicts token t+1."""
+    entropy (with gradients only if entropy_grad), the full log-distribution (kl type 'full') and the shared-trunk
+    value. Logit at t predicts token t+1. Logits are computed for the response positions alone (logits_to_keep),
+    and no float32 (B, R, V) is made beyond what the backward needs (token_logprobs)."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
-                use_cache=False, output_hidden_states=shared_value_head is not None)
-    logits = out.logits[:, -resp_len - 1:-1].float() / temperature
-    logp_all = logits.log_softmax(-1)
-    res = {"logp": logp_all.gather(-1, input_ids[:, -resp_len:, None]).squeeze(-1)}
+                use_cache=False, output_hidden_states=shared_value_head is not None, logits_to_keep=resp_len + 1)
+    logits = out.logits[:, :-1]
+    logits = logits / temperature if temperature != 1.0 else logits
+    res = {"logp": token_logprobs(logits, input_ids[:, -resp_len:])}
     if entropy:
-        res["entropy"] = -(logp_all.exp() * logp_all).sum(-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            res["entropy"] = in_row_chunks(entropy_from_logits, logits)
     if full:
-        res["logp_all"] = logp_all
+        res["logp_all"] = logits.float().log_softmax(-1)
     if shared_value_head is not None:  # the head in fp32 (outside bf16 autocast) on the trunk's last hidden state
         with torch.autocast(input_ids.device.type, enabled=False):
             res["values"] = shared_value_head(out.hidden_states[-1][:, -resp_len - 1:-1].float()).squeeze(-1)
     return res
 
 
+def in_row_chunks(fn, logits: torch.Tensor, *more, elements: int = 1 << 25):
+    """fn(logits[rows], *more[rows]) over chunks of rows of at most `elements` logits each, concatenated: without
+    gradients the float32 temporaries then take (chunk, R, V), not (B, R, V). With gradients, one call (autograd
+    keeps what the backward needs anyway)."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return fn(logits, *more)
+    rows = max(1, elements // max(1, logits[0].numel()))
+    return torch.cat([fn(logits[s:s + rows], *(m[s:s + rows] for m in more)) for s in range(0, len(logits), rows)])
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] in float32, as logit - logsumexp: no float32 log-distribution (B, R, V) is made
+    (in bf16 the float32 copy of the logits is the one the logsumexp's backward keeps)."""
+    def f(x, t):
+        return x.gather(-1, t[..., None]).squeeze(-1).float() - torch.logsumexp(x.float(), -1)
+    return in_row_chunks(f, logits, tokens)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) in float32: logsumexp(x) - sum softmax(x) * x."""
+    x = logits.float()
+    return torch.logsumexp(x, -1) - (x.softmax(-1) * x).sum(-1)
+
+
 def critic_values(critic, input_ids, attention_mask, resp_len: int):
     """V(s_t) for the state before each response token (same alignment as the logits)."""
     out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask))
-    return out.logits[:, -resp_len - 1:-1, 0].float()
+    return out.logits[:, -resp_len - 1:-1, 0].float()  # ((B, T, 1): one value per position, no vocabulary)
 
 
 @torch.no_grad()
-def score_responses(policy, ref, critic, value_head, ids, attn, args: Args, autocast=contextlib.nullcontext):
-    """Per response token: old log-probs (the policy that sampled), reference log-probs, values (critic or shared
-    head; None without) and, with --kl-penalty full, the exact KL over the vocabulary; on the CPU. Forwards of
+def score_responses(policy, ref, critic, value_head, ids, attn, R: int, args: Args, autocast=contextlib.nullcontext):
+    """Per response token: old log-probs (the policy that sampled), reference log-probs (None without a reference:
+    no KL term reads it), values (critic or shared head; None without) and, with --kl-penalty full, the exact KL over
+    the vocabulary; on the CPU. ids: [prompt | response], R = the responses' width. Forwards of
     --logprob-forward-micro-batch-size responses (default --micro-batch-size: the update's, so the first ratio is
     exactly 1)."""
-    R, full, size = args.response_length, args.kl_penalty == "full", (args.logprob_forward_micro_batch_size
-                                                                     or args.micro_batch_size)
+    R, full, size = R, args.kl_penalty == "full" and ref is not None, (args.logprob_forward_micro_batch_size
+                                                                      or args.micro_batch_size)
     old_logp, ref_logp, values, kl_full = [], [], [], []
     with autocast():
         for s in range(0, ids.shape[0], size):
             sl = slice(s, s + size)
             o = model_forward(policy, ids[sl], attn[sl], R, args.temperature, value_head, full=full)
-            r = model_forward(ref, ids[sl], attn[sl], R, args.temperature, full=full)
-            old_logp.append(o["logp"]), ref_logp.append(r["logp"])  # (to the host once, after the loop)
+            old_logp.append(o["logp"])  # (to the host once, after the loop)
+            if ref is not None:
+                r = model_forward(ref, ids[sl], attn[sl], R, args.temperature, full=full)
+                ref_logp.append(r["logp"])
             if full:  # the (B, R, V) distributions are not kept
                 kl_full.append(kl_penalty(o["logp_all"], r["logp_all"], "full"))
             if args.critic == "shared":
@@ -970,6 +1033,13 @@ class AdaptiveKLController:
 
 
 # --- Advantages and returns: GAE, or critic-free group / REINFORCE++ estimators; whitening ---------------------------
+def group_all_equal(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """Per prompt group of n responses (consecutive), whether all their scores are equal (a group-relative advantage
+    is then 0 for all of them)."""
+    groups = scores.view(-1, n)
+    return groups.max(-1).values == groups.min(-1).values
+
+
 def masked_mean(x, mask, dim=None):
     return (x * mask).sum() / mask.sum().clamp(min=1) if dim is None else (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
@@ -1190,7 +1260,8 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
         with autocast():
             if update_actor or args.critic == "shared":  # (a separate critic's warm-up needs no policy forward)
                 out = model_forward(policy, m["input_ids"], m["attention_mask"], R, args.temperature,
-                                    value_head if args.critic == "shared" else None, full=need_full, entropy=True)
+                                    value_head if args.critic == "shared" else None, full=need_full, entropy=True,
+                                    entropy_grad=args.entropy_coeff != 0)
             if update_actor:
                 pg, stats = policy_loss(out["logp"], m["old_logp"], m["advantages"], mask, args.clip_ratio_low,
                                         args.clip_ratio_high, args.dual_clip_loss, args.clip_ratio_c,
@@ -1209,15 +1280,20 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
                     kl_loss = agg_loss(kl, mask, args.loss_agg_mode, **agg)
                     loss = loss + args.kl_loss_coef * kl_loss
                     stats["kl_loss"] = kl_loss.detach()
-            if args.critic != "none":
-                v = out["values"] if args.critic == "shared" else critic_values(critic, m["input_ids"],
-                                                                                m["attention_mask"], R)
-                vl, vstats = value_loss(v, m["values"], m["returns"], mask, args.value_clip, args.huber_delta,
-                                        args.loss_agg_mode, **agg)
+            if args.critic == "shared":  # one loss on one trunk: one backward
+                vl, vstats = value_loss(out["values"], m["values"], m["returns"], mask, args.value_clip,
+                                        args.huber_delta, args.loss_agg_mode, **agg)
                 loss = loss + args.vf_coef * vl
                 stats.update(value_loss=vl.detach(), **vstats)
         if loss.requires_grad:
             loss.backward()
+        if args.critic == "separate":  # its own forward and backward, after the actor's graph is freed
+            with autocast():
+                v = critic_values(critic, m["input_ids"], m["attention_mask"], R)
+                vl, vstats = value_loss(v, m["values"], m["returns"], mask, args.value_clip, args.huber_delta,
+                                        args.loss_agg_mode, **agg)
+            (args.vf_coef * vl).backward()
+            stats.update(value_loss=vl.detach(), **vstats)
         for k, val in stats.items():  # losses add up over micro-batches; ratios/fractions are averaged
             val = val.float() if k in ("policy_loss", "entropy", "kl_loss", "value_loss") else val.float() / n_micro
             sums[k] = sums[k] + val if k in sums else val
@@ -1274,12 +1350,22 @@ def build_optimizers(args: Args, policy, critic, value_head):
 
 
 # --- Warm start (supervised, before PPO) and the training loop -------------------------------------------------------
+def sft_steps(args: Args) -> int:
+    """--sft-steps, or its default: 60 on the built-in task, none on a user's model or data."""
+    if args.sft_steps is not None:
+        return args.sft_steps
+    return 0 if args.model_name_or_path or args.dataset else 60
+
+
 def warm_start(policy, tok, sample_rows, args: Args, device, autocast=contextlib.nullcontext, stop=None) -> None:
-    """Supervised fine-tuning on answers + EOS (a short phase: the model ends partly right), in the run's precision.
-    stop() -> bool: a signal came (asked every 10 steps: a collective under torchrun; the run then ends)."""
+    """Supervised fine-tuning on answers + EOS (a short phase: the model ends partly right), in the run's precision,
+    with a progress line every ~5 s. stop() -> bool: a signal came (asked every 10 steps: a collective under
+    torchrun; the run then ends)."""
     opt = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr)
     policy.train()
-    for step in range(args.sft_steps):
+    steps, t0, last = sft_steps(args), time.time(), time.time()
+    print(f"warm start: {steps} supervised steps on the answers (--sft-steps)", flush=True)
+    for step in range(steps):
         if stop is not None and step % 10 == 0 and stop():
             return
         rows = sample_rows(args.sft_batch_size)
@@ -1300,8 +1386,11 @@ def warm_start(policy, tok, sample_rows, args: Args, device, autocast=contextlib
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if (step + 1) % 100 == 0 or step + 1 == args.sft_steps:
-            print(f"warm-start step {step + 1}/{args.sft_steps}  loss={loss.item():.3f}")
+        now = time.time()
+        if now - last >= 5.0 or step + 1 == steps:
+            last, eta = now, (now - t0) / (step + 1) * (steps - step - 1)
+            print(f"warm-start step {step + 1}/{steps}  loss={loss.item():.3f}  eta={eta_text(eta)}", flush=True)
+    print(f"warm start done in {time.time() - t0:.1f}s")
 
 
 def main(args: Args) -> dict:
@@ -1326,11 +1415,10 @@ def main(args: Args) -> dict:
         rm, rm_tok = load_reward_model(args, tok, device)
         run.check_stop()
         run.open_dir()
-        if ckpt is None and args.sft_steps > 0 and has_answers:
-            t0 = time.time()
+        # The built-in task's supervised warm start (a user's model gets one only with --sft-steps)
+        if ckpt is None and sft_steps(args) > 0 and has_answers:
             warm_start(policy, tok, sample_rows, args, device, autocast, run.stop_requested)
             run.check_stop()
-            print(f"warm-start done in {time.time() - t0:.1f}s")
         critic, value_head = build_critic(args, policy, ckpt, device)
         # the frozen KL reference: a copy of the policy as PPO starts, or (--lora-rank) the policy's base model, with
         # the LoRA adapters that are trained put on the policy here
@@ -1370,11 +1458,12 @@ def main(args: Args) -> dict:
             t0 = time.time()
             rows = [r for r in sample_rows(args.rollout_batch_size) for _ in range(args.n)]
             rows = rows[rank * len(rows) // world:(rank + 1) * len(rows) // world]
-            resp, ids, attn = sample_responses(policy, tok, rows, args, stops, gen_dev, device, all_done)
+            resp, ids, attn = sample_responses(policy, tok, rows, args, stops, gen_dev, device, all_done, world)
             t_gen = time.time() - t0
-            old_logp, ref_logp, values, kl_full = score_responses(policy, ref, critic, value_head, ids, attn, args,
-                                                                  autocast)
+            old_logp, ref_logp, values, kl_full = score_responses(policy, ref, critic, value_head, ids, attn,
+                                                                  resp.shape[1], args, autocast)
             maskf = response_mask_from(resp, stops).float()
+            ref_logp = old_logp if ref_logp is None else ref_logp  # (no reference: no KL term reads it)
             values = values * maskf if values is not None else torch.zeros_like(old_logp)
 
             # Reward: each response's score (the rule, the reward model or their sum; the missing-EOS penalty), the
@@ -1421,13 +1510,17 @@ def main(args: Args) -> dict:
                 "rollout/reward_mean": raw.mean().item(), "rollout/reward_std": raw.std().item(),
                 "rollout/score_mean": scores.mean().item(), "charts/episodic_return": raw.mean().item(),
                 "charts/episodic_length": lengths.mean().item(), "response/length_mean": lengths.mean().item(),
-                "response/eos_frac": eos.mean().item(), "kl/kl_mean": seq_kl, "kl/kl_coef": kl_ctrl.value,
+                "response/eos_frac": eos.mean().item(), "response/clip_ratio": 1 - eos.mean().item(),
+                "rollout/groups_all_equal_frac": group_all_equal(raw, args.n).float().mean().item(),
+                **({"kl/kl_mean": seq_kl, "kl/kl_coef": kl_ctrl.value} if ref is not None else {}),
                 "losses/explained_variance": explained_variance(values, returns, batch["response_mask"].cpu())
                 if args.critic != "none" else float("nan"),  # (this rank's rows)
                 "losses/first_minibatch_approx_kl": first.get("approx_kl", 0.0),
                 "charts/learning_rate": schedulers[0].get_last_lr()[0],
                 "perf/gen_tokens_per_s": n_tok / max(t_gen, 1e-9),
                 "perf/train_tokens_per_s": n_tok * args.ppo_epochs / max(t_train, 1e-9),
+                **({"perf/peak_gpu_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+                   if device.type == "cuda" else {}),
                 **{f"rollout/{k}_mean": all_gather_cat(v, world).mean().item() for k, v in parts.items()},
                 **{f"losses/{k}": v for k, v in stats.items()}}
             if has_answers:  # (accuracy is the rule's: none for a reward model's prompts without answers)
@@ -1518,6 +1611,7 @@ class Run:
     def __init__(self, args: Args):
         self.args, self.signals, self.ckpt, self.dir, self.lock, self.writer = args, [], None, None, None, None
         self.created = self.training = self.eval_stopped = False  # made the run dir; the loop began; eval stopped
+        self.warned_clip = False  # (said once: many responses hit --response-length)
         self.checkpoint, self.written = args.resume, None  # the last checkpoint; the last one this process wrote
         self.rank, self.world, self.start, self.stack = 0, 1, time.time(), contextlib.ExitStack()
 
@@ -1674,12 +1768,17 @@ class Run:
         now, nan, self.first = time.time(), float("nan"), self.first or iteration
         m["charts/SPS"] = (global_step - self.steps_at_start) / max(now - self.start, 1e-9)
         self.log(m, global_step)
+        if m["response/clip_ratio"] > 0.5 and not self.warned_clip:
+            self.warned_clip = True
+            print(f"warning: {m['response/clip_ratio']:.0%} of the responses hit --response-length "
+                  f"{self.args.response_length} without EOS (cut off, scored as they are): a longer limit may suit "
+                  "this task", flush=True)
         if now - self.last_print >= 5.0 or iteration in (self.first, self.args.num_iterations):
             self.last_print = now
             per_iteration = (now - self.start) / (iteration - self.first + 1)  # (evaluations included)
             accuracy = f"acc={m['rollout/accuracy']:.3f}  " if "rollout/accuracy" in m else ""
             print(f"iter {iteration}/{self.args.num_iterations}  reward={m['rollout/reward_mean']:.3f}  {accuracy}"
-                  f"kl={m['kl/kl_mean']:.4f}  entropy={m.get('losses/entropy', nan):.3f}  "
+                  f"kl={m.get('kl/kl_mean', nan):.4f}  entropy={m.get('losses/entropy', nan):.3f}  "
                   f"len={m['response/length_mean']:.2f}  clipfrac={m.get('losses/clipfrac', 0.0):.3f}  "
                   f"vloss={m.get('losses/value_loss', nan):.4f}  gen_tok/s={m['perf/gen_tokens_per_s']:.0f}  "
                   f"train_tok/s={m['perf/train_tokens_per_s']:.0f}  "
@@ -1905,9 +2004,9 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
     gathered into full tensors) and rank 0 writes. With LoRA (ref is AdaptersOff) policy/ (and a LoRA critic/)
     holds the adapters (peft's save_pretrained) and ref/ the base model they go on."""
     sub, path = f"checkpoint-{iteration}", os.path.join(run_dir, "checkpoint.pt")
-    write_ref = gather_objects(not os.path.isdir(os.path.join(run_dir, "ref")), world)[0]  # written once
+    lora, has_ref = bool(args.lora_rank), bool(args.lora_rank) or ref is not None  # (no KL term: no reference)
+    write_ref = has_ref and gather_objects(not os.path.isdir(os.path.join(run_dir, "ref")), world)[0]  # written once
     sd = {name: full_state(m.state_dict()) for name, m in (("policy", policy), ("critic", critic)) if m is not None}
-    lora = isinstance(ref, AdaptersOff)
     if write_ref:
         sd["ref"] = base_weights(policy) if lora else full_state(ref.state_dict())
     optim_states = [full_state(o.state_dict()) for o in optimizers]
@@ -1934,7 +2033,7 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
                 made.append(target)
             state = {
                 "script": SCRIPT, "env_id": "sort" if args.dataset is None else os.path.basename(args.dataset),
-                "model": {"policy": f"{sub}/policy", "ref": "ref",
+                "model": {"policy": f"{sub}/policy", "ref": "ref" if has_ref else "",
                           "critic": f"{sub}/critic" if critic is not None else "", "value_head": value_head_state},
                 "optimizer": optim_states, "scheduler": [s.state_dict() for s in schedulers],
                 "global_step": global_step, "iteration": iteration,
@@ -1942,7 +2041,7 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
                 "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state(), "gen_dev": dev_states},
                 "args": dataclasses.asdict(args), "kl_coef": kl_ctrl.value, "reward_running": running.state_dict(),
                 "tracker": tracker, "format": CHECKPOINT_FORMAT,
-                "files": model_file_digests(run_dir, [sub, "ref"])}  # (the models' files, as written)
+                "files": model_file_digests(run_dir, [sub] + ["ref"] * has_ref)}  # (the models' files, as written)
             target = path
             with open(path + ".tmp", "wb") as f:  # (into a file object: a refused write raises from its OSError)
                 torch.save(state, f)
@@ -2200,7 +2299,8 @@ def evaluate(policy, tok, rows: list[dict], args: Args, rule, stops, gen, device
     chunk of prompts (a signal came: None). "problem": why the rule failed (the user's function), else None."""
     per_rank = len(rows) // world
     mine = rows[rank * per_rank:(rank + 1) * per_rank]
-    chunk_size = args.rollout_micro_batch_size or 256
+    # micro-batches of the rollout's size (--rollout-micro-batch-size, else a rank's share of a rollout)
+    chunk_size = args.rollout_micro_batch_size or max(1, args.rollout_batch_size * args.n // world)
     problems = []
 
     def correct(rows, greedy: bool, temperature: float) -> Optional[list[bool]]:  # None: a signal came
@@ -2461,7 +2561,7 @@ def load_reward_model(args: Args, tok, device):
     check_positions(rm, args.prompt_length + args.response_length, f"the reward model {path}")
     if rm.config.pad_token_id is None:  # (read by classifiers that pool the last token themselves)
         rm.config.pad_token_id = rm_tok.pad_token_id
-    return disable_dropout(rm).to(device).eval().requires_grad_(False), rm_tok
+    return frozen_in_bf16(disable_dropout(rm).eval().requires_grad_(False), args).to(device), rm_tok
 
 
 # --- Command line: tyro, counts as 1e3, the frameworks' option names and on/off values, one-line errors ----------
@@ -2656,7 +2756,7 @@ def validate(args: Args) -> None:
                  "eval_temperature", "lora_alpha"):
         if not getattr(args, name) > 0:
             die(f"{flag(name)} must be positive, got {getattr(args, name)}")
-    for name in ("checkpoint_every", "stop_after", "sft_steps", "top_k", "critic_warmup", "lr_warmup_steps",
+    for name in ("checkpoint_every", "stop_after", "top_k", "critic_warmup", "lr_warmup_steps",
                  "eval_prompts", "init_kl_coef", "kl_loss_coef", "vf_coef", "weight_decay", "eval_n", "lora_rank"):
         if getattr(args, name) < 0:
             die(f"{flag(name)} must be >= 0, got {getattr(args, name)}")
@@ -2664,6 +2764,8 @@ def validate(args: Args) -> None:
                  "logprob_forward_micro_batch_size"):  # None: off, or the default
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             die(f"{flag(name)} must be positive (or left unset), got {getattr(args, name)}")
+    if args.sft_steps is not None and args.sft_steps < 0:
+        die(f"--sft-steps must be >= 0, got {args.sft_steps}")
     if not 0 <= args.seed < 2**31:
         die(f"--seed must lie in [0, 2**31), got {args.seed}")
     if args.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and args.n < 2:

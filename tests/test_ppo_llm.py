@@ -561,8 +561,8 @@ def test_responses_also_end_at_the_end_of_turn_of_the_generation_config(tiny_cop
     stops = P.stop_token_ids(tok, m)
     assert stops == [tok.eos_token_id, first]
     resp = P.generate(m, ids, mask, 3, stops, tok.pad_token_id, greedy=True)
-    assert resp[0].tolist() == [first, tok.pad_token_id, tok.pad_token_id]  # stopped after the end-of-turn token
-    assert P.response_mask_from(resp, stops).tolist() == [[1, 0, 0]]
+    assert resp.tolist() == [[first]]  # stopped after the end-of-turn token (cut to the longest response)
+    assert P.response_mask_from(resp, stops).tolist() == [[1]]
     assert P.decode_responses(tok, resp, stops) == [""] and P.is_stop(resp, stops).any(-1).tolist() == [True]
     assert P.response_mask_from(torch.tensor([[5, 7, 1, 1]]), [1, 7]).tolist() == [[1, 1, 0, 0]]
     # through main: the model's generation config is read and the extra stop token named
@@ -775,7 +775,7 @@ def test_what_ppo_computes_lies_above_the_banner():
         assert defs[name].lineno < banner, name
     for name in ("save_checkpoint", "parse_args", "load_dataset", "check_models"):
         assert defs[name].lineno > banner, name
-    assert defs["main"].end_lineno - defs["main"].lineno + 1 <= 160 and defs["generate"].lineno < 550
+    assert defs["main"].end_lineno - defs["main"].lineno + 1 <= 170 and defs["generate"].lineno < 600
 
 
 # ----- bad input: one line, exit 2 ----------------------------------------------------------------------------
@@ -2025,8 +2025,9 @@ def test_eval_n_samples_each_prompt_n_times_at_the_eval_temperature(tmp_path, mo
     res = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--num-iterations", "1", "--eval-n", "3",
                                "--eval-temperature", "0.7", "--reward-fn", fn]))
     evals = [c for c in calls if c[1] == 0.7]
-    assert evals and all(size == 8 * 3 and not greedy for size, _, greedy in evals)  # 8 prompts x 3 samples
-    assert res["curve"] and len(evals) == 2  # before and after training
+    # 8 prompts x 3 samples, before and after training, in micro-batches of a rollout's 4 x 2 responses
+    assert evals and all(size == 8 and not greedy for size, _, greedy in evals)
+    assert res["curve"] and len(evals) == 2 * 3
 
 
 # ----- LoRA --------------------------------------------------------------------------------------------------------
@@ -2195,3 +2196,247 @@ def test_under_torchrun_the_gpu_is_the_default_only_with_a_gpu_for_each_process(
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1"), monkeypatch.setenv("WORLD_SIZE", "1")  # (no torchrun: 1 GPU will do)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert P.parse_args([]).cuda
+
+
+# ----- real scale: no warm start on a user's model, logits only where used, padding to the batch ----------------
+def save_qwen2(path, tok, vocab=None, hidden=64, layers=2):
+    """A random-weight Qwen2 (a real architecture) with `vocab` output rows (default: the tokenizer's) and the
+    character tokenizer, saved as a user's model directory."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=vocab or len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def sort_rows(count, words=8, seed=0):
+    """Rows of a task a user might bring: a sentence of about 20 + 8 * words characters, the sorted digits."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        d = [rng.randrange(10) for _ in range(words)]
+        rows.append({"prompt": "Sort these digits in ascending order: " + " ".join(map(str, d)) + " ->",
+                     "answer": "".join(map(str, sorted(d)))})
+    return rows
+
+
+def test_a_user_model_or_dataset_gets_no_warm_start_unless_asked(tmp_path, capsys):
+    tok = P.build_char_tokenizer()
+    lm, data = save_qwen2(tmp_path / "lm", tok), write_rows(tmp_path / "d.jsonl", sort_rows(16, words=3))
+    assert P.sft_steps(P.parse_args([])) == 60  # the built-in task's warm start
+    assert P.sft_steps(P.parse_args(["--model-name-or-path", lm])) == 0
+    assert P.sft_steps(P.parse_args(["--dataset", str(data)])) == 0
+    assert P.sft_steps(P.parse_args(["--dataset", str(data), "--sft-steps", "3"])) == 3
+    base = [*TINY[2:], "--model-name-or-path", lm, "--dataset", str(data), "--reward-fn", "exact", "--prompt-length",
+            "64"]
+    capsys.readouterr()
+    res = P.main(P.parse_args([*base, "--runs-dir", str(tmp_path / "a")]))
+    out = capsys.readouterr().out
+    assert "warm start" not in out and "warm-start" not in out
+    # a random model of 99 tokens rarely says EOS within 8 tokens: the clip ratio is logged, the warning said once
+    assert res["metrics"]["response/clip_ratio"] > 0.5
+    assert out.count("of the responses hit --response-length 8 without EOS") == 1
+    assert 0 <= res["metrics"]["rollout/groups_all_equal_frac"] <= 1
+    P.main(P.parse_args([*base, "--sft-steps", "2", "--num-iterations", "1", "--runs-dir", str(tmp_path / "b")]))
+    out = capsys.readouterr().out
+    assert "warm start: 2 supervised steps" in out and re.search(r"warm-start step 2/2  loss=\S+  eta=0s", out)
+    assert "built-in task" in field_help("sft_steps")
+    assert "built-in task" in field_help("response_length") and "built-in 2M model" in field_help("lr")
+
+
+def test_token_logprobs_and_entropy_against_the_log_softmax():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 7, 50, generator=g) * 3
+    tokens = torch.randint(0, 50, (5, 7), generator=g)
+
+    def reference(x):
+        logp_all = x.float().log_softmax(-1)
+        return logp_all.gather(-1, tokens[..., None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+    logp, ent = reference(logits)
+    assert torch.allclose(P.token_logprobs(logits, tokens), logp, atol=1e-5)
+    assert torch.allclose(P.entropy_from_logits(logits), ent, atol=1e-5)
+    # without gradients in chunks of rows (one row of 7 x 50 here): the same numbers
+    assert torch.allclose(P.in_row_chunks(P.token_logprobs, logits, tokens, elements=400), logp, atol=1e-5)
+    assert torch.allclose(P.in_row_chunks(P.entropy_from_logits, logits, elements=1), ent, atol=1e-5)
+    # bf16 logits: float32 results, those of the float32 log-softmax of the same values
+    low = logits.bfloat16()
+    assert P.token_logprobs(low, tokens).dtype == torch.float32
+    assert torch.allclose(P.token_logprobs(low, tokens), reference(low)[0], atol=1e-5)
+    # the same gradients
+    w = torch.randn(5, 7, generator=g)
+    grads = []
+    for f in (lambda x: P.token_logprobs(x, tokens) + P.entropy_from_logits(x), lambda x: sum(reference(x))):
+        x = logits.clone().requires_grad_()
+        (f(x) * w).sum().backward()
+        grads.append(x.grad)
+    assert torch.allclose(*grads, atol=1e-5)
+
+
+def test_logits_are_computed_only_where_they_are_used(tiny):
+    """The prefill of generation keeps the last position's logits; scoring and training the response positions';
+    the log-probs and entropy are those of the full forward. Entropy carries gradients only when asked."""
+    tok, m = tiny
+    shapes = []
+    hook = m.lm_head.register_forward_hook(lambda mod, inp, out: shapes.append(tuple(out.shape)))
+    try:
+        ids, mask = P.left_pad([tok.encode("98765=", add_special_tokens=False), [5, 6]], tok.pad_token_id)
+        resp = P.generate(m, ids, mask, 3, tok.eos_token_id, tok.pad_token_id, greedy=True)
+        assert shapes and all(s[1] == 1 for s in shapes)  # the prefill too
+        shapes.clear()
+        full = torch.cat([ids, resp], 1)
+        attn = torch.cat([mask, P.response_mask_from(resp, tok.eos_token_id)], 1)
+        R = resp.shape[1]
+        out = P.model_forward(m, full, attn, R, 0.7, entropy=True)
+        assert shapes == [(2, R + 1, len(tok))]
+        shapes.clear()
+        with torch.no_grad():
+            logits = m(input_ids=full, attention_mask=attn, position_ids=P.position_ids_from(attn)).logits
+        assert shapes == [(2, full.shape[1], len(tok))]  # (the full forward of the reference below)
+    finally:
+        hook.remove()
+    ref = (logits[:, -R - 1:-1] / 0.7).log_softmax(-1)
+    assert torch.allclose(out["logp"], ref.gather(-1, full[:, -R:, None]).squeeze(-1), atol=1e-5)
+    assert torch.allclose(out["entropy"], -(ref.exp() * ref).sum(-1), atol=1e-5)
+    assert out["logp"].requires_grad and not out["entropy"].requires_grad  # (--entropy-coeff 0: no graph)
+    assert P.model_forward(m, full, attn, R, 0.7, entropy=True, entropy_grad=True)["entropy"].requires_grad
+
+
+def pad_batch(batch, left: int, right: int, pad_id: int):
+    """The batch padded to larger limits: `left` more prompt columns, `right` more response columns (masked)."""
+    out = {}
+    for k, v in batch.items():
+        if k in ("input_ids", "attention_mask"):
+            fill = pad_id if k == "input_ids" else 0
+            v = torch.nn.functional.pad(v, (left, 0), value=fill)
+            v = torch.nn.functional.pad(v, (0, right), value=fill)
+        else:
+            v = torch.nn.functional.pad(v, (0, right), value=0)
+        out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
+def test_padding_to_the_batch_or_to_the_limits_gives_the_same_losses_and_gradients(acc_setup, tiny, mode):
+    m, critic, base, batch = acc_setup
+    tok = tiny[0]
+    args = P.Args(**{**vars(base), "loss_agg_mode": mode, "micro_batch_size": 4})
+    results = []
+    for b in (batch, pad_batch(batch, 7, 5, tok.pad_token_id)):
+        m.zero_grad(), critic.zero_grad()
+        stats = P.minibatch_backward(m, critic, None, b, args)
+        results.append(({k: float(v) for k, v in stats.items()},
+                        [p.grad.clone() for p in list(m.parameters()) + list(critic.parameters())]))
+    (s0, g0), (s1, g1) = results
+    assert s0.keys() == s1.keys() and all(abs(s0[k] - s1[k]) < 1e-5 for k in s0), (s0, s1)
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(g0, g1))
+    m.zero_grad(), critic.zero_grad()
+
+
+def test_rollout_prompts_and_responses_are_padded_to_the_batch(tiny):
+    tok, m = tiny
+    rows = [{"prompt": "12=", "answer": "12"}, {"prompt": "98765=", "answer": "56789"}]
+    ids, mask = P.encode_batch(tok, rows, 2048)
+    assert ids.shape == (2, len(P.prompt_token_ids(tok, "98765=")))  # the longest prompt, not --prompt-length
+    args = P.Args(prompt_length=2048, response_length=50, rollout_micro_batch_size=1, cuda=False)
+    resp, full, attn = P.sample_responses(m, tok, rows, args, [tok.eos_token_id], torch.Generator().manual_seed(0),
+                                          torch.device("cpu"))
+    lengths = P.response_mask_from(resp, tok.eos_token_id).sum(-1)
+    assert resp.shape[1] == int(lengths.max()) and full.shape[1] == ids.shape[1] + resp.shape[1]
+
+
+def test_evaluation_generates_in_micro_batches(tiny, monkeypatch):
+    tok, m = tiny
+    sizes, original = [], P.generate
+    monkeypatch.setattr(P, "generate", lambda model, ids, *a, **k: sizes.append(len(ids)) or original(model, ids, *a,
+                                                                                                        **k))
+    rows = P.make_problems(10, torch.Generator().manual_seed(0))
+    args = P.Args(rollout_batch_size=2, n=2, cuda=False)
+    P.evaluate(m, tok, rows, args, P.REWARD_RULES["exact"], [tok.eos_token_id], torch.Generator(), "cpu")
+    assert sizes == [4, 4, 2] * 2  # greedy, then sampled: chunks of a rollout's 2 x 2 responses
+
+
+def test_without_a_kl_term_no_reference_is_built_saved_or_run(tmp_path, capsys):
+    argv = [*TINY, "--adv-estimator", "grpo", "--no-use-kl-in-reward", "--runs-dir", str(tmp_path)]
+    part = P.main(P.parse_args([*argv, "--stop-after", "1"]))
+    ckpt = torch.load(part["checkpoint"], weights_only=True)
+    assert ckpt["model"]["ref"] == "" and not os.path.exists(os.path.join(part["run_dir"], "ref"))
+    assert "kl/kl_mean" not in part["metrics"]
+    rest = P.main(P.parse_args(["--resume", part["checkpoint"]]))
+    assert len(rest["curve"]) >= 1 and math.isfinite(rest["stats"]["policy_loss"])
+    with pytest.raises(SystemExit) as e:
+        P.main(P.parse_args(["--resume", part["checkpoint"], "--use-kl-loss"]))
+    assert e.value.code == 2 and "holds no reference model" in capsys.readouterr().err
+
+
+def test_frozen_weights_are_stored_in_bf16_in_a_bf16_run(tiny):
+    import copy
+
+    tok, m = tiny
+    bf16 = P.Args(precision="bf16", cuda=False)
+    policy, ref = P.reference_policy(bf16, copy.deepcopy(m), None, None, torch.device("cpu"))
+    assert all(p.dtype == torch.float32 for p in policy.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in ref.parameters())
+    _, ref32 = P.reference_policy(P.Args(cuda=False), copy.deepcopy(m), None, None, torch.device("cpu"))
+    assert all(p.dtype == torch.float32 for p in ref32.parameters())
+    lora = P.Args(precision="bf16", cuda=False, lora_rank=4)
+    policy, ref = P.reference_policy(lora, copy.deepcopy(m), None, None, torch.device("cpu"))
+    kinds = {(p.requires_grad, p.dtype) for p in policy.parameters()}
+    assert kinds == {(True, torch.float32), (False, torch.bfloat16)}  # adapters fp32, their base bf16
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = P.model_forward(policy, ids, torch.ones_like(ids), 2, 1.0)["logp"]
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+def test_peak_memory_with_a_151936_row_vocabulary_is_far_below_full_vocabulary_logits(tmp_path):
+    """The issue's case: a random Qwen2 with Qwen2.5's 151,936 output rows, long prompts. Logits over the vocabulary
+    for every position of the batch would take B x (P + R) x V x 4 bytes; the whole iteration (models, optimizer,
+    rollout, update) grows the process by far less."""
+    tok = P.build_char_tokenizer()
+    V = 151_936
+    lm = save_qwen2(tmp_path / "lm", tok, vocab=V)
+    data = write_rows(tmp_path / "d.jsonl", sort_rows(32, words=100))  # prompts of ~240 characters
+    B, R = 16, 8
+    P_len = max(len(P.prompt_token_ids(tok, r["prompt"])) for r in sort_rows(32, words=100))
+    code = f"""
+import json, os, resource, sys
+sys.path.insert(0, {os.path.dirname(SCRIPT)!r})
+import datasets, torch, transformers, ppo_llm as P
+from torch.utils.tensorboard import SummaryWriter
+rss = int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+P.main(P.parse_args(['--model-name-or-path', {lm!r}, '--dataset', {str(data)!r}, '--prompt-length', '256',
+    '--response-length', '{R}', '--rollout-batch-size', '8', '--n', '2', '--ppo-mini-batch-size', '8',
+    '--micro-batch-size', '4', '--num-iterations', '1', '--eval-prompts', '0', '--no-save-model', '--no-cuda',
+    '--adv-estimator', 'grpo',
+    '--torch-threads', '1', '--runs-dir', {str(tmp_path / 'runs')!r}]))
+print(json.dumps({{"start": rss, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}))
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    mem = json.loads(res.stdout.strip().splitlines()[-1])
+    full_logits = B * (P_len + R) * V * 4  # ~2.4 GB
+    assert mem["peak"] - mem["start"] < full_logits / 4, (mem, full_logits)
+
+
+def test_prompt_length_2048_or_256_on_short_prompts_take_about_the_same_time(tmp_path):
+    tok = P.build_char_tokenizer()
+    lm, data = save_qwen2(tmp_path / "lm", tok), write_rows(tmp_path / "d.jsonl", sort_rows(32))
+
+    def seconds(prompt_length):
+        t0 = time.perf_counter()
+        P.main(P.parse_args(["--model-name-or-path", lm, "--dataset", str(data), "--prompt-length", str(prompt_length),
+                             "--response-length", "16", "--rollout-batch-size", "8", "--n", "2",
+                             "--ppo-mini-batch-size", "8", "--micro-batch-size", "8", "--num-iterations", "2",
+                             "--eval-prompts", "8", "--no-save-model", "--no-cuda", "--torch-threads", "1",
+                             "--runs-dir", str(tmp_path / f"r{prompt_length}")]))
+        return time.perf_counter() - t0
+    seconds(256)  # (warm: imports, first forwards)
+    short, long = seconds(256), seconds(2048)
+    assert long < 1.6 * short + 1.0, (short, long)  # padded to the limit, 2048 took ~4.5x as long
