@@ -2440,3 +2440,17 @@ def test_prompt_length_2048_or_256_on_short_prompts_take_about_the_same_time(tmp
     seconds(256)  # (warm: imports, first forwards)
     short, long = seconds(256), seconds(2048)
     assert long < 1.6 * short + 1.0, (short, long)  # padded to the limit, 2048 took ~4.5x as long
+
+
+def test_sampling_draws_from_the_softmax():
+    """sample_categorical against counts: 40,000 draws of a 6-token distribution (one token of probability 0, as
+    top-k / top-p leave them) fall within 4 standard errors of each probability, and the 0 is never drawn."""
+    probs = torch.tensor([0.5, 0.25, 0.0, 0.15, 0.07, 0.03])
+    draws = P.sample_categorical(probs.expand(40_000, 6), torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=6).double() / len(draws)
+    se = (probs.double() * (1 - probs.double()) / len(draws)).sqrt()
+    assert freq[2] == 0 and ((freq - probs.double()).abs() <= 4 * se + 1e-12).all(), freq
+    last_zero = torch.tensor([[0.0, 1.0, 0.0]])  # u * total can round to the total: never the zero after it
+    assert set(P.sample_categorical(last_zero.expand(1000, 3), torch.Generator().manual_seed(1)).tolist()) == {1}
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    assert P.sample_token(logits, 1.0, 1.0, 0, torch.Generator().manual_seed(0)).shape == (1,)
