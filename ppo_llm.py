@@ -25,6 +25,7 @@ import dataclasses
 import fcntl
 import fractions
 import hashlib
+import inspect
 import io
 import itertools
 import json
@@ -52,7 +53,7 @@ import tyro
 
 SCRIPT = "ppo_llm.py"
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-KL_TYPES = ("kl", "abs", "mse", "low_var_kl", "full")
+KL_TYPES = ("kl", "abs", "mse", "low_var_kl", "full", "k1", "k2", "k3", "k1+", "k2+", "k3+")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -63,7 +64,7 @@ class Args:
     """PPO iterations (rollout + update)"""
     rollout_batch_size: Annotated[Count, alias("--train-batch-size", "--data.train-batch-size")] = 32
     """prompts per iteration (verl data.train_batch_size, ROLL rollout_batch_size)"""
-    n: Annotated[Count, alias("--group-size", "--num-return-sequences-in-group")] = 4
+    n: Annotated[Count, alias("--group-size", "--num-return-sequences-in-group", "--num-generations")] = 4
     """responses per prompt (verl rollout.n); under torchrun write --group-size (torchrun takes --n as its --nnodes)"""
     prompt_length: Annotated[Count, alias("--max-prompt-length")] = 16
     """maximum prompt tokens (longer dataset prompts are dropped and counted); a batch is padded to its longest"""
@@ -83,7 +84,10 @@ class Args:
     # Reward: the rule (verl custom_reward_function, TRL reward_funcs), normalisation and clipping of the scores
     # (ROLL), missing-EOS penalty
     reward_fn: Annotated[Optional[str], alias("--reward-funcs")] = None
-    """rule reward: exact, math (GSM8K/MATH) or FILE.py:NAME(prompt, response, answer); None: exact, or the RM alone"""
+    """rule reward: exact, math (GSM8K/MATH) or FILE.py:NAME(prompt, response, answer, **columns), several
+    comma-separated (their weighted sum); None: exact, or the RM alone"""
+    reward_weights: Optional[list[float]] = None
+    """weights of the --reward-fn functions in their sum (TRL reward_weights; None: 1 each)"""
     reward_norm: Literal["none", "batch", "group", "running", "null"] = "none"
     """normalise scores over the batch, the prompt's group, or running statistics (ROLL; null: none)"""
     reward_shift: bool = False
@@ -113,8 +117,8 @@ class Args:
     # KL to the reference policy: a penalty in the reward (fixed or adaptive coefficient) and / or a loss
     use_kl_in_reward: Annotated[bool, alias("--add-token-level-kl")] = True
     """token reward -= kl_coef * kl(logp, ref_logp); off when --use-kl-loss is given alone (verl: one or the other)"""
-    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl", "full"] = "kl"
-    """KL estimator in the reward"""
+    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl", "full", "k1", "k2", "k3", "k1+", "k2+", "k3+"] = "kl"
+    """KL estimator in the reward (verl's names: k1 = kl, k2 = mse, k3 = low_var_kl; + forms: k2's gradient)"""
     kl_ctrl_type: Annotated[Literal["fixed", "adaptive"], alias("--kl-ctrl.type")] = "fixed"
     """in-reward KL coefficient: fixed, or adaptive towards target_kl"""
     init_kl_coef: Annotated[float, alias("--kl-ctrl.kl-coef", "--kl-coef")] = 0.001
@@ -127,15 +131,16 @@ class Args:
     """add kl_loss_coef * kl(logp, ref_logp) to the actor loss (GRPO style)"""
     kl_loss_coef: float = 0.001
     """coefficient of the KL loss"""
-    kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl", "full"] = "low_var_kl"
-    """KL estimator of the KL loss"""
+    kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl", "full", "k1", "k2", "k3", "k1+", "k2+", "k3+"] = \
+        "low_var_kl"
+    """KL estimator of the KL loss (k3+: the value of k3 with the gradient of k2, whose expected gradient is KL's)"""
 
     # Policy loss (verl compute_policy_loss, agg_loss)
-    clip_ratio: Annotated[Optional[float], alias("--pg-clip")] = None
+    clip_ratio: Annotated[Optional[float], alias("--pg-clip", "--epsilon", "--cliprange")] = None
     """sets clip_ratio_low and clip_ratio_high where those are not given (verl clip_ratio, ROLL pg_clip)"""
     clip_ratio_low: float = 0.2
     """ratio lower clip: 1 - clip_ratio_low"""
-    clip_ratio_high: float = 0.2
+    clip_ratio_high: Annotated[float, alias("--epsilon-high")] = 0.2
     """ratio upper clip: 1 + clip_ratio_high"""
     dual_clip_loss: bool = True
     """dual-clip PPO: for A < 0 the loss is at most -A * clip_ratio_c"""
@@ -159,12 +164,16 @@ class Args:
     huber_delta: Optional[float] = None
     """Huber loss with this delta instead of 0.5 * squared error (RLinf)"""
     vf_coef: float = 0.5
-    """value loss coefficient"""
+    """value loss coefficient of --critic shared (one loss on one trunk); a separate critic's loss is its own"""
+    critic_loss_agg_mode: Annotated[Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                                     "seq-mean-token-sum-norm"]],
+                                    alias("--critic.loss-agg-mode")] = None
+    """how the value loss's token losses become one number (verl critic.loss_agg_mode; None: --loss-agg-mode)"""
     critic_warmup: Count = 0
     """first N iterations update only the critic"""
 
     # Optimisation: epochs, minibatches of prompt groups, micro-batch accumulation, AdamW
-    ppo_epochs: Count = 1
+    ppo_epochs: Annotated[Count, alias("--num-ppo-epochs")] = 1
     """epochs over each rollout"""
     ppo_mini_batch_size: Count = 8
     """prompts per minibatch (each brings its n responses), as in verl"""
@@ -174,7 +183,7 @@ class Args:
     """actor learning rate (AdamW; 5e-5 suits the built-in 2M model, 1e-6 is verl's for billions of parameters)"""
     critic_lr: float = 2.5e-4
     """critic learning rate (AdamW; value head of the shared critic too; the built-in 2M model's, verl's is 1e-5)"""
-    lr_warmup_steps: Count = 5
+    lr_warmup_steps: Annotated[Count, alias("--warmup-steps")] = 5
     """linear learning-rate warm-up over this many optimizer steps"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
@@ -847,8 +856,33 @@ def math_reward(response: str, answer: Optional[str]) -> float:
     return float(a == b if a is not None and b is not None else got == ref)
 
 
-REWARD_RULES = {"exact": lambda prompt, response, answer: rule_reward(response, answer),
-                "math": lambda prompt, response, answer: math_reward(response, answer)}
+REWARD_RULES = {"exact": lambda prompt, response, answer, **columns: rule_reward(response, answer),
+                "math": lambda prompt, response, answer, **columns: math_reward(response, answer)}
+
+
+def weighted_sum(fns: list, weights: list[float]):
+    """One reward function: the weighted sum of fns' scores (TRL's reward_funcs and reward_weights), each given the
+    columns its signature takes (all with **kwargs, as TRL passes a dataset's columns)."""
+    def takes(fn):
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            return None  # (all)
+        return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    accepted = [takes(fn) for fn in fns]
+
+    def total(prompt, response, answer, **columns):
+        score = 0.0
+        for fn, w, names in zip(fns, weights, accepted):
+            kw = columns if names is None else {k: v for k, v in columns.items() if k in names}
+            value = fn(prompt, response, answer, **kw)
+            if finite_number(value) is None:
+                return value  # (rule_scores says which)
+            score += w * float(value)
+        return score
+    return total
 
 
 def rule_scores(fn, rows: list[dict], texts: list[str], name: str) -> tuple[torch.Tensor, Optional[str]]:
@@ -858,7 +892,7 @@ def rule_scores(fn, rows: list[dict], texts: list[str], name: str) -> tuple[torc
     scores = []
     for row, text in zip(rows, texts):
         try:
-            value = fn(row["prompt"], text, row["answer"])
+            value = fn(row["prompt"], text, row["answer"], **row.get("columns", {}))
         except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's function: what it raises stops the run
             return torch.zeros(len(rows)), f"--reward-fn {name} raised {reason(e)} on the prompt {row['prompt']!r:.80}"
         score = finite_number(value)
@@ -1007,7 +1041,13 @@ def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> tor
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """verl core_algos.kl_penalty, per token. 'full' takes log-distributions (..., V) and sums over the vocabulary."""
+    """verl core_algos.kl_penalty, per token. 'full' takes log-distributions (..., V) and sums over the vocabulary.
+    k1 / k2 / k3 are verl's names of kl / mse / low_var_kl; a trailing + is verl's straight-through form: the value
+    of the estimator, the gradient of k2."""
+    if kind.endswith("+"):
+        k2 = 0.5 * (logp - ref_logp).square()
+        return k2 - k2.detach() + kl_penalty(logp, ref_logp, kind[:-1]).detach()
+    kind = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}.get(kind, kind)
     if kind == "kl":  # k1
         return logp - ref_logp
     if kind == "abs":
@@ -1291,17 +1331,17 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
                     stats["kl_loss"] = kl_loss.detach()
             if args.critic == "shared":  # one loss on one trunk: one backward
                 vl, vstats = value_loss(out["values"], m["values"], m["returns"], mask, args.value_clip,
-                                        args.huber_delta, args.loss_agg_mode, **agg)
+                                        args.huber_delta, args.critic_loss_agg_mode or args.loss_agg_mode, **agg)
                 loss = loss + args.vf_coef * vl
                 stats.update(value_loss=vl.detach(), **vstats)
         if loss.requires_grad:
             loss.backward()
-        if args.critic == "separate":  # its own forward and backward, after the actor's graph is freed
+        if args.critic == "separate":  # its own loss (no vf_coef, as verl's critic), forward and backward
             with autocast():
                 v = critic_values(critic, m["input_ids"], m["attention_mask"], R)
                 vl, vstats = value_loss(v, m["values"], m["returns"], mask, args.value_clip, args.huber_delta,
-                                        args.loss_agg_mode, **agg)
-            (args.vf_coef * vl).backward()
+                                        args.critic_loss_agg_mode or args.loss_agg_mode, **agg)
+            vl.backward()
             stats.update(value_loss=vl.detach(), **vstats)
         for k, val in stats.items():  # losses add up over micro-batches; ratios/fractions are averaged
             val = val.float() if k in ("policy_loss", "entropy", "kl_loss", "value_loss") else val.float() / n_micro
@@ -1418,7 +1458,7 @@ def main(args: Args) -> dict:
 
         # The reward rule, the models and the task, all checked before anything is written or trained (bad input
         # leaves no run directory)
-        reward_fn = load_reward_fn(args.reward_fn)  # exact, math or the user's FILE.py:NAME, imported once
+        reward_fn = load_reward_fn(args.reward_fn, args.reward_weights)  # exact, math or FILE.py:NAME, imported once
         tok, policy, ref, stops = build_policy(args, ckpt, device)
         sample_rows, eval_rows, has_answers = build_task(args, tok, gen, world)
         rm, rm_tok = load_reward_model(args, tok, device)
@@ -1535,7 +1575,9 @@ def main(args: Args) -> dict:
             if has_answers:  # (accuracy is the rule's: none for a reward model's prompts without answers)
                 metrics["rollout/accuracy"] = correct.mean().item()
                 tracker.setdefault("rollout", []).append([iteration, metrics["rollout/accuracy"]])
-            run.log_iteration(iteration, global_step, metrics)  # TensorBoard, charts/SPS, the progress line
+            samples = [{"iteration": iteration, "prompt": r["prompt"], "response": t, "reward": float(x)}
+                       for r, t, x in zip(rows[::args.n][:4], texts[::args.n][:4], raw[::args.n][:4])]
+            run.log_iteration(iteration, global_step, metrics, samples)  # TensorBoard, samples, the progress line
             if iteration % args.eval_every == 0 or iteration == args.num_iterations:
                 run.evaluate(policy, tok, eval_rows, reward_fn, stops, iteration, global_step, tracker, all_done)
             stop = args.stop_after and iteration - start_iteration + 1 >= args.stop_after
@@ -1771,12 +1813,25 @@ class Run:
         self.training, self.start, self.steps_at_start, self.first, self.last_print = (True, time.time(), global_step,
                                                                                        None, 0.0)
 
-    def log_iteration(self, iteration: int, global_step: int, m: dict) -> None:
-        """An iteration's scalars, with charts/SPS (this process's steps per second), and every ~5 s (and on the first
-        and the last iteration) the progress line, which ends with the time left at the current speed."""
+    def log_iteration(self, iteration: int, global_step: int, m: dict, samples: list = ()) -> None:
+        """An iteration's scalars, with charts/SPS (this process's steps per second); its sample completions
+        (prompt, response, reward) to TensorBoard text samples/completions and to samples.jsonl in the run
+        directory; every ~5 s (and on the first and the last iteration) the progress line, which ends with the time
+        left at the current speed."""
         now, nan, self.first = time.time(), float("nan"), self.first or iteration
         m["charts/SPS"] = (global_step - self.steps_at_start) / max(now - self.start, 1e-9)
         self.log(m, global_step)
+        if self.rank == 0 and samples:
+            path = os.path.join(self.dir, "samples.jsonl")
+            try:
+                with open(path, "a", encoding="utf-8") as f:
+                    f.write("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in samples))
+            except OSError as e:
+                raise WriteError(path, e.strerror or str(e)) from None
+            cell = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+            if self.writer is not None:  # (made by self.log)
+                self.writer.add_text("samples/completions", "|prompt|response|reward|\n|-|-|-|\n" + "\n".join(
+                    f"|{cell(x['prompt'])}|{cell(x['response'])}|{x['reward']:g}|" for x in samples), global_step)
         if m["response/clip_ratio"] > 0.5 and not self.warned_clip:
             self.warned_clip = True
             print(f"warning: {m['response/clip_ratio']:.0%} of the responses hit --response-length "
@@ -1854,6 +1909,8 @@ def gpu_for_each_process() -> bool:
 def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
     """Rank, world size and device. Without torchrun (or with one process) no process group is created."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.cuda and args.torch_deterministic:  # (deterministic cuBLAS: set before its first call)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if world == 1:
         return 0, 1, torch.device("cuda" if args.cuda else "cpu")
     import torch.distributed as dist
@@ -2201,6 +2258,8 @@ def fits(value, hint) -> bool:
     if typing.get_origin(hint) is dict:
         key, item = typing.get_args(hint)
         return isinstance(value, dict) and all(fits(k, key) and fits(v, item) for k, v in value.items())
+    if typing.get_origin(hint) is list:
+        return isinstance(value, list) and all(fits(v, typing.get_args(hint)[0]) for v in value)
     kinds = {float: (int, float)}.get(hint, hint)
     return isinstance(value, kinds) and (hint is bool or not isinstance(value, bool))
 
@@ -2285,7 +2344,12 @@ def restore_trainer_state(ckpt: dict, args: Args, optimizers, schedulers, gen, g
         gen.set_state(ckpt["rng"]["gen"])
         dev_states = ckpt["rng"].get("gen_dev") or [None]  # one per rank
         if gen_dev is not gen and len(dev_states) == world and dev_states[rank] is not None:
-            gen_dev.set_state(dev_states[rank])
+            if dev_states[rank].numel() == gen_dev.get_state().numel():
+                gen_dev.set_state(dev_states[rank])
+            else:  # (a CUDA generator's state in a CPU run, or the reverse: they do not convert)
+                gen_dev.manual_seed(args.seed + 1_000_003 * rank + ckpt["iteration"])
+                print(f"note: rank {rank}'s sampling generator was saved on another device type; it continues from a "
+                      "new seed (the run is not the one an uninterrupted run would have been)")
         kl_ctrl.value = float(ckpt["kl_coef"])
         running.__dict__.update({k: float(ckpt["reward_running"][k]) for k in ("mean", "var", "count")})
     print(f"resumed {args.resume} at iteration {ckpt['iteration']}")
@@ -2345,7 +2409,15 @@ def evaluate(policy, tok, rows: list[dict], args: Args, rule, stops, gen, device
 
 
 # --- Reward functions: --reward-fn FILE.py:NAME, imported once -----------------------------------------------------
-def load_reward_fn(spec: Optional[str]):
+def load_reward_fn(spec: Optional[str], weights: Optional[list[float]] = None):
+    """--reward-fn's functions, several (comma-separated) as their weighted sum (weighted_sum; weights: 1 each)."""
+    specs = (spec or "exact").split(",")
+    if weights is not None and len(weights) != len(specs):
+        die(f"--reward-weights: {len(weights)} weights for the {len(specs)} functions of --reward-fn")
+    return weighted_sum([load_one_reward_fn(s.strip()) for s in specs], weights or [1.0] * len(specs))
+
+
+def load_one_reward_fn(spec: Optional[str]):
     """The rule of --reward-fn: exact (the default), math, or the function NAME(prompt, response, answer) -> float of
     FILE.py (verl's custom_reward_function.path / .name, TRL's reward_funcs). A file that does not import or has no
     such function is one line, exit 2 (main asks before anything is written)."""
@@ -2436,7 +2508,8 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
                 "messages {'role', 'content'}")
         elif not prompt:
             die(f"{flag} {path} {where(i)}: empty prompt")
-        rows.append({"prompt": prompt, "answer": answer_text(answer)})
+        columns = {k: v for k, v in row.items() if k not in (prompt_key, answer_key, "prompt", "response", "answer")}
+        rows.append({"prompt": prompt, "answer": answer_text(answer), "columns": columns})
     if not rows:
         die(f"{flag} {path}: empty (no rows)")
     kept = [r for r in rows if len(prompt_token_ids(tok, r["prompt"], chat)) <= prompt_length]
@@ -2826,13 +2899,16 @@ def validate(args: Args) -> None:
     if args.cuda and world > 1 and torch.cuda.device_count() < local_world:
         die(f"--cuda: {local_world} processes on this machine, {torch.cuda.device_count()} GPU(s): one GPU each "
             "(--no-cuda runs them on the CPU)")
-    if args.reward_fn is not None and args.reward_fn not in REWARD_RULES:
-        path, _, name = args.reward_fn.rpartition(":")
-        if not path.endswith(".py") or not name.isidentifier():
-            die(f"--reward-fn {args.reward_fn!r}: choose exact, math or FILE.py:NAME (the function NAME(prompt, "
+    for spec in (args.reward_fn or "exact").split(","):
+        path, _, name = spec.strip().rpartition(":")
+        if spec.strip() not in REWARD_RULES and (not path.endswith(".py") or not name.isidentifier()):
+            die(f"--reward-fn {spec!r}: choose exact, math or FILE.py:NAME (the function NAME(prompt, "
                 "response, answer) -> float in FILE.py)")
-        if not os.path.isfile(path):
-            die(f"--reward-fn {args.reward_fn}: no such file {path}")
+        if spec.strip() not in REWARD_RULES and not os.path.isfile(path):
+            die(f"--reward-fn {spec}: no such file {path}")
+    n_fns = len((args.reward_fn or "exact").split(","))
+    if args.reward_weights is not None and len(args.reward_weights) != n_fns:
+        die(f"--reward-weights: {len(args.reward_weights)} weights for the {n_fns} functions of --reward-fn")
     if args.critic_lora and (args.critic != "separate" or not args.lora_rank):
         die("--critic-lora puts LoRA adapters on the separate critic: it needs --critic separate and --lora-rank")
     if args.lora_rank and world > 1:

@@ -2244,6 +2244,17 @@ def test_a_user_model_or_dataset_gets_no_warm_start_unless_asked(tmp_path, capsy
     assert res["metrics"]["response/clip_ratio"] > 0.5
     assert out.count("of the responses hit --response-length 8 without EOS") == 1
     assert 0 <= res["metrics"]["rollout/groups_all_equal_frac"] <= 1
+    # sample completions of every iteration (one response to each of the first 4 prompts): samples.jsonl in the
+    # run directory and TensorBoard text
+    with open(os.path.join(res["run_dir"], "samples.jsonl")) as f:
+        samples = [json.loads(line) for line in f]
+    assert [s["iteration"] for s in samples] == [1] * 4 + [2] * 4 and all(set(s) == {"iteration", "prompt", "response",
+                                                                                "reward"} for s in samples)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(res["run_dir"])
+    events.Reload()
+    assert "samples/completions/text_summary" in events.Tags()["tensors"]
     P.main(P.parse_args([*base, "--sft-steps", "2", "--num-iterations", "1", "--runs-dir", str(tmp_path / "b")]))
     out = capsys.readouterr().out
     assert "warm start: 2 supervised steps" in out and re.search(r"warm-start step 2/2  loss=\S+  eta=0s", out)
@@ -2454,3 +2465,104 @@ def test_sampling_draws_from_the_softmax():
     assert set(P.sample_categorical(last_zero.expand(1000, 3), torch.Generator().manual_seed(1)).tolist()) == {1}
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
     assert P.sample_token(logits, 1.0, 1.0, 0, torch.Generator().manual_seed(0)).shape == (1,)
+
+
+# ----- what a user pointing it at a real task needs -------------------------------------------------------------
+@pytest.mark.parametrize("kind,base", [("k1", "kl"), ("k2", "mse"), ("k3", "low_var_kl"), ("k1+", "kl"),
+                                       ("k2+", "mse"), ("k3+", "low_var_kl")])
+def test_verl_kl_names_and_straight_through_forms(kind, base):
+    """k1 / k2 / k3 are kl / mse / low_var_kl; a + form has the value of its estimator and the gradient of k2."""
+    g = torch.Generator().manual_seed(0)
+    logp, ref = -torch.rand(4, 5, generator=g) * 3, -torch.rand(4, 5, generator=g) * 3
+    x = logp.clone().requires_grad_()
+    value = P.kl_penalty(x, ref, kind)
+    assert torch.allclose(value, P.kl_penalty(logp, ref, base), atol=1e-6)
+    value.sum().backward()
+    want = (logp - ref) if kind.endswith("+") or base == "mse" else None  # d/dlogp of 0.5 (logp - ref)^2
+    if want is not None:
+        assert torch.allclose(x.grad, want, atol=1e-6)
+    else:
+        y = logp.clone().requires_grad_()
+        P.kl_penalty(y, ref, base).sum().backward()
+        assert torch.allclose(x.grad, y.grad)
+    assert P.parse_args(["--kl-loss-type", kind, "--use-kl-loss"]).kl_loss_type == kind
+
+
+def test_a_separate_critic_has_its_own_loss_aggregation_and_no_vf_coef(acc_setup):
+    m, critic, base, batch = acc_setup
+    grads = []
+    for vf_coef, mode in ((0.5, "seq-mean-token-sum"), (2.0, "seq-mean-token-sum"), (0.5, None)):
+        args = P.Args(**{**vars(base), "vf_coef": vf_coef, "critic_loss_agg_mode": mode})
+        m.zero_grad(), critic.zero_grad()
+        P.minibatch_backward(m, critic, None, batch, args)
+        grads.append([p.grad.clone() for p in critic.parameters() if p.grad is not None])
+    # the value loss alone, aggregated as verl's critic.loss_agg_mode, its gradient unscaled
+    critic.zero_grad()
+    mask = batch["response_mask"]
+    v = P.critic_values(critic, batch["input_ids"], batch["attention_mask"], mask.shape[1])
+    vl, _ = P.value_loss(v, batch["values"], batch["returns"], mask, base.value_clip, None, "seq-mean-token-sum",
+                         n_tokens=mask.sum(), n_seqs=mask.shape[0], norm_len=base.response_length)
+    vl.backward()
+    want = [p.grad.clone() for p in critic.parameters() if p.grad is not None]
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(grads[0], want))
+    assert all(torch.allclose(a, b) for a, b in zip(grads[0], grads[1]))  # vf_coef: not a separate critic's
+    assert any(not torch.allclose(a, b) for a, b in zip(grads[0], grads[2]))  # None: --loss-agg-mode (token-mean)
+    m.zero_grad(), critic.zero_grad()
+
+
+def test_reward_functions_get_the_row_columns_and_several_are_summed_with_weights(tmp_path, capsys):
+    fns = write_reward_fn(tmp_path / "r.py", "return 0.0")
+    (tmp_path / "r.py").write_text(
+        "def level(prompt, response, answer, difficulty):\n    return float(difficulty)\n"
+        "def anything(prompt, response, answer, **columns):\n    return float(len(columns))\n"
+        "def plain(prompt, response, answer):\n    return 1.0 if response == answer else 0.0\n")
+    path = str(tmp_path / "r.py")
+    fn = P.load_reward_fn(f"{path}:level,{path}:anything, {path}:plain,exact", [2.0, 1.0, 0.5, 0.25])
+    assert fn("p", "12", "12", difficulty=3, source="x") == 2.0 * 3 + 1.0 * 2 + 0.5 * 1 + 0.25 * 1
+    rows = [{"prompt": "p", "answer": "1", "columns": {"difficulty": 1, "source": "x"}}]
+    assert P.rule_scores(fn, rows, ["2"], "f")[0].tolist() == [2.0 + 2.0]
+    with pytest.raises(SystemExit) as e:
+        P.parse_args(["--reward-fn", f"{path}:plain,exact", "--reward-weights", "1"])
+    assert e.value.code == 2 and "1 weights for the 2 functions" in capsys.readouterr().err
+    # the columns of a data file reach the function (all but the prompt and the answer)
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "12=", "answer": "12", "difficulty": 2, "source": "s"}])
+    loaded = P.load_dataset(str(data), P.build_char_tokenizer(), 16)
+    assert loaded == [{"prompt": "12=", "answer": "12", "columns": {"difficulty": 2, "source": "s"}}]
+
+
+def test_trl_option_names_set_our_fields():
+    args = P.parse_args(["--num-generations", "2", "--epsilon", "0.3", "--epsilon-high", "0.28", "--num-ppo-epochs",
+                         "2", "--warmup-steps", "3", "--max-completion-length", "9", "--learning-rate", "1e-5",
+                         "--cliprange-value", "0.3"])
+    assert (args.n, args.clip_ratio_low, args.clip_ratio_high, args.ppo_epochs, args.lr_warmup_steps,
+            args.response_length, args.lr, args.value_clip) == (2, 0.3, 0.28, 2, 3, 9, 1e-5, 0.3)
+    assert P.parse_args(["--cliprange", "0.1"]).clip_ratio_high == 0.1
+
+
+def test_cublas_workspace_is_set_for_deterministic_cuda(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    P.setup_distributed(P.Args(cuda=False))
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    assert P.setup_distributed(P.Args(cuda=True))[2].type == "cuda"  # (no CUDA call: a device object)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_a_sampling_generator_saved_on_another_device_type_is_reseeded(tiny_copy, capsys):
+    tok, m = tiny_copy
+    args = P.Args(cuda=False, critic="none", adv_estimator="grpo", resume="ckpt.pt")
+    optimizers, schedulers = P.build_optimizers(args, m, None, None)
+    gen, gen_dev = torch.Generator(), torch.Generator()
+    cuda_state = torch.zeros(16, dtype=torch.uint8)  # (a CUDA generator's state: seed and offset)
+    ckpt = {"optimizer": [o.state_dict() for o in optimizers], "scheduler": [s.state_dict() for s in schedulers],
+            "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state(), "gen_dev": [cuda_state]},
+            "kl_coef": 0.1, "reward_running": {"mean": 0.0, "var": 1.0, "count": 1.0}, "iteration": 3,
+            "global_step": 24, "tracker": {}}
+    assert P.restore_trainer_state(ckpt, args, optimizers, schedulers, gen, gen_dev, P.FixedKLController(0.1),
+                                   P.RunningMoments(), 0, 1)[0] == 4
+    assert "saved on another device type" in capsys.readouterr().out
+    state = gen_dev.get_state()
+    ckpt["rng"]["gen_dev"] = [state]  # the same device type: restored exactly
+    P.restore_trainer_state(ckpt, args, optimizers, schedulers, gen, torch.Generator(), P.FixedKLController(0.1),
+                            P.RunningMoments(), 0, 1)
+    assert "another device type" not in capsys.readouterr().out
