@@ -22,9 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import fcntl
 import fractions
-import hashlib
 import inspect
 import io
 import itertools
@@ -42,7 +40,6 @@ import threading
 import time
 import typing
 import warnings
-import zipfile
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
@@ -1443,7 +1440,7 @@ def warm_start(policy, tok, sample_rows, args: Args, device, autocast=contextlib
 
 
 def main(args: Args) -> dict:
-    with Run(args) as run:  # signals, torchrun, run directory and its lock, logging, one-line errors (plumbing)
+    with Run(args) as run:  # signals, torchrun, run directory, logging, one-line errors (plumbing)
         rank, world, device, ckpt = run.rank, run.world, run.device, run.ckpt
         random.seed(args.seed)
         torch.manual_seed(args.seed)
@@ -1655,12 +1652,12 @@ def write_failure(error: Optional[BaseException]) -> Optional[str]:
 class Run:
     """main()'s run context, from its first line to its last: signal handlers (SIGTERM / SIGINT are recorded, then
     honoured where nothing is half-written: before training, after an iteration, in an evaluation), the process
-    group, the run directory and its lock, TensorBoard / wandb and the progress line, and the one-line ends: bad
+    group, the run directory, TensorBoard / wandb and the progress line, and the one-line ends: bad
     input (exit 2), a refused write (exit 1), a signal before training (exit 0; a new run directory is removed). Its
     end puts back the handlers it found (__main__'s SIG_IGN: a signal at exit cannot make a clean stop exit 143)."""
 
     def __init__(self, args: Args):
-        self.args, self.signals, self.ckpt, self.dir, self.lock, self.writer = args, [], None, None, None, None
+        self.args, self.signals, self.ckpt, self.dir, self.writer = args, [], None, None, None
         self.created = self.training = self.eval_stopped = False  # made the run dir; the loop began; eval stopped
         self.warned_clip = False  # (said once: many responses hit --response-length)
         self.checkpoint, self.written = args.resume, None  # the last checkpoint; the last one this process wrote
@@ -1696,8 +1693,6 @@ class Run:
             kept = ("" if not error.checkpoint else " (the previous checkpoint is kept)" if self.checkpoint
                     else " (no checkpoint was written)")
             print(f"error: cannot write {error.what}: {error.why}{kept}", file=sys.stderr)
-        if self.lock is not None:
-            os.close(self.lock)  # (the OS releases it too, even after kill -9)
         if self.created and not self.training and kind is not None:  # a run directory with nothing of value
             shutil.rmtree(self.dir, ignore_errors=True)
         if self.world > 1:
@@ -1731,8 +1726,8 @@ class Run:
             raise Stop
 
     def open_dir(self) -> None:
-        """The run directory, locked against other processes until the run ends: a resumed run's own, or a new one
-        that rank 0 makes under a name no other run has (<task>__<exp>__<seed>__<time>, then -2, -3, ...)."""
+        """The run directory: a resumed run's own, or a new one that rank 0 makes under a name no other run has
+        (<task>__<exp>__<seed>__<time>, then -2, -3, ...)."""
         args, path, error = self.args, os.path.dirname(os.path.abspath(self.args.resume or ".")), None
         if self.ckpt is None and self.rank == 0:
             task = "sort" if args.dataset is None else os.path.splitext(os.path.basename(args.dataset))[0]
@@ -1747,17 +1742,6 @@ class Run:
                 except OSError as e:
                     error = f"cannot create run directory {path}: {e.strerror}"
                     break
-        if self.rank == 0 and error is None:
-            try:
-                self.lock = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                os.ftruncate(self.lock, 0), os.write(self.lock, str(os.getpid()).encode())
-            except BlockingIOError:
-                error = (f"run directory {path} is in use by another process (pid "
-                         f"{os.read(self.lock, 32).decode(errors='replace').strip() or '?'}): wait for it to end or "
-                         "stop it first")
-            except OSError as e:
-                error = f"cannot write in run directory {path}: {e.strerror}"
         path, error = gather_objects((path, error), self.world)[0]
         if error is not None:
             die(error)
@@ -2065,8 +2049,7 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
     """Atomic: the models go to a new checkpoint-<iteration>/ directory, then checkpoint.pt, which names that
     directory, is replaced in one rename (the commit point); older checkpoint-* directories are removed after.
     A kill at any moment leaves a checkpoint.pt whose models are complete; a write the file system refuses removes
-    what this save wrote and raises WriteError on every rank. checkpoint.pt holds the sha256 of every file of the
-    model directories (load_checkpoint compares). Under torchrun every rank calls it (FSDP2 shards are
+    what this save wrote and raises WriteError on every rank. Under torchrun every rank calls it (FSDP2 shards are
     gathered into full tensors) and rank 0 writes. With LoRA (ref is AdaptersOff) policy/ (and a LoRA critic/)
     holds the adapters (peft's save_pretrained) and ref/ the base model they go on."""
     sub, path = f"checkpoint-{iteration}", os.path.join(run_dir, "checkpoint.pt")
@@ -2106,8 +2089,7 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
                 # gen: tasks and shuffles (the same on every rank); gen_dev: token sampling on CUDA / torchrun, per rank
                 "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state(), "gen_dev": dev_states},
                 "args": dataclasses.asdict(args), "kl_coef": kl_ctrl.value, "reward_running": running.state_dict(),
-                "tracker": tracker, "format": CHECKPOINT_FORMAT,
-                "files": model_file_digests(run_dir, [sub] + ["ref"] * has_ref)}  # (the models' files, as written)
+                "tracker": tracker, "format": CHECKPOINT_FORMAT}
             target = path
             with open(path + ".tmp", "wb") as f:  # (into a file object: a refused write raises from its OSError)
                 torch.save(state, f)
@@ -2146,169 +2128,29 @@ _READ: dict = {}  # the last checkpoint read: parse_args reads it for the saved 
 
 
 def load_checkpoint(path: str) -> dict:
-    """checkpoint.pt, read once per process and checked before anything uses it: the CRCs of its zip records
-    (torch.load skips them), its model directories and the sha256 of their files, its entries (state_problem)."""
+    """checkpoint.pt, read once per process (parse_args reads the saved arguments, main() gets the same dict). One that
+    does not load, is another script's, lacks an entry that main() reads or a model directory next to it is one line,
+    exit 2; states that do not fit the models are checkpoint_fits'."""
     if not os.path.isfile(path):
         die(f"--resume: no such file {path}")
     key = (os.path.abspath(path), os.stat(path).st_mtime_ns, os.stat(path).st_size)
     if _READ.get("key") != key:
         try:
-            with zipfile.ZipFile(path) as z:
-                damaged = z.testzip()  # (a flipped bit in a stored tensor would load and resume silently)
-            ckpt = None if damaged else torch.load(path, map_location="cpu", weights_only=True)
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001
             die(f"cannot read checkpoint {path}: {reason(e)}")
-        if damaged is not None:
-            die(f"checkpoint {path} is damaged (record {damaged!r} fails its CRC check)")
         if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
             die(f"{path} is not a {SCRIPT} checkpoint "
                 f"(script={ckpt.get('script') if isinstance(ckpt, dict) else None})")
-        problem = state_problem(ckpt, os.path.dirname(path))
-        if problem:
-            die(f"checkpoint {path}: {problem}")
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # (the files are read once per machine; its rank 0 says it)
-            problem = damaged_file(ckpt, os.path.dirname(path))
-            if problem:
-                die(f"checkpoint {path}: {problem}", alone=True)
+        missing = [k for k in ("model", "optimizer", "scheduler", "global_step", "iteration", "rng", "args", "kl_coef",
+                               "reward_running", "tracker") if k not in ckpt]
+        if missing:
+            die(f"checkpoint {path}: no {', '.join(missing)}")
+        for d in (ckpt["model"].get(m) for m in ("policy", "ref", "critic")):
+            if d and not os.path.isdir(os.path.join(os.path.dirname(path), d)):
+                die(f"checkpoint {path}: model directory {d}/ next to it is missing")
         _READ.update(key=key, ckpt=ckpt)
     return _READ["ckpt"]
-
-
-def state_problem(ckpt: dict, run_dir: str) -> Optional[str]:
-    """What is missing, of another type or out of range in a checkpoint's trainer state (an edited file, say), or
-    None: its model directories next to it, every entry against the layout save_checkpoint writes (schema_problem),
-    one optimizer and one scheduler state per trained model, counts and statistics in range, its saved arguments of
-    their fields' types."""
-    model = ckpt["model"] if isinstance(ckpt.get("model"), dict) else {}
-    for d in (model.get(m) for m in ("policy", "ref", "critic")):
-        if isinstance(d, str) and d and not any(os.path.isfile(os.path.join(run_dir, d, f))
-                                                for f in ("config.json", "adapter_config.json")):  # (LoRA: adapters)
-            return f"model directory {d}/ next to it is missing"
-    rng = torch.get_rng_state()  # (the size of a CPU generator's state)
-    problem = schema_problem(ckpt, {
-        "model": {"policy": str, "ref": str, "critic": str, "value_head": dict[str, torch.Tensor]},
-        "optimizer": [{"state": dict, "param_groups": [{"params": [int]}]}],
-        "scheduler": [{"last_epoch": int, "base_lrs": [float]}], "global_step": int, "iteration": int,
-        "rng": {"torch": rng, "gen": rng, "gen_dev?": [Optional[torch.Tensor]]}, "args": dict, "kl_coef": float,
-        "reward_running": {"mean": float, "var": float, "count": float},
-        "tracker": {"curve?": [(int, float, float)], "rollout?": [(int, float)]},  # [iteration, accuracies]
-        "format?": int, "files?": dict[str, str]})
-    if problem:
-        return problem
-    trained = ["policy"] + ["critic"] * bool(model["critic"]) + ["value head"] * bool(model["value_head"])
-    for key in ("optimizer", "scheduler"):
-        if len(ckpt[key]) != len(trained):
-            return f"{key} holds {len(ckpt[key])} states for the {len(trained)} trained models ({', '.join(trained)})"
-    running = ckpt["reward_running"]
-    for key, value, ok in [("iteration", ckpt["iteration"], ckpt["iteration"] >= 1),
-                           ("global_step", ckpt["global_step"], ckpt["global_step"] >= 0),
-                           ("kl_coef", ckpt["kl_coef"], math.isfinite(ckpt["kl_coef"])),
-                           ("reward_running.mean", running["mean"], math.isfinite(running["mean"])),
-                           ("reward_running.var", running["var"], 0 <= running["var"] < math.inf),
-                           ("reward_running.count", running["count"], 0 < running["count"] < math.inf)]:
-        if not ok:
-            return f"{key} is {value!r}, out of range"
-    hints = typing.get_type_hints(Args, include_extras=True)
-    for f in dataclasses.fields(Args):  # every saved argument of its field's type (then validate() as given)
-        if f.name in ckpt["args"] and not fits(ckpt["args"][f.name], hints[f.name]):
-            return f"args.{f.name} is {ckpt['args'][f.name]!r:.40}, not {type_text(hints[f.name])}"
-    return None
-
-
-def schema_problem(value, schema, where: str = "") -> Optional[str]:
-    """What in value does not fit schema, or None. A schema is a dict of key -> schema (a key ending in "?" may be
-    missing), [schema] (a list of such items), (hint, hint, ...) (a list of that many values of those types), a
-    tensor (a tensor of its shape) or a type hint (fits)."""
-    def at(key):
-        return f"{where}.{key}" if where else str(key)
-    if isinstance(schema, dict):
-        if not isinstance(value, dict):
-            return f"{where} is {value!r:.40}, not a dict"
-        for key, item in schema.items():
-            name = key.rstrip("?")
-            problem = (schema_problem(value[name], item, at(name)) if name in value
-                       else None if key.endswith("?") else f"no {at(name)!r}")
-            if problem:
-                return problem
-        return None
-    if isinstance(schema, list) and not isinstance(value, list):
-        return f"{where} is {value!r:.40}, not a list"
-    if isinstance(schema, tuple) and not (isinstance(value, (list, tuple)) and len(value) == len(schema)):
-        return f"{where} is {value!r:.40}, not [{', '.join(map(type_text, schema))}]"
-    if isinstance(schema, (list, tuple)):
-        for i, (item, hint) in enumerate(zip(value, itertools.repeat(schema[0]) if isinstance(schema, list)
-                                             else schema)):
-            problem = schema_problem(item, hint, f"{where}[{i}]")
-            if problem:
-                return problem
-        return None
-    if torch.is_tensor(schema):
-        return None if torch.is_tensor(value) and value.shape == schema.shape else (
-            f"{where} is not a tensor of {schema.numel()} bytes")
-    return None if fits(value, schema) else f"{where} is {value!r:.40}, not {type_text(schema)}"
-
-
-def fits(value, hint) -> bool:
-    """Whether value is of the type hint: int (no bool), float (int too), bool, str, list, dict, a class, Optional,
-    Literal, dict[K, V]."""
-    hint = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
-    if typing.get_origin(hint) in (Literal, typing.Union):
-        parts = typing.get_args(hint)
-        return value in parts if typing.get_origin(hint) is Literal else any(fits(value, h) for h in parts)
-    if typing.get_origin(hint) is dict:
-        key, item = typing.get_args(hint)
-        return isinstance(value, dict) and all(fits(k, key) and fits(v, item) for k, v in value.items())
-    if typing.get_origin(hint) is list:
-        return isinstance(value, list) and all(fits(v, typing.get_args(hint)[0]) for v in value)
-    kinds = {float: (int, float)}.get(hint, hint)
-    return isinstance(value, kinds) and (hint is bool or not isinstance(value, bool))
-
-
-def type_text(hint) -> str:
-    hint = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
-    if typing.get_origin(hint) in (Literal, typing.Union):
-        parts = typing.get_args(hint)
-        return ("one of " + ", ".join(parts) if typing.get_origin(hint) is Literal
-                else " or ".join(map(type_text, parts)))
-    if typing.get_origin(hint) is dict:
-        return "a dict of " + ": ".join(h.__name__ for h in typing.get_args(hint))
-    return "None" if hint is type(None) else ("an " if hint is int else "a ") + hint.__name__
-
-
-_DIGESTS: dict = {}  # (path, inode, size, mtime) -> sha256 of the file: ref/, written once a run, is read once
-
-
-def file_sha256(path: str, reuse: bool = False) -> str:
-    """The file's sha256 (hex); reuse: the one found before if the file has not changed since (size, mtime)."""
-    st = os.stat(path)
-    key = (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
-    if not reuse or key not in _DIGESTS:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        _DIGESTS[key] = digest.hexdigest()
-    return _DIGESTS[key]
-
-
-def model_file_digests(run_dir: str, dirs: list[str]) -> dict[str, str]:
-    """sha256 of every file in run_dir's model directories dirs, by its path relative to run_dir (what checkpoint.pt
-    stores: safetensors files carry no checksum of their own). ref/ does not change after its first save."""
-    return {os.path.relpath(os.path.join(root, name), run_dir).replace(os.sep, "/"):
-            file_sha256(os.path.join(root, name), reuse=d == "ref")
-            for d in dirs for root, _, names in os.walk(os.path.join(run_dir, d)) for name in sorted(names)}
-
-
-def damaged_file(ckpt: dict, run_dir: str) -> Optional[str]:
-    """Which file of the checkpoint's model directories is missing or differs from the sha256 saved with it; None
-    where all are as saved (or the checkpoint predates the digests)."""
-    for name, digest in ckpt.get("files", {}).items():
-        path = os.path.join(run_dir, name)
-        if not os.path.isfile(path):
-            return f"{name} next to it is missing"
-        if file_sha256(path) != digest:
-            return f"{name} next to it is damaged or changed since it was saved (its sha256 differs)"
-    return None
 
 
 @contextlib.contextmanager

@@ -1270,11 +1270,16 @@ def test_foreign_corrupt_and_incomplete_checkpoints_are_rejected(tmp_path, capsy
     (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
     d = tmp_path / "run"
     d.mkdir()  # a ppo_llm.py checkpoint whose model directories are gone
-    torch.save({"script": "ppo_llm.py", "model": {"policy": "checkpoint-3/policy", "ref": "ref", "critic": ""}},
-               d / "checkpoint.pt")
+    keys = ("optimizer", "scheduler", "global_step", "iteration", "rng", "args", "kl_coef", "reward_running", "tracker")
+    torch.save({"script": "ppo_llm.py", "model": {"policy": "checkpoint-9/policy", "ref": "ref", "critic": ""},
+                **dict.fromkeys(keys, {})}, d / "checkpoint.pt")
+    (d / "checkpoint-3" / "policy").mkdir(parents=True)
+    torch.save({"script": "ppo_llm.py", "model": {"policy": "checkpoint-3/policy", "ref": "", "critic": ""}},
+               d / "partial.pt")  # (an entry main() reads is missing)
     for path, needle in [(tmp_path / "foreign.pt", "not a ppo_llm.py checkpoint"),
+                         (d / "partial.pt", "no optimizer, scheduler, global_step, iteration, rng, args"),
                          (tmp_path / "corrupt.pt", "cannot read checkpoint"),
-                         (d / "checkpoint.pt", "model directory checkpoint-3/policy/ next to it is missing")]:
+                         (d / "checkpoint.pt", "model directory checkpoint-9/policy/ next to it is missing")]:
         with pytest.raises(SystemExit) as e:
             P.parse_args(["--resume", str(path)])
         assert e.value.code == 2
@@ -1464,8 +1469,6 @@ def test_a_resumed_critic_that_does_not_load_is_one_line_error(tmp_path, capsys)
     state = torch.load(part["checkpoint"], weights_only=True)
     with open(os.path.join(part["run_dir"], state["model"]["critic"], "model.safetensors"), "wb") as f:
         f.write(b"\x08" + b"\x00" * 7)
-    del state["files"]  # (as written before the sha256 digests, which find the damage first: they are tested below)
-    torch.save(state, part["checkpoint"])
     err = one_line_exit(capsys, 2, P.main, P.parse_args(["--resume", part["checkpoint"]]))
     assert f"cannot load a critic from {os.path.join(part['run_dir'], state['model']['critic'])}: " in err
 
@@ -1535,28 +1538,6 @@ def test_runs_started_in_the_same_second_get_directories_of_their_own(tmp_path, 
     name = "sort__ppo_llm__1__1700000000"
     assert dirs == [str(tmp_path / name), str(tmp_path / f"{name}-2"), str(tmp_path / f"{name}-3")]
     assert all(os.path.isfile(os.path.join(d, "checkpoint.pt")) for d in dirs)
-
-
-def test_a_run_directory_another_process_holds_is_refused(tmp_path, capsys):
-    import fcntl
-
-    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1"]))
-    before = sorted(os.listdir(part["run_dir"])), os.stat(part["checkpoint"]).st_mtime_ns
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
-                               "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
-                               "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, str(os.getpid()).encode())\n"
-                               "print('held', flush=True); time.sleep(60)",
-                               os.path.join(part["run_dir"], ".lock")], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "held\n"
-        err = one_line_exit(capsys, 2, P.main, P.parse_args(["--resume", part["checkpoint"]]))
-    finally:
-        holder.kill()
-        holder.wait()
-    assert f"run directory {part['run_dir']} is in use by another process (pid {holder.pid}): wait for it" in err
-    assert (sorted(os.listdir(part["run_dir"])), os.stat(part["checkpoint"]).st_mtime_ns) == before
-    with open(os.path.join(part["run_dir"], ".lock")) as f:  # released at the end: another process may take it
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def disk_full(after_bytes: int):
@@ -1649,103 +1630,12 @@ def test_a_full_disk_under_tensorboard_is_one_line_without_a_thread_traceback(tm
     assert err == f"error: cannot write the TensorBoard events in {tmp_path / run}: No space left on device"
 
 
-def flip_a_bit_in_a_tensor(path):
-    """One bit of the largest stored tensor flipped in place; returns its record's name."""
-    import struct
-    import zipfile
-
-    with zipfile.ZipFile(path) as z:
-        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    data = bytearray(open(path, "rb").read())
-    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
-    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x10  # (records are stored)
-    open(path, "wb").write(bytes(data))
-    return info.filename
-
-
-@pytest.fixture(scope="module")
-def stopped_run(tmp_path_factory):
-    """A run stopped after its first iteration (--critic separate): its directory, to be copied and damaged."""
-    path = tmp_path_factory.mktemp("stopped")
-    return P.main(P.parse_args([*TINY, "--runs-dir", str(path), "--stop-after", "1"]))["run_dir"]
-
-
-@pytest.mark.parametrize("edit,needle", [
-    ("flip", "is damaged (record '{record}' fails its CRC check)"),
-    (lambda c: c["args"].update(n="abc"), "args.n is 'abc', not an int"),
-    (lambda c: c["args"].update(adv_estimator="vtrace"), "args.adv_estimator is 'vtrace', not one of gae, grpo"),
-    (lambda c: c["args"].update(reward_clip="1"), "args.reward_clip is '1', not a float or None"),
-    (lambda c: c.update(args=list(c["args"])), "args is ['num_iterations',"),
-    (lambda c: c.pop("iteration"), "no 'iteration'"),
-    (lambda c: c["rng"].pop("torch"), "no 'rng.torch'"),
-    (lambda c: c["rng"].update(torch=c["rng"]["torch"][:100]), "rng.torch is not a tensor of 5056 bytes"),
-    (lambda c: c.update(global_step="16"), "global_step is '16', not an int"),
-    # each entry of the trainer state against the layout that save_checkpoint writes
-    (lambda c: c.update(format="2"), "format is '2', not an int"),
-    (lambda c: c["tracker"].update(rollout=3), "tracker.rollout is 3, not a list"),
-    (lambda c: c["tracker"].update(curve="x"), "tracker.curve is 'x', not a list"),
-    (lambda c: c["tracker"]["curve"].append([1, "x"]), "tracker.curve[1] is [1, 'x'], not [an int, a float, a float]"),
-    (lambda c: c.update(optimizer=["a", "b"]), "optimizer[0] is 'a', not a dict"),
-    (lambda c: c.update(scheduler=[]), "scheduler holds 0 states for the 2 trained models (policy, critic)"),
-    (lambda c: c["optimizer"].pop(), "optimizer holds 1 states for the 2 trained models (policy, critic)"),
-    (lambda c: c["rng"].update(gen_dev="abc"), "rng.gen_dev is 'abc', not a list"),
-    (lambda c: c.update(iteration=-3), "iteration is -3, out of range"),
-    (lambda c: c.update(kl_coef=float("nan")), "kl_coef is nan, out of range"),
-    (lambda c: c["reward_running"].update(count=-5.0), "reward_running.count is -5.0, out of range"),
-    (lambda c: c["files"].update({"checkpoint-1/policy/model.safetensors": "0" * 64}),
-     "checkpoint-1/policy/model.safetensors next to it is damaged or changed since it was saved"),
-    # the models' files: safetensors has no checksum of its own; checkpoint.pt holds their sha256
-    ("flip checkpoint-1/policy/model.safetensors",
-     "checkpoint-1/policy/model.safetensors next to it is damaged or changed since it was saved (its sha256 differs)"),
-    ("flip ref/model.safetensors", "ref/model.safetensors next to it is damaged or changed since it was saved"),
-    ("remove checkpoint-1/critic/model.safetensors", "checkpoint-1/critic/model.safetensors next to it is missing"),
-])
-def test_a_damaged_or_edited_checkpoint_is_one_line_error(stopped_run, tmp_path, capsys, edit, needle):
-    import shutil
-
-    run = shutil.copytree(stopped_run, tmp_path / "run")
-    path = str(run / "checkpoint.pt")
-    if edit == "flip":
-        import zipfile
-
-        needle = needle.format(record=flip_a_bit_in_a_tensor(path))
-        assert zipfile.ZipFile(path).testzip() is not None
-        torch.load(path, weights_only=True)  # what the check guards against: torch.load takes it silently
-    elif isinstance(edit, str) and edit.startswith("flip "):
-        from transformers import AutoModelForCausalLM
-
-        model = run / edit.split()[1]
-        data = bytearray(model.read_bytes())
-        data[len(data) // 2] ^= 0x10  # one bit of a stored weight
-        model.write_bytes(bytes(data))
-        AutoModelForCausalLM.from_pretrained(model.parent)  # what the check guards against: it loads silently
-    elif isinstance(edit, str):  # remove FILE
-        os.remove(run / edit.split()[1])
-    else:
-        state = torch.load(path, weights_only=True)
-        edit(state)
-        torch.save(state, path)
-    err = one_line_exit(capsys, 2, P.parse_args, ["--resume", path])
-    assert needle in err and err.startswith(f"error: checkpoint {path}"), err
-
-
 def test_a_checkpoint_is_read_once_per_process(tmp_path, monkeypatch):
     part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1"]))
     loads, real = [], torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
     P.main(P.parse_args(["--resume", part["checkpoint"]]))
     assert loads == [part["checkpoint"]]
-
-
-def test_types_of_saved_arguments_against_their_fields():
-    hints = __import__("typing").get_type_hints(P.Args, include_extras=True)
-    for value, field, ok in [(3, "n", True), (3.0, "n", False), (True, "n", False), ("3", "n", False),
-                             (1, "lr", True), (0.5, "lr", True), (True, "lr", False), (None, "target_kl", True),
-                             (True, "cuda", True), (1, "cuda", False), ("grpo", "adv_estimator", True),
-                             ("GRPO", "adv_estimator", False), (None, "loss_type", True), ("actor", "loss_type", True),
-                             ("x", "loss_type", False), (None, "use_critic_model", True), (None, "exp_name", False)]:
-        assert P.fits(value, hints[field]) is ok, (value, field)
-    assert P.type_text(hints["target_kl"]) == "a float or None" and P.type_text(hints["n"]) == "an int"
 
 
 def test_the_non_finite_stop_says_when_no_checkpoint_was_written(tmp_path, monkeypatch, capsys):
@@ -2138,8 +2028,6 @@ def test_what_the_models_become_is_checked_before_the_run_directory_and_the_warm
     state = torch.load(part["checkpoint"], weights_only=True)
     (tmp_path / "lora" / os.path.basename(part["run_dir"]) / state["model"]["policy"] / "adapter_config.json"
      ).write_text("{not json")
-    del state["files"]  # (as written before the sha256 digests, which would find the change first)
-    torch.save(state, part["checkpoint"])
     calls = []
     monkeypatch.setattr(P, "warm_start", lambda *a, **k: calls.append("warm start"))
     monkeypatch.setattr(P.Run, "open_dir", lambda self: calls.append("run directory"))
