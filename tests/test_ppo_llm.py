@@ -657,7 +657,7 @@ def readme_option_rows():
             for name in re.findall(r"`([a-z_.]+)`", cell):
                 if name in ("critic.optim.lr", "model.path", "reward_model.model.path", "custom_reward_function.path",
                             "custom_reward_function.name", "rollout.val_kwargs.n",
-                            "rollout.val_kwargs.temperature"):  # the documented exceptions
+                            "rollout.val_kwargs.temperature", "critic.loss_agg_mode"):  # the documented exceptions
                     continue
                 keep_prefix = name.startswith(("kl_ctrl.", "algorithm.kl_ctrl.", "data.train_batch_size"))
                 names.append(name.removeprefix("algorithm.") if keep_prefix else name.split(".")[-1])
