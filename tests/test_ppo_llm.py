@@ -1491,7 +1491,9 @@ def test_ctrl_c_before_training_stops_cleanly_and_leaves_no_run_directory(tmp_pa
     time.sleep(1.0)  # (in the warm-start)
     os.killpg(p.pid, signal.SIGINT)  # as a terminal's Ctrl-C
     out, err = p.communicate(timeout=120)
-    assert p.returncode == 0 and err == "" and out == "stopped before training (SIGINT); nothing written\n", (out, err)
+    lines = out.splitlines()  # (the warm start's first line, then the stop; nothing else)
+    assert p.returncode == 0 and err == "" and lines[-1] == "stopped before training (SIGINT); nothing written", (out, err)
+    assert all(line.startswith("warm") for line in lines[:-1]), out
     assert os.listdir(tmp_path) == []
 
 
@@ -2454,3 +2456,21 @@ def test_a_sampling_generator_saved_on_another_device_type_is_reseeded(tiny_copy
     P.restore_trainer_state(ckpt, args, optimizers, schedulers, gen, torch.Generator(), P.FixedKLController(0.1),
                             P.RunningMoments(), 0, 1)
     assert "another device type" not in capsys.readouterr().out
+
+
+def test_the_throughput_benchmark_writes_its_contract(tmp_path):
+    """benchmarks/llm_throughput.py --preset tiny --device cpu --estimators ... --paths ... --out PREFIX: PREFIX.json
+    holds per estimator and path the generation / HF generate / training tokens/s and the peak GPU memory (null on
+    the CPU), with device, torch and date; PREFIX.md the table (small sizes here)."""
+    out = tmp_path / "llm"
+    res = subprocess.run([sys.executable, os.path.join(os.path.dirname(SCRIPT), "benchmarks", "llm_throughput.py"),
+                          "--preset", "tiny", "--device", "cpu", "--estimators", "grpo", "--paths", "eager",
+                          "--iterations", "2", "--vocab-size", "99", "--rollout-batch-size", "4", "--n", "2",
+                          "--response-length", "4", "--micro-batch-size", "4", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = json.loads((tmp_path / "llm.json").read_text())
+    row = data["results"]["grpo"]["eager"]
+    assert all(row[k] > 0 for k in ("gen_tokens_per_s", "hf_generate_tokens_per_s", "train_tokens_per_s"))
+    assert row["peak_gpu_mem_gib"] is None and data["torch"] == torch.__version__ and data["device"] and data["date"]
+    assert "| grpo | eager |" in (tmp_path / "llm.md").read_text()
