@@ -36,7 +36,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 import typing
 import warnings
@@ -1666,7 +1665,6 @@ class Run:
     def __enter__(self) -> Run:
         self.handlers = {s: signal.signal(s, lambda signum, frame: self.signals.append(signum))  # first of all
                          for s in (signal.SIGTERM, signal.SIGINT)}
-        self.hook, threading.excepthook = threading.excepthook, self._thread_error
         try:
             from transformers.utils import logging as hf_logging
 
@@ -1703,7 +1701,6 @@ class Run:
             dist.destroy_process_group()
         for sig, handler in self.handlers.items():
             signal.signal(sig, handler)
-        threading.excepthook = self.hook
         self.stack.close()
         if isinstance(error, WriteError):
             raise SystemExit(1) from None
@@ -1767,15 +1764,11 @@ class Run:
                                          "\n".join(f"|{k}|{v}|" for k, v in vars(self.args).items()))
             for k, v in scalars.items():
                 self.writer.add_scalar(k, v, step)
-        except OSError as e:  # (tensorboard's writer thread failed; _thread_error hides its traceback)
+        except OSError as e:  # (tensorboard's writer thread failed)
             raise self._events_error(e) from None
 
     def _events_error(self, e: OSError) -> WriteError:
         return WriteError(f"the TensorBoard events in {self.dir}", e.strerror or str(e))
-
-    def _thread_error(self, hook_args) -> None:
-        if type(hook_args.thread).__name__ != "_AsyncWriterThread":
-            self.hook(hook_args)
 
     def _close_writer(self, failed: bool) -> None:
         try:
@@ -1785,9 +1778,6 @@ class Run:
             if not failed:
                 raise self._events_error(e) from None
         finally:
-            for t in threading.enumerate():  # a failed writer thread ends before the hook that hides it is put back
-                if type(t).__name__ == "_AsyncWriterThread" and getattr(t, "exception", None) is not None:
-                    t.join(timeout=10)
             if self.args.track and self.writer is not None:
                 import wandb
 
