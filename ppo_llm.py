@@ -2030,7 +2030,6 @@ def compile_forward(model, backend: str = "inductor"):
 
 
 # --- Checkpoints: save_pretrained for policy, reference and critic + trainer state in checkpoint.pt; exact resume ---
-CHECKPOINT_FORMAT = 2  # 2: reward_norm and reward_clip in ROLL's forms (a resume of an older one says so)
 
 
 def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimizers, schedulers, args: Args,
@@ -2079,7 +2078,7 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
                 # gen: tasks and shuffles (the same on every rank); gen_dev: token sampling on CUDA / torchrun, per rank
                 "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state(), "gen_dev": dev_states},
                 "args": dataclasses.asdict(args), "kl_coef": kl_ctrl.value, "reward_running": running.state_dict(),
-                "tracker": tracker, "format": CHECKPOINT_FORMAT}
+                "tracker": tracker}
             target = path
             with open(path + ".tmp", "wb") as f:  # (into a file object: a refused write raises from its OSError)
                 torch.save(state, f)
@@ -2185,10 +2184,6 @@ def restore_trainer_state(ckpt: dict, args: Args, optimizers, schedulers, gen, g
         kl_ctrl.value = float(ckpt["kl_coef"])
         running.__dict__.update({k: float(ckpt["reward_running"][k]) for k in ("mean", "var", "count")})
     print(f"resumed {args.resume} at iteration {ckpt['iteration']}")
-    if ckpt.get("format", 1) < 2 and (args.reward_norm != "none" or args.reward_clip is not None):
-        print("note: this checkpoint has no format number, so it may predate ROLL's forms of --reward-norm "
-              "(the sample std; running: n - 1) and of --reward-clip (the token rewards too): the run goes on "
-              "with them")
     return ckpt["iteration"] + 1, ckpt["global_step"], {"curve": [], **ckpt["tracker"]}
 
 

@@ -986,19 +986,6 @@ def test_bf16_precision_runs_under_autocast_on_the_cpu(tmp_path, monkeypatch):
     assert seen and not any(on for on, _ in seen) and generated and not any(generated)
 
 
-def test_resume_of_a_checkpoint_older_than_the_reward_forms_says_so(tmp_path, capsys):
-    part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1", "--reward-norm", "batch"]))
-    ckpt = torch.load(part["checkpoint"], weights_only=True)
-    assert ckpt["format"] == P.CHECKPOINT_FORMAT == 2
-    capsys.readouterr()
-    P.main(P.parse_args(["--resume", part["checkpoint"], "--num-iterations", "1"]))  # nothing to train: a reload
-    assert "may predate" not in capsys.readouterr().out
-    del ckpt["format"]  # as written before the forms changed
-    torch.save(ckpt, part["checkpoint"])
-    P.main(P.parse_args(["--resume", part["checkpoint"], "--num-iterations", "1"]))
-    assert "note: this checkpoint has no format number, so it may predate ROLL's forms" in capsys.readouterr().out
-
-
 def test_local_model_dataset_reward_model_and_resume(tmp_path):
     from transformers import LlamaForSequenceClassification
 
