@@ -80,8 +80,7 @@ class Args:
     # Reward: the rule (verl custom_reward_function, TRL reward_funcs), normalisation and clipping of the scores
     # (ROLL), missing-EOS penalty
     reward_fn: Annotated[Optional[str], alias("--reward-funcs")] = None
-    """rule reward: exact, math (GSM8K/MATH) or FILE.py:NAME(prompt, response, answer, **columns), several
-    comma-separated (their weighted sum); None: exact, or the RM alone"""
+    """exact, math or FILE.py:NAME(prompt, response, answer, **columns); a,b: weighted sum; None: exact or RM alone"""
     reward_weights: Optional[list[float]] = None
     """weights of the --reward-fn functions in their sum (TRL reward_weights; None: 1 each)"""
     reward_norm: Literal["none", "batch", "group", "running", "null"] = "none"
@@ -216,8 +215,7 @@ class Args:
     critic_lora: bool = False
     """--critic separate: LoRA adapters (and its value head in full) on the critic too (off: a full model)"""
     sft_steps: Optional[Count] = None
-    """supervised warm start on the answers (None: 60 steps on the built-in task, none with --model-name-or-path or
-    --dataset)"""
+    """supervised warm-start steps on the answers (None: 60 on the built-in task, 0 on a user's model or dataset)"""
     sft_lr: float = 2.5e-4
     """warm-start learning rate (the default 2M model learns worse, not faster, from 1e-3 and up)"""
     sft_batch_size: Count = 64
