@@ -22,9 +22,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import fcntl
 import fractions
-import hashlib
+import inspect
 import io
 import itertools
 import json
@@ -37,11 +36,9 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 import typing
 import warnings
-import zipfile
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
@@ -52,7 +49,7 @@ import tyro
 
 SCRIPT = "ppo_llm.py"
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-KL_TYPES = ("kl", "abs", "mse", "low_var_kl", "full")
+KL_TYPES = ("kl", "abs", "mse", "low_var_kl", "full", "k1", "k2", "k3", "k1+", "k2+", "k3+")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -63,12 +60,12 @@ class Args:
     """PPO iterations (rollout + update)"""
     rollout_batch_size: Annotated[Count, alias("--train-batch-size", "--data.train-batch-size")] = 32
     """prompts per iteration (verl data.train_batch_size, ROLL rollout_batch_size)"""
-    n: Annotated[Count, alias("--group-size", "--num-return-sequences-in-group")] = 4
+    n: Annotated[Count, alias("--group-size", "--num-return-sequences-in-group", "--num-generations")] = 4
     """responses per prompt (verl rollout.n); under torchrun write --group-size (torchrun takes --n as its --nnodes)"""
     prompt_length: Annotated[Count, alias("--max-prompt-length")] = 16
-    """maximum prompt tokens (longer dataset prompts are dropped)"""
-    response_length: Annotated[Count, alias("--max-response-length")] = 8
-    """maximum response tokens"""
+    """maximum prompt tokens (longer dataset prompts are dropped and counted); a batch is padded to its longest"""
+    response_length: Annotated[Count, alias("--max-response-length", "--max-completion-length")] = 8
+    """maximum response tokens (8: the built-in task's five digits + EOS; a real task needs its own, e.g. 512)"""
     temperature: float = 1.0
     """sampling temperature; log-probs for training are computed with the same temperature"""
     top_p: float = 1.0
@@ -83,7 +80,9 @@ class Args:
     # Reward: the rule (verl custom_reward_function, TRL reward_funcs), normalisation and clipping of the scores
     # (ROLL), missing-EOS penalty
     reward_fn: Annotated[Optional[str], alias("--reward-funcs")] = None
-    """rule reward: exact, math (GSM8K/MATH) or FILE.py:NAME(prompt, response, answer); None: exact, or the RM alone"""
+    """exact, math or FILE.py:NAME(prompt, response, answer, **columns); a,b: weighted sum; None: exact or RM alone"""
+    reward_weights: Optional[list[float]] = None
+    """weights of the --reward-fn functions in their sum (TRL reward_weights; None: 1 each)"""
     reward_norm: Literal["none", "batch", "group", "running", "null"] = "none"
     """normalise scores over the batch, the prompt's group, or running statistics (ROLL; null: none)"""
     reward_shift: bool = False
@@ -113,8 +112,8 @@ class Args:
     # KL to the reference policy: a penalty in the reward (fixed or adaptive coefficient) and / or a loss
     use_kl_in_reward: Annotated[bool, alias("--add-token-level-kl")] = True
     """token reward -= kl_coef * kl(logp, ref_logp); off when --use-kl-loss is given alone (verl: one or the other)"""
-    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl", "full"] = "kl"
-    """KL estimator in the reward"""
+    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl", "full", "k1", "k2", "k3", "k1+", "k2+", "k3+"] = "kl"
+    """KL estimator in the reward (verl's names: k1 = kl, k2 = mse, k3 = low_var_kl; + forms: k2's gradient)"""
     kl_ctrl_type: Annotated[Literal["fixed", "adaptive"], alias("--kl-ctrl.type")] = "fixed"
     """in-reward KL coefficient: fixed, or adaptive towards target_kl"""
     init_kl_coef: Annotated[float, alias("--kl-ctrl.kl-coef", "--kl-coef")] = 0.001
@@ -127,15 +126,16 @@ class Args:
     """add kl_loss_coef * kl(logp, ref_logp) to the actor loss (GRPO style)"""
     kl_loss_coef: float = 0.001
     """coefficient of the KL loss"""
-    kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl", "full"] = "low_var_kl"
-    """KL estimator of the KL loss"""
+    kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl", "full", "k1", "k2", "k3", "k1+", "k2+", "k3+"] = \
+        "low_var_kl"
+    """KL estimator of the KL loss (k3+: the value of k3 with the gradient of k2, whose expected gradient is KL's)"""
 
     # Policy loss (verl compute_policy_loss, agg_loss)
-    clip_ratio: Annotated[Optional[float], alias("--pg-clip")] = None
+    clip_ratio: Annotated[Optional[float], alias("--pg-clip", "--epsilon", "--cliprange")] = None
     """sets clip_ratio_low and clip_ratio_high where those are not given (verl clip_ratio, ROLL pg_clip)"""
     clip_ratio_low: float = 0.2
     """ratio lower clip: 1 - clip_ratio_low"""
-    clip_ratio_high: float = 0.2
+    clip_ratio_high: Annotated[float, alias("--epsilon-high")] = 0.2
     """ratio upper clip: 1 + clip_ratio_high"""
     dual_clip_loss: bool = True
     """dual-clip PPO: for A < 0 the loss is at most -A * clip_ratio_c"""
@@ -159,22 +159,26 @@ class Args:
     huber_delta: Optional[float] = None
     """Huber loss with this delta instead of 0.5 * squared error (RLinf)"""
     vf_coef: float = 0.5
-    """value loss coefficient"""
+    """value loss coefficient of --critic shared (one loss on one trunk); a separate critic's loss is its own"""
+    critic_loss_agg_mode: Annotated[Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                                     "seq-mean-token-sum-norm"]],
+                                    alias("--critic.loss-agg-mode")] = None
+    """how the value loss's token losses become one number (verl critic.loss_agg_mode; None: --loss-agg-mode)"""
     critic_warmup: Count = 0
     """first N iterations update only the critic"""
 
     # Optimisation: epochs, minibatches of prompt groups, micro-batch accumulation, AdamW
-    ppo_epochs: Count = 1
+    ppo_epochs: Annotated[Count, alias("--num-ppo-epochs")] = 1
     """epochs over each rollout"""
     ppo_mini_batch_size: Count = 8
     """prompts per minibatch (each brings its n responses), as in verl"""
     micro_batch_size: Annotated[Count, alias("--ppo-micro-batch-size-per-gpu")] = 16
     """responses per forward/backward, accumulated; unless given, the largest size <= 16 that divides a minibatch"""
-    lr: float = 5e-5
-    """actor learning rate (AdamW)"""
+    lr: Annotated[float, alias("--learning-rate")] = 5e-5
+    """actor learning rate (AdamW; 5e-5 suits the built-in 2M model, 1e-6 is verl's for billions of parameters)"""
     critic_lr: float = 2.5e-4
-    """critic learning rate (AdamW; value head of the shared critic too)"""
-    lr_warmup_steps: Count = 5
+    """critic learning rate (AdamW; value head of the shared critic too; the built-in 2M model's, verl's is 1e-5)"""
+    lr_warmup_steps: Annotated[Count, alias("--warmup-steps")] = 5
     """linear learning-rate warm-up over this many optimizer steps"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
@@ -210,8 +214,8 @@ class Args:
     """modules that get adapters: all-linear (every linear layer but the output) or names, comma-separated"""
     critic_lora: bool = False
     """--critic separate: LoRA adapters (and its value head in full) on the critic too (off: a full model)"""
-    sft_steps: Count = 60
-    """warm-start: supervised steps on the task's answers before PPO (0: none); few, so the model is partly right"""
+    sft_steps: Optional[Count] = None
+    """supervised warm-start steps on the answers (None: 60 on the built-in task, 0 on a user's model or dataset)"""
     sft_lr: float = 2.5e-4
     """warm-start learning rate (the default 2M model learns worse, not faster, from 1e-3 and up)"""
     sft_batch_size: Count = 64
@@ -310,8 +314,9 @@ def prompt_token_ids(tok, prompt, chat: bool = False) -> list[int]:
 
 
 def encode_batch(tok, rows: list[dict], prompt_length: int, chat: bool = False):
-    return left_pad([prompt_token_ids(tok, r["prompt"], chat)[-prompt_length:] for r in rows], tok.pad_token_id,
-                    prompt_length)
+    """Prompts left-padded to the longest of these rows (at most prompt_length tokens: load_dataset drops longer
+    ones, as verl's filter_overlong_prompts; the last prompt_length tokens are kept otherwise)."""
+    return left_pad([prompt_token_ids(tok, r["prompt"], chat)[-prompt_length:] for r in rows], tok.pad_token_id)
 
 
 def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
@@ -416,10 +421,11 @@ def build_policy(args: Args, ckpt: Optional[dict], device):
     ref = None
     if ckpt is not None:
         tok = load_tokenizer(saved_model_dir(args, ckpt, "policy"), args.trust_remote_code)
-        if args.lora_rank:
-            policy = causal_lm(saved_model_dir(args, ckpt, "ref"))
-        else:
-            policy, ref = (causal_lm(saved_model_dir(args, ckpt, m)) for m in ("policy", "ref"))
+        if kl_reads_reference(args) and not args.lora_rank and not ckpt["model"]["ref"]:
+            die(f"--resume {args.resume}: the run had no KL term, so its checkpoint holds no reference model")
+        policy = causal_lm(saved_model_dir(args, ckpt, "ref" if args.lora_rank else "policy"))
+        if kl_reads_reference(args) and not args.lora_rank:
+            ref = causal_lm(saved_model_dir(args, ckpt, "ref"))
     elif args.model_name_or_path:
         tok = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
         policy = causal_lm(args.model_name_or_path)
@@ -473,7 +479,7 @@ def build_critic(args: Args, policy, ckpt: Optional[dict], device):
     critic, value_head, saved = None, None, saved_model_dir(args, ckpt, "critic")
     if args.critic == "separate":
         if args.critic_lora:  # the policy's trunk as PPO starts (on resume: ref/) + new or saved LoRA adapters
-            critic = with_lora(make_critic(policy), args, "TOKEN_CLS", saved)
+            critic = frozen_in_bf16(with_lora(make_critic(policy), args, "TOKEN_CLS", saved), args)
         else:
             critic = make_critic(policy) if ckpt is None else load_pretrained(
                 "a critic", saved, AutoModelForTokenClassification.from_pretrained, args.trust_remote_code)
@@ -487,18 +493,36 @@ def build_critic(args: Args, policy, ckpt: Optional[dict], device):
     return critic, value_head
 
 
+def kl_reads_reference(args: Args) -> bool:
+    """Whether a KL term (in the reward, or as a loss) reads the reference policy: without one it is not built."""
+    return args.use_kl_in_reward or args.use_kl_loss
+
+
 def reference_policy(args: Args, policy, ref, ckpt: Optional[dict], device):
-    """(policy, frozen reference). Without --lora-rank: the reference is a copy of the policy as PPO starts (on
-    resume the checkpoint's ref/). With it: LoRA adapters go on the policy (new, or the checkpoint's) and the
-    reference is the policy with them off (AdaptersOff)."""
+    """(policy, frozen reference or None where no KL term reads it). Without --lora-rank: the reference is a copy of
+    the policy as PPO starts (on resume the checkpoint's ref/). With it: LoRA adapters go on the policy (new, or the
+    checkpoint's) and the reference is the policy with them off (AdaptersOff). Frozen weights (the reference, the
+    LoRA base) are stored in bf16 in a bf16 run."""
     if not args.lora_rank:
-        return policy, disable_dropout(copy.deepcopy(policy) if ref is None else ref).to(device).eval().requires_grad_(
-            False)
+        if not kl_reads_reference(args):
+            return policy, None
+        ref = disable_dropout(copy.deepcopy(policy) if ref is None else ref).eval().requires_grad_(False)
+        return policy, frozen_in_bf16(ref, args).to(device)
     policy = disable_dropout(with_lora(policy, args, "CAUSAL_LM", saved_model_dir(args, ckpt, "policy"))).to(device)
     trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     print(f"LoRA: rank {args.lora_rank}, alpha {args.lora_alpha:g} on {args.lora_target_modules}: "
           f"{trained / 1e6:.3f}M trained parameters")
-    return policy, AdaptersOff(policy)
+    return frozen_in_bf16(policy, args), AdaptersOff(policy) if kl_reads_reference(args) else None
+
+
+def frozen_in_bf16(model, args: Args):
+    """A bf16 run (--precision): the parameters that are not trained (requires_grad False) stored in bf16, as
+    autocast would cast them at every forward; trained ones stay float32 (master weights). fp32 runs: unchanged."""
+    if use_bf16(args):
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
+    return model
 
 
 class AdaptersOff(nn.Module):
@@ -543,38 +567,47 @@ def lora_targets(args: Args):
 # --- Generation and scoring: left-padded prompts, KV-cache sampling, log-probs recomputed with the same temperature ---
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id, pad_id: int, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False, all_done=None, bf16: bool = False):
+             top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False, all_done=None, bf16: bool = False,
+             check_every: Optional[int] = None):
     """Batched sampling with KV cache; stops when every row has produced EOS (eos_id: one id or a list of stop ids).
-    Returns (B, max_new_tokens) tokens, pad after EOS. all_done(done) -> bool: whether every rank is done (FSDP2: each
-    forward is a collective, so all ranks take the same number of steps). bf16: under bf16 autocast (--precision)."""
-    B = prompt_ids.shape[0]
-    stop_ids = torch.as_tensor(eos_id, device=prompt_ids.device)  # (on the device once, not once a token)
+    Returns (B, L) tokens, pad after EOS, L <= max_new_tokens: up to the step where the last row ended. Only the last
+    position's logits are computed (logits_to_keep). Whether all rows are done is asked every check_every tokens (a
+    host sync on a GPU; default 8 there, 1 on the CPU); the steps after the last EOS are cut off. all_done(done) ->
+    bool: whether every rank is done (FSDP2: each forward is a collective, so all ranks take the same number of
+    steps). bf16: under bf16 autocast (--precision)."""
+    B, device = prompt_ids.shape[0], prompt_ids.device
+    check_every = check_every or (1 if device.type == "cpu" else 8)
+    stop_ids = torch.as_tensor(eos_id, device=device)  # (on the device once, not once a token)
     was_training = model.training
     model.eval()  # KV cache on (HF turns it off in training mode under gradient checkpointing)
-    mask = prompt_mask.clone()
-    pos = position_ids_from(mask)
+    mask = F.pad(prompt_mask, (0, max_new_tokens), value=1)  # (the response columns, as the steps reach them)
+    P = prompt_ids.shape[1]
+    pos = position_ids_from(prompt_mask)
+    tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
     # bf16 autocast as in scoring and training (the log-probs used in the loss are recomputed there)
-    with torch.autocast(prompt_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
-        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True,
+                    logits_to_keep=1)
         next_pos = pos[:, -1:] + 1
-        done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
-        tokens = []
-        for _ in range(max_new_tokens):
+        for t in range(max_new_tokens):
             tok = sample_token(out.logits[:, -1], temperature, top_p, top_k, gen, greedy)
-            tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-            tokens.append(tok)
-            done |= is_stop(tok, stop_ids)
-            if bool(done.all()) if all_done is None else all_done(done):
+            tokens[:, t] = tok.masked_fill(done, pad_id)
+            done |= is_stop(tokens[:, t], stop_ids)
+            if t + 1 == max_new_tokens or (t + 1) % check_every == 0 and (
+                    bool(done.all()) if all_done is None else all_done(done)):
                 break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                        past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=tokens[:, t:t + 1], attention_mask=mask[:, :P + t + 1], position_ids=next_pos,
+                        past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
             next_pos = next_pos + 1
     model.train(was_training)
-    resp = torch.stack(tokens, dim=1)
-    if resp.shape[1] < max_new_tokens:
-        resp = F.pad(resp, (0, max_new_tokens - resp.shape[1]), value=pad_id)
-    return resp
+    return trim_responses(tokens[:, :t + 1], eos_id)
+
+
+def trim_responses(responses: torch.Tensor, stops) -> torch.Tensor:
+    """Responses cut after the column where the longest one ends (its stop token, or the last column)."""
+    length = response_mask_from(responses, stops).sum(-1).max() if responses.numel() else 0
+    return responses[:, :max(int(length), 1)]
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen, greedy: bool = False):
@@ -589,8 +622,17 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: 
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return sample_categorical(logits.softmax(-1), gen)
+
+
+def sample_categorical(probs: torch.Tensor, gen=None) -> torch.Tensor:
+    """One index per row drawn with probability probs (B, V), by inverting the cumulative sum at one uniform number
+    per row: torch.multinomial's distribution without its cost over 10^5 tokens (one random number per row, not per
+    token, on the CPU). A token of probability 0 is never drawn."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(cdf.shape[:-1] + (1,), generator=gen, device=probs.device, dtype=torch.float64) * cdf[..., -1:]
+    last = torch.searchsorted(cdf, cdf[..., -1:].contiguous())  # (the last token of probability > 0)
+    return torch.minimum(torch.searchsorted(cdf, u, right=True), last).squeeze(-1)
 
 
 def is_stop(tokens: torch.Tensor, stops) -> torch.Tensor:
@@ -628,61 +670,94 @@ def position_ids_from(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def sample_responses(policy, tok, rows: list[dict], args: Args, stops, gen, device, all_done=None):
+def sample_responses(policy, tok, rows: list[dict], args: Args, stops, gen, device, all_done=None, world: int = 1):
     """The rollout's responses to rows' prompts, generated in chunks of --rollout-micro-batch-size (every rank runs
     the same number of chunks). Returns responses (B, R) on the CPU and [prompt | response] ids and attention mask
-    (B, Lp + R) on the device. The policy is left in eval mode, for scoring."""
+    (B, Lp + R) on the device: Lp the longest prompt of the batch, R the longest response (of all ranks under
+    torchrun), not the limits. The policy is left in eval mode, for scoring."""
     policy.eval()
     p_ids, p_mask = encode_batch(tok, rows, args.prompt_length, args.apply_chat_template)
     size = args.rollout_micro_batch_size or p_ids.shape[0]
-    resp = torch.cat([generate(policy, p_ids[s:s + size].to(device), p_mask[s:s + size].to(device),
-                               args.response_length, stops, tok.pad_token_id, args.temperature, args.top_p,
-                               args.top_k, gen, all_done=all_done, bf16=use_bf16(args)).cpu()
-                      for s in range(0, p_ids.shape[0], size)])
+    chunks = [generate(policy, p_ids[s:s + size].to(device), p_mask[s:s + size].to(device), args.response_length,
+                       stops, tok.pad_token_id, args.temperature, args.top_p, args.top_k, gen, all_done=all_done,
+                       bf16=use_bf16(args)).cpu() for s in range(0, p_ids.shape[0], size)]
+    R = max(c.shape[1] for c in chunks)
+    R = max(gather_objects(R, world)) if world > 1 else R  # (the ranks gather (B, R) tensors)
+    resp = torch.cat([F.pad(c, (0, R - c.shape[1]), value=tok.pad_token_id) for c in chunks])
     attn = torch.cat([p_mask, response_mask_from(resp, stops)], 1)
     return resp, torch.cat([p_ids, resp], 1).to(device), attn.to(device)
 
 
 def model_forward(model, input_ids, attention_mask, resp_len: int, temperature: float, shared_value_head=None,
-                  full: bool = False, entropy: bool = False):
+                  full: bool = False, entropy: bool = False, entropy_grad: bool = False):
     """One forward over [prompt | response]: per response token the log-prob (logits / temperature), optionally
-    entropy, the full log-distribution (kl type 'full') and the shared-trunk value. Logit at t predicts token t+1."""
+    entropy (with gradients only if entropy_grad), the full log-distribution (kl type 'full') and the shared-trunk
+    value. Logit at t predicts token t+1. Logits are computed for the response positions alone (logits_to_keep),
+    and no float32 (B, R, V) is made beyond what the backward needs (token_logprobs)."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
-                use_cache=False, output_hidden_states=shared_value_head is not None)
-    logits = out.logits[:, -resp_len - 1:-1].float() / temperature
-    logp_all = logits.log_softmax(-1)
-    res = {"logp": logp_all.gather(-1, input_ids[:, -resp_len:, None]).squeeze(-1)}
+                use_cache=False, output_hidden_states=shared_value_head is not None, logits_to_keep=resp_len + 1)
+    logits = out.logits[:, :-1]
+    logits = logits / temperature if temperature != 1.0 else logits
+    res = {"logp": token_logprobs(logits, input_ids[:, -resp_len:])}
     if entropy:
-        res["entropy"] = -(logp_all.exp() * logp_all).sum(-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            res["entropy"] = in_row_chunks(entropy_from_logits, logits)
     if full:
-        res["logp_all"] = logp_all
+        res["logp_all"] = logits.float().log_softmax(-1)
     if shared_value_head is not None:  # the head in fp32 (outside bf16 autocast) on the trunk's last hidden state
         with torch.autocast(input_ids.device.type, enabled=False):
             res["values"] = shared_value_head(out.hidden_states[-1][:, -resp_len - 1:-1].float()).squeeze(-1)
     return res
 
 
+def in_row_chunks(fn, logits: torch.Tensor, *more, elements: int = 1 << 25):
+    """fn(logits[rows], *more[rows]) over chunks of rows of at most `elements` logits each, concatenated: without
+    gradients the float32 temporaries then take (chunk, R, V), not (B, R, V). With gradients, one call (autograd
+    keeps what the backward needs anyway)."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return fn(logits, *more)
+    rows = max(1, elements // max(1, logits[0].numel()))
+    return torch.cat([fn(logits[s:s + rows], *(m[s:s + rows] for m in more)) for s in range(0, len(logits), rows)])
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] in float32, as logit - logsumexp: no float32 log-distribution (B, R, V) is made
+    (in bf16 the float32 copy of the logits is the one the logsumexp's backward keeps)."""
+    def f(x, t):
+        return x.gather(-1, t[..., None]).squeeze(-1).float() - torch.logsumexp(x.float(), -1)
+    return in_row_chunks(f, logits, tokens)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) in float32: logsumexp(x) - sum softmax(x) * x."""
+    x = logits.float()
+    return torch.logsumexp(x, -1) - (x.softmax(-1) * x).sum(-1)
+
+
 def critic_values(critic, input_ids, attention_mask, resp_len: int):
     """V(s_t) for the state before each response token (same alignment as the logits)."""
     out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask))
-    return out.logits[:, -resp_len - 1:-1, 0].float()
+    return out.logits[:, -resp_len - 1:-1, 0].float()  # ((B, T, 1): one value per position, no vocabulary)
 
 
 @torch.no_grad()
-def score_responses(policy, ref, critic, value_head, ids, attn, args: Args, autocast=contextlib.nullcontext):
-    """Per response token: old log-probs (the policy that sampled), reference log-probs, values (critic or shared
-    head; None without) and, with --kl-penalty full, the exact KL over the vocabulary; on the CPU. Forwards of
+def score_responses(policy, ref, critic, value_head, ids, attn, R: int, args: Args, autocast=contextlib.nullcontext):
+    """Per response token: old log-probs (the policy that sampled), reference log-probs (None without a reference:
+    no KL term reads it), values (critic or shared head; None without) and, with --kl-penalty full, the exact KL over
+    the vocabulary; on the CPU. ids: [prompt | response], R = the responses' width. Forwards of
     --logprob-forward-micro-batch-size responses (default --micro-batch-size: the update's, so the first ratio is
     exactly 1)."""
-    R, full, size = args.response_length, args.kl_penalty == "full", (args.logprob_forward_micro_batch_size
-                                                                     or args.micro_batch_size)
+    R, full, size = R, args.kl_penalty == "full" and ref is not None, (args.logprob_forward_micro_batch_size
+                                                                      or args.micro_batch_size)
     old_logp, ref_logp, values, kl_full = [], [], [], []
     with autocast():
         for s in range(0, ids.shape[0], size):
             sl = slice(s, s + size)
             o = model_forward(policy, ids[sl], attn[sl], R, args.temperature, value_head, full=full)
-            r = model_forward(ref, ids[sl], attn[sl], R, args.temperature, full=full)
-            old_logp.append(o["logp"]), ref_logp.append(r["logp"])  # (to the host once, after the loop)
+            old_logp.append(o["logp"])  # (to the host once, after the loop)
+            if ref is not None:
+                r = model_forward(ref, ids[sl], attn[sl], R, args.temperature, full=full)
+                ref_logp.append(r["logp"])
             if full:  # the (B, R, V) distributions are not kept
                 kl_full.append(kl_penalty(o["logp_all"], r["logp_all"], "full"))
             if args.critic == "shared":
@@ -775,8 +850,33 @@ def math_reward(response: str, answer: Optional[str]) -> float:
     return float(a == b if a is not None and b is not None else got == ref)
 
 
-REWARD_RULES = {"exact": lambda prompt, response, answer: rule_reward(response, answer),
-                "math": lambda prompt, response, answer: math_reward(response, answer)}
+REWARD_RULES = {"exact": lambda prompt, response, answer, **columns: rule_reward(response, answer),
+                "math": lambda prompt, response, answer, **columns: math_reward(response, answer)}
+
+
+def weighted_sum(fns: list, weights: list[float]):
+    """One reward function: the weighted sum of fns' scores (TRL's reward_funcs and reward_weights), each given the
+    columns its signature takes (all with **kwargs, as TRL passes a dataset's columns)."""
+    def takes(fn):
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            return None  # (all)
+        return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    accepted = [takes(fn) for fn in fns]
+
+    def total(prompt, response, answer, **columns):
+        score = 0.0
+        for fn, w, names in zip(fns, weights, accepted):
+            kw = columns if names is None else {k: v for k, v in columns.items() if k in names}
+            value = fn(prompt, response, answer, **kw)
+            if finite_number(value) is None:
+                return value  # (rule_scores says which)
+            score += w * float(value)
+        return score
+    return total
 
 
 def rule_scores(fn, rows: list[dict], texts: list[str], name: str) -> tuple[torch.Tensor, Optional[str]]:
@@ -786,7 +886,7 @@ def rule_scores(fn, rows: list[dict], texts: list[str], name: str) -> tuple[torc
     scores = []
     for row, text in zip(rows, texts):
         try:
-            value = fn(row["prompt"], text, row["answer"])
+            value = fn(row["prompt"], text, row["answer"], **row.get("columns", {}))
         except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's function: what it raises stops the run
             return torch.zeros(len(rows)), f"--reward-fn {name} raised {reason(e)} on the prompt {row['prompt']!r:.80}"
         score = finite_number(value)
@@ -935,7 +1035,13 @@ def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> tor
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """verl core_algos.kl_penalty, per token. 'full' takes log-distributions (..., V) and sums over the vocabulary."""
+    """verl core_algos.kl_penalty, per token. 'full' takes log-distributions (..., V) and sums over the vocabulary.
+    k1 / k2 / k3 are verl's names of kl / mse / low_var_kl; a trailing + is verl's straight-through form: the value
+    of the estimator, the gradient of k2."""
+    if kind.endswith("+"):
+        k2 = 0.5 * (logp - ref_logp).square()
+        return k2 - k2.detach() + kl_penalty(logp, ref_logp, kind[:-1]).detach()
+    kind = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}.get(kind, kind)
     if kind == "kl":  # k1
         return logp - ref_logp
     if kind == "abs":
@@ -970,6 +1076,13 @@ class AdaptiveKLController:
 
 
 # --- Advantages and returns: GAE, or critic-free group / REINFORCE++ estimators; whitening ---------------------------
+def group_all_equal(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """Per prompt group of n responses (consecutive), whether all their scores are equal (a group-relative advantage
+    is then 0 for all of them)."""
+    groups = scores.view(-1, n)
+    return groups.max(-1).values == groups.min(-1).values
+
+
 def masked_mean(x, mask, dim=None):
     return (x * mask).sum() / mask.sum().clamp(min=1) if dim is None else (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
@@ -1190,7 +1303,8 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
         with autocast():
             if update_actor or args.critic == "shared":  # (a separate critic's warm-up needs no policy forward)
                 out = model_forward(policy, m["input_ids"], m["attention_mask"], R, args.temperature,
-                                    value_head if args.critic == "shared" else None, full=need_full, entropy=True)
+                                    value_head if args.critic == "shared" else None, full=need_full, entropy=True,
+                                    entropy_grad=args.entropy_coeff != 0)
             if update_actor:
                 pg, stats = policy_loss(out["logp"], m["old_logp"], m["advantages"], mask, args.clip_ratio_low,
                                         args.clip_ratio_high, args.dual_clip_loss, args.clip_ratio_c,
@@ -1209,15 +1323,20 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
                     kl_loss = agg_loss(kl, mask, args.loss_agg_mode, **agg)
                     loss = loss + args.kl_loss_coef * kl_loss
                     stats["kl_loss"] = kl_loss.detach()
-            if args.critic != "none":
-                v = out["values"] if args.critic == "shared" else critic_values(critic, m["input_ids"],
-                                                                                m["attention_mask"], R)
-                vl, vstats = value_loss(v, m["values"], m["returns"], mask, args.value_clip, args.huber_delta,
-                                        args.loss_agg_mode, **agg)
+            if args.critic == "shared":  # one loss on one trunk: one backward
+                vl, vstats = value_loss(out["values"], m["values"], m["returns"], mask, args.value_clip,
+                                        args.huber_delta, args.critic_loss_agg_mode or args.loss_agg_mode, **agg)
                 loss = loss + args.vf_coef * vl
                 stats.update(value_loss=vl.detach(), **vstats)
         if loss.requires_grad:
             loss.backward()
+        if args.critic == "separate":  # its own loss (no vf_coef, as verl's critic), forward and backward
+            with autocast():
+                v = critic_values(critic, m["input_ids"], m["attention_mask"], R)
+                vl, vstats = value_loss(v, m["values"], m["returns"], mask, args.value_clip, args.huber_delta,
+                                        args.critic_loss_agg_mode or args.loss_agg_mode, **agg)
+            vl.backward()
+            stats.update(value_loss=vl.detach(), **vstats)
         for k, val in stats.items():  # losses add up over micro-batches; ratios/fractions are averaged
             val = val.float() if k in ("policy_loss", "entropy", "kl_loss", "value_loss") else val.float() / n_micro
             sums[k] = sums[k] + val if k in sums else val
@@ -1274,12 +1393,22 @@ def build_optimizers(args: Args, policy, critic, value_head):
 
 
 # --- Warm start (supervised, before PPO) and the training loop -------------------------------------------------------
+def sft_steps(args: Args) -> int:
+    """--sft-steps, or its default: 60 on the built-in task, none on a user's model or data."""
+    if args.sft_steps is not None:
+        return args.sft_steps
+    return 0 if args.model_name_or_path or args.dataset else 60
+
+
 def warm_start(policy, tok, sample_rows, args: Args, device, autocast=contextlib.nullcontext, stop=None) -> None:
-    """Supervised fine-tuning on answers + EOS (a short phase: the model ends partly right), in the run's precision.
-    stop() -> bool: a signal came (asked every 10 steps: a collective under torchrun; the run then ends)."""
+    """Supervised fine-tuning on answers + EOS (a short phase: the model ends partly right), in the run's precision,
+    with a progress line every ~5 s. stop() -> bool: a signal came (asked every 10 steps: a collective under
+    torchrun; the run then ends)."""
     opt = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr)
     policy.train()
-    for step in range(args.sft_steps):
+    steps, t0, last = sft_steps(args), time.time(), time.time()
+    print(f"warm start: {steps} supervised steps on the answers (--sft-steps)", flush=True)
+    for step in range(steps):
         if stop is not None and step % 10 == 0 and stop():
             return
         rows = sample_rows(args.sft_batch_size)
@@ -1300,12 +1429,15 @@ def warm_start(policy, tok, sample_rows, args: Args, device, autocast=contextlib
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if (step + 1) % 100 == 0 or step + 1 == args.sft_steps:
-            print(f"warm-start step {step + 1}/{args.sft_steps}  loss={loss.item():.3f}")
+        now = time.time()
+        if now - last >= 5.0 or step + 1 == steps:
+            last, eta = now, (now - t0) / (step + 1) * (steps - step - 1)
+            print(f"warm-start step {step + 1}/{steps}  loss={loss.item():.3f}  eta={eta_text(eta)}", flush=True)
+    print(f"warm start done in {time.time() - t0:.1f}s")
 
 
 def main(args: Args) -> dict:
-    with Run(args) as run:  # signals, torchrun, run directory and its lock, logging, one-line errors (plumbing)
+    with Run(args) as run:  # signals, torchrun, run directory, logging, one-line errors (plumbing)
         rank, world, device, ckpt = run.rank, run.world, run.device, run.ckpt
         random.seed(args.seed)
         torch.manual_seed(args.seed)
@@ -1320,17 +1452,16 @@ def main(args: Args) -> dict:
 
         # The reward rule, the models and the task, all checked before anything is written or trained (bad input
         # leaves no run directory)
-        reward_fn = load_reward_fn(args.reward_fn)  # exact, math or the user's FILE.py:NAME, imported once
+        reward_fn = load_reward_fn(args.reward_fn, args.reward_weights)  # exact, math or FILE.py:NAME, imported once
         tok, policy, ref, stops = build_policy(args, ckpt, device)
         sample_rows, eval_rows, has_answers = build_task(args, tok, gen, world)
         rm, rm_tok = load_reward_model(args, tok, device)
         run.check_stop()
         run.open_dir()
-        if ckpt is None and args.sft_steps > 0 and has_answers:
-            t0 = time.time()
+        # The built-in task's supervised warm start (a user's model gets one only with --sft-steps)
+        if ckpt is None and sft_steps(args) > 0 and has_answers:
             warm_start(policy, tok, sample_rows, args, device, autocast, run.stop_requested)
             run.check_stop()
-            print(f"warm-start done in {time.time() - t0:.1f}s")
         critic, value_head = build_critic(args, policy, ckpt, device)
         # the frozen KL reference: a copy of the policy as PPO starts, or (--lora-rank) the policy's base model, with
         # the LoRA adapters that are trained put on the policy here
@@ -1370,11 +1501,12 @@ def main(args: Args) -> dict:
             t0 = time.time()
             rows = [r for r in sample_rows(args.rollout_batch_size) for _ in range(args.n)]
             rows = rows[rank * len(rows) // world:(rank + 1) * len(rows) // world]
-            resp, ids, attn = sample_responses(policy, tok, rows, args, stops, gen_dev, device, all_done)
+            resp, ids, attn = sample_responses(policy, tok, rows, args, stops, gen_dev, device, all_done, world)
             t_gen = time.time() - t0
-            old_logp, ref_logp, values, kl_full = score_responses(policy, ref, critic, value_head, ids, attn, args,
-                                                                  autocast)
+            old_logp, ref_logp, values, kl_full = score_responses(policy, ref, critic, value_head, ids, attn,
+                                                                  resp.shape[1], args, autocast)
             maskf = response_mask_from(resp, stops).float()
+            ref_logp = old_logp if ref_logp is None else ref_logp  # (no reference: no KL term reads it)
             values = values * maskf if values is not None else torch.zeros_like(old_logp)
 
             # Reward: each response's score (the rule, the reward model or their sum; the missing-EOS penalty), the
@@ -1421,19 +1553,25 @@ def main(args: Args) -> dict:
                 "rollout/reward_mean": raw.mean().item(), "rollout/reward_std": raw.std().item(),
                 "rollout/score_mean": scores.mean().item(), "charts/episodic_return": raw.mean().item(),
                 "charts/episodic_length": lengths.mean().item(), "response/length_mean": lengths.mean().item(),
-                "response/eos_frac": eos.mean().item(), "kl/kl_mean": seq_kl, "kl/kl_coef": kl_ctrl.value,
+                "response/eos_frac": eos.mean().item(), "response/clip_ratio": 1 - eos.mean().item(),
+                "rollout/groups_all_equal_frac": group_all_equal(raw, args.n).float().mean().item(),
+                **({"kl/kl_mean": seq_kl, "kl/kl_coef": kl_ctrl.value} if ref is not None else {}),
                 "losses/explained_variance": explained_variance(values, returns, batch["response_mask"].cpu())
                 if args.critic != "none" else float("nan"),  # (this rank's rows)
                 "losses/first_minibatch_approx_kl": first.get("approx_kl", 0.0),
                 "charts/learning_rate": schedulers[0].get_last_lr()[0],
                 "perf/gen_tokens_per_s": n_tok / max(t_gen, 1e-9),
                 "perf/train_tokens_per_s": n_tok * args.ppo_epochs / max(t_train, 1e-9),
+                **({"perf/peak_gpu_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+                   if device.type == "cuda" else {}),
                 **{f"rollout/{k}_mean": all_gather_cat(v, world).mean().item() for k, v in parts.items()},
                 **{f"losses/{k}": v for k, v in stats.items()}}
             if has_answers:  # (accuracy is the rule's: none for a reward model's prompts without answers)
                 metrics["rollout/accuracy"] = correct.mean().item()
                 tracker.setdefault("rollout", []).append([iteration, metrics["rollout/accuracy"]])
-            run.log_iteration(iteration, global_step, metrics)  # TensorBoard, charts/SPS, the progress line
+            samples = [{"iteration": iteration, "prompt": r["prompt"], "response": t, "reward": float(x)}
+                       for r, t, x in zip(rows[::args.n][:4], texts[::args.n][:4], raw[::args.n][:4])]
+            run.log_iteration(iteration, global_step, metrics, samples)  # TensorBoard, samples, the progress line
             if iteration % args.eval_every == 0 or iteration == args.num_iterations:
                 run.evaluate(policy, tok, eval_rows, reward_fn, stops, iteration, global_step, tracker, all_done)
             stop = args.stop_after and iteration - start_iteration + 1 >= args.stop_after
@@ -1511,20 +1649,20 @@ def write_failure(error: Optional[BaseException]) -> Optional[str]:
 class Run:
     """main()'s run context, from its first line to its last: signal handlers (SIGTERM / SIGINT are recorded, then
     honoured where nothing is half-written: before training, after an iteration, in an evaluation), the process
-    group, the run directory and its lock, TensorBoard / wandb and the progress line, and the one-line ends: bad
+    group, the run directory, TensorBoard / wandb and the progress line, and the one-line ends: bad
     input (exit 2), a refused write (exit 1), a signal before training (exit 0; a new run directory is removed). Its
     end puts back the handlers it found (__main__'s SIG_IGN: a signal at exit cannot make a clean stop exit 143)."""
 
     def __init__(self, args: Args):
-        self.args, self.signals, self.ckpt, self.dir, self.lock, self.writer = args, [], None, None, None, None
+        self.args, self.signals, self.ckpt, self.dir, self.writer = args, [], None, None, None
         self.created = self.training = self.eval_stopped = False  # made the run dir; the loop began; eval stopped
+        self.warned_clip = False  # (said once: many responses hit --response-length)
         self.checkpoint, self.written = args.resume, None  # the last checkpoint; the last one this process wrote
         self.rank, self.world, self.start, self.stack = 0, 1, time.time(), contextlib.ExitStack()
 
     def __enter__(self) -> Run:
         self.handlers = {s: signal.signal(s, lambda signum, frame: self.signals.append(signum))  # first of all
                          for s in (signal.SIGTERM, signal.SIGINT)}
-        self.hook, threading.excepthook = threading.excepthook, self._thread_error
         try:
             from transformers.utils import logging as hf_logging
 
@@ -1551,8 +1689,6 @@ class Run:
             kept = ("" if not error.checkpoint else " (the previous checkpoint is kept)" if self.checkpoint
                     else " (no checkpoint was written)")
             print(f"error: cannot write {error.what}: {error.why}{kept}", file=sys.stderr)
-        if self.lock is not None:
-            os.close(self.lock)  # (the OS releases it too, even after kill -9)
         if self.created and not self.training and kind is not None:  # a run directory with nothing of value
             shutil.rmtree(self.dir, ignore_errors=True)
         if self.world > 1:
@@ -1563,7 +1699,6 @@ class Run:
             dist.destroy_process_group()
         for sig, handler in self.handlers.items():
             signal.signal(sig, handler)
-        threading.excepthook = self.hook
         self.stack.close()
         if isinstance(error, WriteError):
             raise SystemExit(1) from None
@@ -1586,8 +1721,8 @@ class Run:
             raise Stop
 
     def open_dir(self) -> None:
-        """The run directory, locked against other processes until the run ends: a resumed run's own, or a new one
-        that rank 0 makes under a name no other run has (<task>__<exp>__<seed>__<time>, then -2, -3, ...)."""
+        """The run directory: a resumed run's own, or a new one that rank 0 makes under a name no other run has
+        (<task>__<exp>__<seed>__<time>, then -2, -3, ...)."""
         args, path, error = self.args, os.path.dirname(os.path.abspath(self.args.resume or ".")), None
         if self.ckpt is None and self.rank == 0:
             task = "sort" if args.dataset is None else os.path.splitext(os.path.basename(args.dataset))[0]
@@ -1602,17 +1737,6 @@ class Run:
                 except OSError as e:
                     error = f"cannot create run directory {path}: {e.strerror}"
                     break
-        if self.rank == 0 and error is None:
-            try:
-                self.lock = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                os.ftruncate(self.lock, 0), os.write(self.lock, str(os.getpid()).encode())
-            except BlockingIOError:
-                error = (f"run directory {path} is in use by another process (pid "
-                         f"{os.read(self.lock, 32).decode(errors='replace').strip() or '?'}): wait for it to end or "
-                         "stop it first")
-            except OSError as e:
-                error = f"cannot write in run directory {path}: {e.strerror}"
         path, error = gather_objects((path, error), self.world)[0]
         if error is not None:
             die(error)
@@ -1638,15 +1762,11 @@ class Run:
                                          "\n".join(f"|{k}|{v}|" for k, v in vars(self.args).items()))
             for k, v in scalars.items():
                 self.writer.add_scalar(k, v, step)
-        except OSError as e:  # (tensorboard's writer thread failed; _thread_error hides its traceback)
+        except OSError as e:  # (tensorboard's writer thread failed)
             raise self._events_error(e) from None
 
     def _events_error(self, e: OSError) -> WriteError:
         return WriteError(f"the TensorBoard events in {self.dir}", e.strerror or str(e))
-
-    def _thread_error(self, hook_args) -> None:
-        if type(hook_args.thread).__name__ != "_AsyncWriterThread":
-            self.hook(hook_args)
 
     def _close_writer(self, failed: bool) -> None:
         try:
@@ -1656,9 +1776,6 @@ class Run:
             if not failed:
                 raise self._events_error(e) from None
         finally:
-            for t in threading.enumerate():  # a failed writer thread ends before the hook that hides it is put back
-                if type(t).__name__ == "_AsyncWriterThread" and getattr(t, "exception", None) is not None:
-                    t.join(timeout=10)
             if self.args.track and self.writer is not None:
                 import wandb
 
@@ -1668,18 +1785,36 @@ class Run:
         self.training, self.start, self.steps_at_start, self.first, self.last_print = (True, time.time(), global_step,
                                                                                        None, 0.0)
 
-    def log_iteration(self, iteration: int, global_step: int, m: dict) -> None:
-        """An iteration's scalars, with charts/SPS (this process's steps per second), and every ~5 s (and on the first
-        and the last iteration) the progress line, which ends with the time left at the current speed."""
+    def log_iteration(self, iteration: int, global_step: int, m: dict, samples: list = ()) -> None:
+        """An iteration's scalars, with charts/SPS (this process's steps per second); its sample completions
+        (prompt, response, reward) to TensorBoard text samples/completions and to samples.jsonl in the run
+        directory; every ~5 s (and on the first and the last iteration) the progress line, which ends with the time
+        left at the current speed."""
         now, nan, self.first = time.time(), float("nan"), self.first or iteration
         m["charts/SPS"] = (global_step - self.steps_at_start) / max(now - self.start, 1e-9)
         self.log(m, global_step)
+        if self.rank == 0 and samples:
+            path = os.path.join(self.dir, "samples.jsonl")
+            try:
+                with open(path, "a", encoding="utf-8") as f:
+                    f.write("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in samples))
+            except OSError as e:
+                raise WriteError(path, e.strerror or str(e)) from None
+            cell = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+            if self.writer is not None:  # (made by self.log)
+                self.writer.add_text("samples/completions", "|prompt|response|reward|\n|-|-|-|\n" + "\n".join(
+                    f"|{cell(x['prompt'])}|{cell(x['response'])}|{x['reward']:g}|" for x in samples), global_step)
+        if m["response/clip_ratio"] > 0.5 and not self.warned_clip:
+            self.warned_clip = True
+            print(f"warning: {m['response/clip_ratio']:.0%} of the responses hit --response-length "
+                  f"{self.args.response_length} without EOS (cut off, scored as they are): a longer limit may suit "
+                  "this task", flush=True)
         if now - self.last_print >= 5.0 or iteration in (self.first, self.args.num_iterations):
             self.last_print = now
             per_iteration = (now - self.start) / (iteration - self.first + 1)  # (evaluations included)
             accuracy = f"acc={m['rollout/accuracy']:.3f}  " if "rollout/accuracy" in m else ""
             print(f"iter {iteration}/{self.args.num_iterations}  reward={m['rollout/reward_mean']:.3f}  {accuracy}"
-                  f"kl={m['kl/kl_mean']:.4f}  entropy={m.get('losses/entropy', nan):.3f}  "
+                  f"kl={m.get('kl/kl_mean', nan):.4f}  entropy={m.get('losses/entropy', nan):.3f}  "
                   f"len={m['response/length_mean']:.2f}  clipfrac={m.get('losses/clipfrac', 0.0):.3f}  "
                   f"vloss={m.get('losses/value_loss', nan):.4f}  gen_tok/s={m['perf/gen_tokens_per_s']:.0f}  "
                   f"train_tok/s={m['perf/train_tokens_per_s']:.0f}  "
@@ -1746,6 +1881,8 @@ def gpu_for_each_process() -> bool:
 def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
     """Rank, world size and device. Without torchrun (or with one process) no process group is created."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.cuda and args.torch_deterministic:  # (deterministic cuBLAS: set before its first call)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if world == 1:
         return 0, 1, torch.device("cuda" if args.cuda else "cpu")
     import torch.distributed as dist
@@ -1891,7 +2028,6 @@ def compile_forward(model, backend: str = "inductor"):
 
 
 # --- Checkpoints: save_pretrained for policy, reference and critic + trainer state in checkpoint.pt; exact resume ---
-CHECKPOINT_FORMAT = 2  # 2: reward_norm and reward_clip in ROLL's forms (a resume of an older one says so)
 
 
 def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimizers, schedulers, args: Args,
@@ -1900,14 +2036,13 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
     """Atomic: the models go to a new checkpoint-<iteration>/ directory, then checkpoint.pt, which names that
     directory, is replaced in one rename (the commit point); older checkpoint-* directories are removed after.
     A kill at any moment leaves a checkpoint.pt whose models are complete; a write the file system refuses removes
-    what this save wrote and raises WriteError on every rank. checkpoint.pt holds the sha256 of every file of the
-    model directories (load_checkpoint compares). Under torchrun every rank calls it (FSDP2 shards are
+    what this save wrote and raises WriteError on every rank. Under torchrun every rank calls it (FSDP2 shards are
     gathered into full tensors) and rank 0 writes. With LoRA (ref is AdaptersOff) policy/ (and a LoRA critic/)
     holds the adapters (peft's save_pretrained) and ref/ the base model they go on."""
     sub, path = f"checkpoint-{iteration}", os.path.join(run_dir, "checkpoint.pt")
-    write_ref = gather_objects(not os.path.isdir(os.path.join(run_dir, "ref")), world)[0]  # written once
+    lora, has_ref = bool(args.lora_rank), bool(args.lora_rank) or ref is not None  # (no KL term: no reference)
+    write_ref = has_ref and gather_objects(not os.path.isdir(os.path.join(run_dir, "ref")), world)[0]  # written once
     sd = {name: full_state(m.state_dict()) for name, m in (("policy", policy), ("critic", critic)) if m is not None}
-    lora = isinstance(ref, AdaptersOff)
     if write_ref:
         sd["ref"] = base_weights(policy) if lora else full_state(ref.state_dict())
     optim_states = [full_state(o.state_dict()) for o in optimizers]
@@ -1934,15 +2069,14 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
                 made.append(target)
             state = {
                 "script": SCRIPT, "env_id": "sort" if args.dataset is None else os.path.basename(args.dataset),
-                "model": {"policy": f"{sub}/policy", "ref": "ref",
+                "model": {"policy": f"{sub}/policy", "ref": "ref" if has_ref else "",
                           "critic": f"{sub}/critic" if critic is not None else "", "value_head": value_head_state},
                 "optimizer": optim_states, "scheduler": [s.state_dict() for s in schedulers],
                 "global_step": global_step, "iteration": iteration,
                 # gen: tasks and shuffles (the same on every rank); gen_dev: token sampling on CUDA / torchrun, per rank
                 "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state(), "gen_dev": dev_states},
                 "args": dataclasses.asdict(args), "kl_coef": kl_ctrl.value, "reward_running": running.state_dict(),
-                "tracker": tracker, "format": CHECKPOINT_FORMAT,
-                "files": model_file_digests(run_dir, [sub, "ref"])}  # (the models' files, as written)
+                "tracker": tracker}
             target = path
             with open(path + ".tmp", "wb") as f:  # (into a file object: a refused write raises from its OSError)
                 torch.save(state, f)
@@ -1981,167 +2115,29 @@ _READ: dict = {}  # the last checkpoint read: parse_args reads it for the saved 
 
 
 def load_checkpoint(path: str) -> dict:
-    """checkpoint.pt, read once per process and checked before anything uses it: the CRCs of its zip records
-    (torch.load skips them), its model directories and the sha256 of their files, its entries (state_problem)."""
+    """checkpoint.pt, read once per process (parse_args reads the saved arguments, main() gets the same dict). One that
+    does not load, is another script's, lacks an entry that main() reads or a model directory next to it is one line,
+    exit 2; states that do not fit the models are checkpoint_fits'."""
     if not os.path.isfile(path):
         die(f"--resume: no such file {path}")
     key = (os.path.abspath(path), os.stat(path).st_mtime_ns, os.stat(path).st_size)
     if _READ.get("key") != key:
         try:
-            with zipfile.ZipFile(path) as z:
-                damaged = z.testzip()  # (a flipped bit in a stored tensor would load and resume silently)
-            ckpt = None if damaged else torch.load(path, map_location="cpu", weights_only=True)
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001
             die(f"cannot read checkpoint {path}: {reason(e)}")
-        if damaged is not None:
-            die(f"checkpoint {path} is damaged (record {damaged!r} fails its CRC check)")
         if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
             die(f"{path} is not a {SCRIPT} checkpoint "
                 f"(script={ckpt.get('script') if isinstance(ckpt, dict) else None})")
-        problem = state_problem(ckpt, os.path.dirname(path))
-        if problem:
-            die(f"checkpoint {path}: {problem}")
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # (the files are read once per machine; its rank 0 says it)
-            problem = damaged_file(ckpt, os.path.dirname(path))
-            if problem:
-                die(f"checkpoint {path}: {problem}", alone=True)
+        missing = [k for k in ("model", "optimizer", "scheduler", "global_step", "iteration", "rng", "args", "kl_coef",
+                               "reward_running", "tracker") if k not in ckpt]
+        if missing:
+            die(f"checkpoint {path}: no {', '.join(missing)}")
+        for d in (ckpt["model"].get(m) for m in ("policy", "ref", "critic")):
+            if d and not os.path.isdir(os.path.join(os.path.dirname(path), d)):
+                die(f"checkpoint {path}: model directory {d}/ next to it is missing")
         _READ.update(key=key, ckpt=ckpt)
     return _READ["ckpt"]
-
-
-def state_problem(ckpt: dict, run_dir: str) -> Optional[str]:
-    """What is missing, of another type or out of range in a checkpoint's trainer state (an edited file, say), or
-    None: its model directories next to it, every entry against the layout save_checkpoint writes (schema_problem),
-    one optimizer and one scheduler state per trained model, counts and statistics in range, its saved arguments of
-    their fields' types."""
-    model = ckpt["model"] if isinstance(ckpt.get("model"), dict) else {}
-    for d in (model.get(m) for m in ("policy", "ref", "critic")):
-        if isinstance(d, str) and d and not any(os.path.isfile(os.path.join(run_dir, d, f))
-                                                for f in ("config.json", "adapter_config.json")):  # (LoRA: adapters)
-            return f"model directory {d}/ next to it is missing"
-    rng = torch.get_rng_state()  # (the size of a CPU generator's state)
-    problem = schema_problem(ckpt, {
-        "model": {"policy": str, "ref": str, "critic": str, "value_head": dict[str, torch.Tensor]},
-        "optimizer": [{"state": dict, "param_groups": [{"params": [int]}]}],
-        "scheduler": [{"last_epoch": int, "base_lrs": [float]}], "global_step": int, "iteration": int,
-        "rng": {"torch": rng, "gen": rng, "gen_dev?": [Optional[torch.Tensor]]}, "args": dict, "kl_coef": float,
-        "reward_running": {"mean": float, "var": float, "count": float},
-        "tracker": {"curve?": [(int, float, float)], "rollout?": [(int, float)]},  # [iteration, accuracies]
-        "format?": int, "files?": dict[str, str]})
-    if problem:
-        return problem
-    trained = ["policy"] + ["critic"] * bool(model["critic"]) + ["value head"] * bool(model["value_head"])
-    for key in ("optimizer", "scheduler"):
-        if len(ckpt[key]) != len(trained):
-            return f"{key} holds {len(ckpt[key])} states for the {len(trained)} trained models ({', '.join(trained)})"
-    running = ckpt["reward_running"]
-    for key, value, ok in [("iteration", ckpt["iteration"], ckpt["iteration"] >= 1),
-                           ("global_step", ckpt["global_step"], ckpt["global_step"] >= 0),
-                           ("kl_coef", ckpt["kl_coef"], math.isfinite(ckpt["kl_coef"])),
-                           ("reward_running.mean", running["mean"], math.isfinite(running["mean"])),
-                           ("reward_running.var", running["var"], 0 <= running["var"] < math.inf),
-                           ("reward_running.count", running["count"], 0 < running["count"] < math.inf)]:
-        if not ok:
-            return f"{key} is {value!r}, out of range"
-    hints = typing.get_type_hints(Args, include_extras=True)
-    for f in dataclasses.fields(Args):  # every saved argument of its field's type (then validate() as given)
-        if f.name in ckpt["args"] and not fits(ckpt["args"][f.name], hints[f.name]):
-            return f"args.{f.name} is {ckpt['args'][f.name]!r:.40}, not {type_text(hints[f.name])}"
-    return None
-
-
-def schema_problem(value, schema, where: str = "") -> Optional[str]:
-    """What in value does not fit schema, or None. A schema is a dict of key -> schema (a key ending in "?" may be
-    missing), [schema] (a list of such items), (hint, hint, ...) (a list of that many values of those types), a
-    tensor (a tensor of its shape) or a type hint (fits)."""
-    def at(key):
-        return f"{where}.{key}" if where else str(key)
-    if isinstance(schema, dict):
-        if not isinstance(value, dict):
-            return f"{where} is {value!r:.40}, not a dict"
-        for key, item in schema.items():
-            name = key.rstrip("?")
-            problem = (schema_problem(value[name], item, at(name)) if name in value
-                       else None if key.endswith("?") else f"no {at(name)!r}")
-            if problem:
-                return problem
-        return None
-    if isinstance(schema, list) and not isinstance(value, list):
-        return f"{where} is {value!r:.40}, not a list"
-    if isinstance(schema, tuple) and not (isinstance(value, (list, tuple)) and len(value) == len(schema)):
-        return f"{where} is {value!r:.40}, not [{', '.join(map(type_text, schema))}]"
-    if isinstance(schema, (list, tuple)):
-        for i, (item, hint) in enumerate(zip(value, itertools.repeat(schema[0]) if isinstance(schema, list)
-                                             else schema)):
-            problem = schema_problem(item, hint, f"{where}[{i}]")
-            if problem:
-                return problem
-        return None
-    if torch.is_tensor(schema):
-        return None if torch.is_tensor(value) and value.shape == schema.shape else (
-            f"{where} is not a tensor of {schema.numel()} bytes")
-    return None if fits(value, schema) else f"{where} is {value!r:.40}, not {type_text(schema)}"
-
-
-def fits(value, hint) -> bool:
-    """Whether value is of the type hint: int (no bool), float (int too), bool, str, list, dict, a class, Optional,
-    Literal, dict[K, V]."""
-    hint = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
-    if typing.get_origin(hint) in (Literal, typing.Union):
-        parts = typing.get_args(hint)
-        return value in parts if typing.get_origin(hint) is Literal else any(fits(value, h) for h in parts)
-    if typing.get_origin(hint) is dict:
-        key, item = typing.get_args(hint)
-        return isinstance(value, dict) and all(fits(k, key) and fits(v, item) for k, v in value.items())
-    kinds = {float: (int, float)}.get(hint, hint)
-    return isinstance(value, kinds) and (hint is bool or not isinstance(value, bool))
-
-
-def type_text(hint) -> str:
-    hint = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
-    if typing.get_origin(hint) in (Literal, typing.Union):
-        parts = typing.get_args(hint)
-        return ("one of " + ", ".join(parts) if typing.get_origin(hint) is Literal
-                else " or ".join(map(type_text, parts)))
-    if typing.get_origin(hint) is dict:
-        return "a dict of " + ": ".join(h.__name__ for h in typing.get_args(hint))
-    return "None" if hint is type(None) else ("an " if hint is int else "a ") + hint.__name__
-
-
-_DIGESTS: dict = {}  # (path, inode, size, mtime) -> sha256 of the file: ref/, written once a run, is read once
-
-
-def file_sha256(path: str, reuse: bool = False) -> str:
-    """The file's sha256 (hex); reuse: the one found before if the file has not changed since (size, mtime)."""
-    st = os.stat(path)
-    key = (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
-    if not reuse or key not in _DIGESTS:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        _DIGESTS[key] = digest.hexdigest()
-    return _DIGESTS[key]
-
-
-def model_file_digests(run_dir: str, dirs: list[str]) -> dict[str, str]:
-    """sha256 of every file in run_dir's model directories dirs, by its path relative to run_dir (what checkpoint.pt
-    stores: safetensors files carry no checksum of their own). ref/ does not change after its first save."""
-    return {os.path.relpath(os.path.join(root, name), run_dir).replace(os.sep, "/"):
-            file_sha256(os.path.join(root, name), reuse=d == "ref")
-            for d in dirs for root, _, names in os.walk(os.path.join(run_dir, d)) for name in sorted(names)}
-
-
-def damaged_file(ckpt: dict, run_dir: str) -> Optional[str]:
-    """Which file of the checkpoint's model directories is missing or differs from the sha256 saved with it; None
-    where all are as saved (or the checkpoint predates the digests)."""
-    for name, digest in ckpt.get("files", {}).items():
-        path = os.path.join(run_dir, name)
-        if not os.path.isfile(path):
-            return f"{name} next to it is missing"
-        if file_sha256(path) != digest:
-            return f"{name} next to it is damaged or changed since it was saved (its sha256 differs)"
-    return None
 
 
 @contextlib.contextmanager
@@ -2177,14 +2173,15 @@ def restore_trainer_state(ckpt: dict, args: Args, optimizers, schedulers, gen, g
         gen.set_state(ckpt["rng"]["gen"])
         dev_states = ckpt["rng"].get("gen_dev") or [None]  # one per rank
         if gen_dev is not gen and len(dev_states) == world and dev_states[rank] is not None:
-            gen_dev.set_state(dev_states[rank])
+            if dev_states[rank].numel() == gen_dev.get_state().numel():
+                gen_dev.set_state(dev_states[rank])
+            else:  # (a CUDA generator's state in a CPU run, or the reverse: they do not convert)
+                gen_dev.manual_seed(args.seed + 1_000_003 * rank + ckpt["iteration"])
+                print(f"note: rank {rank}'s sampling generator was saved on another device type; it continues from a "
+                      "new seed (the run is not the one an uninterrupted run would have been)")
         kl_ctrl.value = float(ckpt["kl_coef"])
         running.__dict__.update({k: float(ckpt["reward_running"][k]) for k in ("mean", "var", "count")})
     print(f"resumed {args.resume} at iteration {ckpt['iteration']}")
-    if ckpt.get("format", 1) < 2 and (args.reward_norm != "none" or args.reward_clip is not None):
-        print("note: this checkpoint has no format number, so it may predate ROLL's forms of --reward-norm "
-              "(the sample std; running: n - 1) and of --reward-clip (the token rewards too): the run goes on "
-              "with them")
     return ckpt["iteration"] + 1, ckpt["global_step"], {"curve": [], **ckpt["tracker"]}
 
 
@@ -2200,7 +2197,8 @@ def evaluate(policy, tok, rows: list[dict], args: Args, rule, stops, gen, device
     chunk of prompts (a signal came: None). "problem": why the rule failed (the user's function), else None."""
     per_rank = len(rows) // world
     mine = rows[rank * per_rank:(rank + 1) * per_rank]
-    chunk_size = args.rollout_micro_batch_size or 256
+    # micro-batches of the rollout's size (--rollout-micro-batch-size, else a rank's share of a rollout)
+    chunk_size = args.rollout_micro_batch_size or max(1, args.rollout_batch_size * args.n // world)
     problems = []
 
     def correct(rows, greedy: bool, temperature: float) -> Optional[list[bool]]:  # None: a signal came
@@ -2236,7 +2234,15 @@ def evaluate(policy, tok, rows: list[dict], args: Args, rule, stops, gen, device
 
 
 # --- Reward functions: --reward-fn FILE.py:NAME, imported once -----------------------------------------------------
-def load_reward_fn(spec: Optional[str]):
+def load_reward_fn(spec: Optional[str], weights: Optional[list[float]] = None):
+    """--reward-fn's functions, several (comma-separated) as their weighted sum (weighted_sum; weights: 1 each)."""
+    specs = (spec or "exact").split(",")
+    if weights is not None and len(weights) != len(specs):
+        die(f"--reward-weights: {len(weights)} weights for the {len(specs)} functions of --reward-fn")
+    return weighted_sum([load_one_reward_fn(s.strip()) for s in specs], weights or [1.0] * len(specs))
+
+
+def load_one_reward_fn(spec: Optional[str]):
     """The rule of --reward-fn: exact (the default), math, or the function NAME(prompt, response, answer) -> float of
     FILE.py (verl's custom_reward_function.path / .name, TRL's reward_funcs). A file that does not import or has no
     such function is one line, exit 2 (main asks before anything is written)."""
@@ -2327,7 +2333,8 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
                 "messages {'role', 'content'}")
         elif not prompt:
             die(f"{flag} {path} {where(i)}: empty prompt")
-        rows.append({"prompt": prompt, "answer": answer_text(answer)})
+        columns = {k: v for k, v in row.items() if k not in (prompt_key, answer_key, "prompt", "response", "answer")}
+        rows.append({"prompt": prompt, "answer": answer_text(answer), "columns": columns})
     if not rows:
         die(f"{flag} {path}: empty (no rows)")
     kept = [r for r in rows if len(prompt_token_ids(tok, r["prompt"], chat)) <= prompt_length]
@@ -2461,7 +2468,7 @@ def load_reward_model(args: Args, tok, device):
     check_positions(rm, args.prompt_length + args.response_length, f"the reward model {path}")
     if rm.config.pad_token_id is None:  # (read by classifiers that pool the last token themselves)
         rm.config.pad_token_id = rm_tok.pad_token_id
-    return disable_dropout(rm).to(device).eval().requires_grad_(False), rm_tok
+    return frozen_in_bf16(disable_dropout(rm).eval().requires_grad_(False), args).to(device), rm_tok
 
 
 # --- Command line: tyro, counts as 1e3, the frameworks' option names and on/off values, one-line errors ----------
@@ -2656,7 +2663,7 @@ def validate(args: Args) -> None:
                  "eval_temperature", "lora_alpha"):
         if not getattr(args, name) > 0:
             die(f"{flag(name)} must be positive, got {getattr(args, name)}")
-    for name in ("checkpoint_every", "stop_after", "sft_steps", "top_k", "critic_warmup", "lr_warmup_steps",
+    for name in ("checkpoint_every", "stop_after", "top_k", "critic_warmup", "lr_warmup_steps",
                  "eval_prompts", "init_kl_coef", "kl_loss_coef", "vf_coef", "weight_decay", "eval_n", "lora_rank"):
         if getattr(args, name) < 0:
             die(f"{flag(name)} must be >= 0, got {getattr(args, name)}")
@@ -2664,6 +2671,8 @@ def validate(args: Args) -> None:
                  "logprob_forward_micro_batch_size"):  # None: off, or the default
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             die(f"{flag(name)} must be positive (or left unset), got {getattr(args, name)}")
+    if args.sft_steps is not None and args.sft_steps < 0:
+        die(f"--sft-steps must be >= 0, got {args.sft_steps}")
     if not 0 <= args.seed < 2**31:
         die(f"--seed must lie in [0, 2**31), got {args.seed}")
     if args.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and args.n < 2:
@@ -2715,13 +2724,16 @@ def validate(args: Args) -> None:
     if args.cuda and world > 1 and torch.cuda.device_count() < local_world:
         die(f"--cuda: {local_world} processes on this machine, {torch.cuda.device_count()} GPU(s): one GPU each "
             "(--no-cuda runs them on the CPU)")
-    if args.reward_fn is not None and args.reward_fn not in REWARD_RULES:
-        path, _, name = args.reward_fn.rpartition(":")
-        if not path.endswith(".py") or not name.isidentifier():
-            die(f"--reward-fn {args.reward_fn!r}: choose exact, math or FILE.py:NAME (the function NAME(prompt, "
+    for spec in (args.reward_fn or "exact").split(","):
+        path, _, name = spec.strip().rpartition(":")
+        if spec.strip() not in REWARD_RULES and (not path.endswith(".py") or not name.isidentifier()):
+            die(f"--reward-fn {spec!r}: choose exact, math or FILE.py:NAME (the function NAME(prompt, "
                 "response, answer) -> float in FILE.py)")
-        if not os.path.isfile(path):
-            die(f"--reward-fn {args.reward_fn}: no such file {path}")
+        if spec.strip() not in REWARD_RULES and not os.path.isfile(path):
+            die(f"--reward-fn {spec}: no such file {path}")
+    n_fns = len((args.reward_fn or "exact").split(","))
+    if args.reward_weights is not None and len(args.reward_weights) != n_fns:
+        die(f"--reward-weights: {len(args.reward_weights)} weights for the {n_fns} functions of --reward-fn")
     if args.critic_lora and (args.critic != "separate" or not args.lora_rank):
         die("--critic-lora puts LoRA adapters on the separate critic: it needs --critic separate and --lora-rank")
     if args.lora_rank and world > 1:

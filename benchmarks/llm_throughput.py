@@ -1,26 +1,29 @@
-"""Generation and training tokens/s of ppo_llm.py on a ~100M-parameter Llama built from a config (random weights).
+"""Generation and training tokens/s of ppo_llm.py, and its generation side by side with Hugging Face `generate`.
 
-    python benchmarks/llm_throughput.py --cuda                       # eager, then --compile, on the GPU
-    python benchmarks/llm_throughput.py --paths eager --iterations 3  # CPU (slow: for a check, not a figure)
-    python benchmarks/llm_throughput.py --cuda -- --critic none --adv-estimator grpo
+    python benchmarks/llm_throughput.py --preset tiny --device cpu --paths eager --iterations 3
+    python benchmarks/llm_throughput.py --preset qwen2.5-0.5b --device cuda --estimators gae grpo --paths eager compile
+    python benchmarks/llm_throughput.py --preset tiny --save-model /tmp/m --save-dataset /tmp/d.jsonl  # files only
 
-The model (hidden 768, 12 layers, 12 heads, MLP 3072, ~113M parameters with the script's character tokenizer) is
-written with save_pretrained to a temporary directory and run through `ppo_llm.py --model-name-or-path` on the
-synthetic task with no warm-start, so responses are random text up to --response-length tokens (a realistic length
-mix, EOS comes at random). Each path runs --iterations PPO iterations; the figures are the median of
-perf/gen_tokens_per_s and perf/train_tokens_per_s over the iterations after the first (the first holds CUDA
-start-up and compilation). Response tokens are counted, as in the script's own metric: the tokens up to each
-row's EOS, whereas the decoder steps every row until the batch's last one ends (with random weights about 40% of
-the rows x steps decoded are counted), so generation tokens/s is useful tokens per second, below the raw decode
-rate; compare paths by it only at similar mean response lengths. Training tokens count each of the --ppo-epochs
-passes. Writes JSON and markdown (default benchmarks/results/llm_throughput.*).
+A preset is a random-weight Qwen2 written from a config (nothing is downloaded) with the script's character
+tokenizer: `tiny` (hidden 64, 2 layers, Qwen2.5's 151,936 output rows: 9.8M parameters, under a minute on a CPU)
+or `qwen2.5-0.5b` (Qwen2.5-0.5B's shape: hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864, 151,936 rows, tied
+embeddings). It is saved to a temporary directory with a JSONL of prompts with answers (about 75 characters for
+tiny, 140 for 0.5b) and run through `ppo_llm.py --model-name-or-path DIR --dataset FILE`, once per estimator and
+path. Figures: the median of perf/gen_tokens_per_s and perf/train_tokens_per_s over the iterations after the first
+(which holds start-up and compilation), perf/peak_gpu_mem_gib (CUDA). Beside them, on the same model and one
+rollout's batch of prompts (in the run's precision): response tokens/s of ppo_llm's `generate` and of Hugging Face's
+`model.generate` (sampling, temperature 1, the same stop tokens and length limit), interleaved, best of 3 after a
+warm-up. Response tokens are counted up to each row's EOS. Writes PREFIX.json and PREFIX.md (default
+benchmarks/results/llm_throughput.*).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -34,25 +37,49 @@ import common  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 PATHS = {"eager": [], "compile": ["--compile"], "gradient-checkpointing": ["--gradient-checkpointing"]}
+ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus")
+PRESETS = {  # model shape, then the run's sizes
+    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=151_936, rollout_batch_size=16,
+                 n=2, response_length=16, prompt_words=8, micro_batch_size=8),
+    "qwen2.5-0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151_936,
+                         rollout_batch_size=32, n=4, response_length=256, prompt_words=40, micro_batch_size=16),
+}
 
 
-def build_model_dir(path: str, hidden: int, layers: int, intermediate: int) -> int:
-    """Writes a randomly initialised Llama + the script's tokenizer to `path`; returns the parameter count."""
+def build_model_dir(path: str, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
+                    vocab: int) -> int:
+    """Writes a randomly initialised Qwen2 + the script's character tokenizer to `path`; returns the parameter count.
+    A vocabulary larger than the tokenizer's has output rows no text maps to (as a real model's logits)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     import ppo_llm
 
     tok = ppo_llm.build_char_tokenizer()
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate,
-                      num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
-                      max_position_embeddings=1024, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                      bos_token_id=tok.bos_token_id, tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg)
+    cfg = Qwen2Config(vocab_size=max(vocab, len(tok)), hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    model = Qwen2ForCausalLM(cfg)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return sum(p.numel() for p in model.parameters())
+
+
+def write_dataset(path: str, rows: int, words: int) -> int:
+    """A JSONL of `rows` prompts "Sort these digits in ascending order and write them: 3 1 4 ... ->" (words digits)
+    with answers;
+    returns the longest prompt in characters."""
+    rng = random.Random(0)
+    longest = 0
+    with open(path, "w") as f:
+        for _ in range(rows):
+            d = [rng.randrange(10) for _ in range(words)]
+            prompt = "Sort these digits in ascending order and write them: " + " ".join(map(str, d)) + " ->"
+            longest = max(longest, len(prompt))
+            f.write(json.dumps({"prompt": prompt, "answer": "".join(map(str, sorted(d)))}) + "\n")
+    return longest
 
 
 def read_scalars(run_dir: str, tags: list) -> dict:
@@ -75,85 +102,183 @@ def precision_label(cuda: bool, extra: list) -> str:
     return f"{'CUDA' if cuda else 'CPU'} {'bf16 autocast' if bf16 else 'fp32'}"
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+def side_by_side(model_dir: str, data: str, count: int, response_length: int, cuda: bool, bf16: bool,
+                 repeats: int = 3) -> dict:
+    """Response tokens/s of ppo_llm.generate and of Hugging Face's model.generate on the same model and batch (the
+    first `count` prompts), sampling at temperature 1 with the same stop tokens; best of `repeats` after a warm-up."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import ppo_llm
+
+    device = torch.device("cuda" if cuda else "cpu")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = ppo_llm.disable_dropout(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)).to(device)
+    model.eval()
+    with open(data) as f:
+        rows = [json.loads(line) for line in f][:count]
+    ids, mask = ppo_llm.encode_batch(tok, rows, 4096)
+    ids, mask = ids.to(device), mask.to(device)
+    stops = ppo_llm.stop_token_ids(tok, model)
+
+    def ours():
+        return ppo_llm.generate(model, ids, mask, response_length, stops, tok.pad_token_id, gen=gen, bf16=bf16)
+
+    def hf():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=response_length, do_sample=True,
+                                 temperature=1.0, top_k=0, top_p=1.0, eos_token_id=stops,
+                                 pad_token_id=tok.pad_token_id)
+        return out[:, ids.shape[1]:]
+
+    result = {"ours": 0.0, "hf": 0.0}
+    for i in range(repeats + 1):  # (the two interleaved, so that a change of load hits both)
+        for name, fn in (("ours", ours), ("hf", hf)):
+            gen = torch.Generator(device).manual_seed(i)
+            torch.manual_seed(i)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            resp = fn()
+            if cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            tokens = int(ppo_llm.response_mask_from(resp.cpu(), stops).sum())
+            if i:  # (the first: warm-up)
+                result[name] = max(result[name], tokens / seconds)
+    return result
+
+
+def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cuda", action="store_true", help="run on CUDA with bf16 autocast")
-    p.add_argument("--paths", nargs="+", default=["eager", "compile"], choices=list(PATHS), help="paths to time")
-    p.add_argument("--iterations", type=int, default=6, help="PPO iterations per path (the first is not counted)")
-    p.add_argument("--hidden", type=int, default=768, help="hidden size")
-    p.add_argument("--layers", type=int, default=12, help="decoder layers")
-    p.add_argument("--intermediate", type=int, default=3072, help="MLP size")
-    p.add_argument("--rollout-batch-size", type=int, default=64, help="prompts per iteration")
-    p.add_argument("--n", type=int, default=4, help="responses per prompt")
-    p.add_argument("--response-length", type=int, default=256, help="maximum response tokens")
-    p.add_argument("--micro-batch-size", type=int, default=64, help="responses per forward/backward")
+    p.add_argument("--preset", choices=list(PRESETS), default="tiny", help="model shape and run sizes")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="where to run (default: cpu)")
+    p.add_argument("--cuda", action="store_true", help="the same as --device cuda")
+    p.add_argument("--estimators", nargs="+", default=["gae"], choices=ESTIMATORS, help="--adv-estimator values")
+    p.add_argument("--paths", nargs="+", default=["eager"], choices=list(PATHS), help="paths to time")
+    p.add_argument("--iterations", type=int, default=3, help="PPO iterations per run (the first is not counted)")
     p.add_argument("--out", default=os.path.join(common.RESULTS, "llm_throughput"), help="output path prefix")
+    p.add_argument("--save-model", metavar="DIR", help="only write the preset's model to DIR (and --save-dataset)")
+    p.add_argument("--save-dataset", metavar="FILE", help="only write the preset's JSONL of 64 prompts to FILE")
+    for name in ("hidden", "layers", "intermediate", "vocab-size", "rollout-batch-size", "n", "response-length",
+                 "micro-batch-size"):
+        p.add_argument(f"--{name}", type=int, default=None, help=f"override the preset's {name.replace('-', ' ')}")
     a = p.parse_args(argv)
+    a.device = "cuda" if a.cuda else (a.device or "cpu")
+    cfg = dict(PRESETS[a.preset])
+    for key, name in (("hidden", "hidden"), ("layers", "layers"), ("intermediate", "intermediate"),
+                      ("vocab", "vocab_size"), ("rollout_batch_size", "rollout_batch_size"), ("n", "n"),
+                      ("response_length", "response_length"), ("micro_batch_size", "micro_batch_size")):
+        value = getattr(a, name)
+        if value is not None:
+            if value <= 0:
+                common.die(f"--{name.replace('_', '-')} must be positive, got {value}")
+            cfg[key] = value
+    if a.hidden is not None:  # (a shape of one's own: heads of 64)
+        if a.hidden % 64:
+            common.die("--hidden must be a multiple of 64 (head size 64)")
+        cfg["heads"] = cfg["kv_heads"] = a.hidden // 64
     if a.iterations < 2:
         common.die("--iterations must be >= 2 (the first is warm-up)")
-    for name in ("hidden", "layers", "intermediate", "rollout_batch_size", "n", "response_length", "micro_batch_size"):
-        if getattr(a, name) <= 0:
-            common.die(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
-    if a.hidden % 64:
-        common.die("--hidden must be a multiple of 64 (head size 64)")
-    minibatch = a.rollout_batch_size // 2 * a.n  # the runs use two minibatches per iteration
-    if a.rollout_batch_size % 2 or minibatch % a.micro_batch_size:
-        common.die(f"--micro-batch-size {a.micro_batch_size} must divide a minibatch's {minibatch} responses "
+    minibatch = cfg["rollout_batch_size"] // 2 * cfg["n"]  # the runs use two minibatches per iteration
+    if cfg["rollout_batch_size"] % 2 or minibatch % cfg["micro_batch_size"]:
+        common.die(f"--micro-batch-size {cfg['micro_batch_size']} must divide a minibatch's {minibatch} responses "
                    "(--rollout-batch-size / 2 x --n; --rollout-batch-size even)")
+    return a, cfg
 
-    rows = []
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []  # passed on to ppo_llm.py
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    a, cfg = parse(argv)
+    cuda = a.device == "cuda"
+    if a.save_model or a.save_dataset:
+        if a.save_model:
+            n_params = build_model_dir(a.save_model, cfg["hidden"], cfg["layers"], cfg["heads"], cfg["kv_heads"],
+                                       cfg["intermediate"], cfg["vocab"])
+            print(f"model: {n_params / 1e6:.1f}M parameters in {a.save_model}")
+        if a.save_dataset:
+            print(f"dataset: 64 prompts of up to {write_dataset(a.save_dataset, 64, cfg['prompt_words'])} characters "
+                  f"in {a.save_dataset}")
+        return 0
+
+    rows, label = [], precision_label(cuda, extra)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = os.path.join(tmp, "model")
-        n_params = build_model_dir(model_dir, a.hidden, a.layers, a.intermediate)
-        print(f"model: {n_params / 1e6:.1f}M parameters", flush=True)
-        for name in a.paths:
-            runs = os.path.join(tmp, "runs_" + name)
-            cmd = [sys.executable, os.path.join(ROOT, "ppo_llm.py"), "--model-name-or-path", model_dir,
-                   "--sft-steps", "0", "--num-iterations", str(a.iterations), "--eval-prompts", "0",
-                   "--rollout-batch-size", str(a.rollout_batch_size), "--ppo-mini-batch-size",
-                   str(a.rollout_batch_size // 2), "--n", str(a.n), "--response-length", str(a.response_length),
-                   "--micro-batch-size", str(a.micro_batch_size), "--no-save-model", "--no-torch-deterministic",
-                   "--runs-dir", runs, *(["--cuda"] if a.cuda else []), *PATHS[name], *extra]
-            print("$ " + " ".join(cmd), flush=True)
-            t0 = time.time()
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            wall = time.time() - t0
-            if res.returncode != 0:
-                print(res.stdout[-3000:], res.stderr[-3000:], sep="\n")
-                rows.append({"path": name, "error": (res.stderr.strip().splitlines() or ["?"])[-1], "wall_s": wall})
-                continue
-            run_dir = os.path.join(runs, os.listdir(runs)[0])
-            s = read_scalars(run_dir, ["perf/gen_tokens_per_s", "perf/train_tokens_per_s", "response/length_mean"])
-            row = {"path": name, "wall_s": round(wall, 1),
-                   "gen_tokens_per_s": float(np.median(s["perf/gen_tokens_per_s"][1:])),
-                   "train_tokens_per_s": float(np.median(s["perf/train_tokens_per_s"][1:])),
-                   "response_length_mean": float(np.mean(s["response/length_mean"]))}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        model_dir, data = os.path.join(tmp, "model"), os.path.join(tmp, "data.jsonl")
+        n_params = build_model_dir(model_dir, cfg["hidden"], cfg["layers"], cfg["heads"], cfg["kv_heads"],
+                                   cfg["intermediate"], cfg["vocab"])
+        longest = write_dataset(data, 256, cfg["prompt_words"])
+        print(f"model: {n_params / 1e6:.1f}M parameters; prompts up to {longest} characters", flush=True)
+        batch = cfg["rollout_batch_size"] * cfg["n"]
+        gen_side = side_by_side(model_dir, data, batch, cfg["response_length"], cuda, label.endswith("bf16 autocast"))
+        print(f"generate, {batch} prompts x {cfg['response_length']} tokens: ppo_llm {gen_side['ours']:,.0f} tok/s, "
+              f"Hugging Face {gen_side['hf']:,.0f} tok/s", flush=True)
+        for estimator in a.estimators:
+            for name in a.paths:
+                runs = os.path.join(tmp, f"runs_{estimator}_{name}")
+                cmd = [sys.executable, os.path.join(ROOT, "ppo_llm.py"), "--model-name-or-path", model_dir,
+                       "--dataset", data, "--reward-fn", "exact", "--adv-estimator", estimator,
+                       "--num-iterations", str(a.iterations), "--eval-prompts", "0", "--prompt-length", "1024",
+                       "--rollout-batch-size", str(cfg["rollout_batch_size"]), "--ppo-mini-batch-size",
+                       str(cfg["rollout_batch_size"] // 2), "--n", str(cfg["n"]), "--response-length",
+                       str(cfg["response_length"]), "--micro-batch-size", str(cfg["micro_batch_size"]),
+                       "--no-save-model", "--no-torch-deterministic", "--runs-dir", runs,
+                       "--cuda" if cuda else "--no-cuda", *PATHS[name], *extra]
+                print("$ " + " ".join(cmd), flush=True)
+                t0 = time.time()
+                res = subprocess.run(cmd, capture_output=True, text=True)
+                wall = time.time() - t0
+                row = {"estimator": estimator, "path": name, "wall_s": round(wall, 1),
+                       "ours_generate_tokens_per_s": gen_side["ours"], "hf_generate_tokens_per_s": gen_side["hf"]}
+                if res.returncode != 0:
+                    print(res.stdout[-3000:], res.stderr[-3000:], sep="\n")
+                    rows.append({**row, "error": (res.stderr.strip().splitlines() or ["?"])[-1]})
+                    continue
+                run_dir = os.path.join(runs, os.listdir(runs)[0])
+                s = read_scalars(run_dir, ["perf/gen_tokens_per_s", "perf/train_tokens_per_s",
+                                           "response/length_mean", "perf/peak_gpu_mem_gib"])
+                row.update(gen_tokens_per_s=float(np.median(s["perf/gen_tokens_per_s"][1:])),
+                           train_tokens_per_s=float(np.median(s["perf/train_tokens_per_s"][1:])),
+                           response_length_mean=float(np.mean(s["response/length_mean"])),
+                           peak_gpu_mem_gib=max(s["perf/peak_gpu_mem_gib"]) if "perf/peak_gpu_mem_gib" in s else None)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
 
     info = common.machine_info()
-    command = "python benchmarks/llm_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/llm_throughput.py " + " ".join(argv + (["--", *extra] if extra else []))
     lines = [common.machine_markdown(info, command), "",
-             f"Model: Llama, hidden {a.hidden}, {a.layers} layers, MLP {a.intermediate}, {n_params / 1e6:.1f}M "
-             f"parameters; {a.rollout_batch_size} prompts x {a.n} responses, up to {a.response_length} response "
-             f"tokens, micro-batch {a.micro_batch_size}, {precision_label(a.cuda, extra)}. "
-             "Generation tokens/s counts response tokens up to EOS (rows that end early still take decode steps).", "",
-             "| path | generation tokens/s | training tokens/s | mean response length | wall (s) |",
-             "|---|---|---|---|---|"]
+             f"Model: random-weight Qwen2 ({a.preset}), hidden {cfg['hidden']}, {cfg['layers']} layers, MLP "
+             f"{cfg['intermediate']}, {cfg['vocab']:,} output rows, {n_params / 1e6:.1f}M parameters; "
+             f"{cfg['rollout_batch_size']} prompts x {cfg['n']} responses, up to {cfg['response_length']} response "
+             f"tokens, micro-batch {cfg['micro_batch_size']}, {label}. Tokens/s count response tokens up to EOS; "
+             "`generate` columns: ppo_llm's and Hugging Face's generation of one rollout's batch, side by side.", "",
+             "| estimator | path | generation tokens/s (PPO run) | training tokens/s | ppo_llm `generate` tokens/s | "
+             "HF `generate` tokens/s | peak GPU memory (GiB) | wall (s) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['path']} | failed: {r['error']} | | | {r['wall_s']:.0f} |")
+            lines.append(f"| {r['estimator']} | {r['path']} | failed: {r['error']} | | | | | {r['wall_s']:.0f} |")
         else:
-            lines.append(f"| {r['path']} | {r['gen_tokens_per_s']:,.0f} | {r['train_tokens_per_s']:,.0f} | "
-                         f"{r['response_length_mean']:.1f} | {r['wall_s']:.0f} |")
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+            mem = "" if r["peak_gpu_mem_gib"] is None else f"{r['peak_gpu_mem_gib']:.1f}"
+            lines.append(f"| {r['estimator']} | {r['path']} | {r['gen_tokens_per_s']:,.0f} | "
+                         f"{r['train_tokens_per_s']:,.0f} | {r['ours_generate_tokens_per_s']:,.0f} | "
+                         f"{r['hf_generate_tokens_per_s']:,.0f} | {mem} | {r['wall_s']:.0f} |")
+    if os.path.dirname(a.out):
+        os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
+    results = {}
+    for r in rows:
+        results.setdefault(r["estimator"], {})[r["path"]] = {k: r.get(k) for k in (
+            "gen_tokens_per_s", "hf_generate_tokens_per_s", "ours_generate_tokens_per_s", "train_tokens_per_s",
+            "peak_gpu_mem_gib", "response_length_mean", "wall_s", "error")}
+    import torch
+
     with open(a.out + ".json", "w") as f:
-        json.dump({"machine": info, "command": command, "params": n_params, "rows": rows}, f, indent=1)
+        json.dump({"device": common.gpu_name() if cuda else common.cpu_model(), "torch": torch.__version__,
+                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "preset": a.preset, "config": cfg, "params": n_params, "precision": label, "command": command,
+                   "machine": info, "results": results, "rows": rows}, f, indent=1)
     print("\n".join(lines[2:]))
     return 0 if all("error" not in r for r in rows) else 1
 
