@@ -81,10 +81,10 @@ CLIP_RANGE = ("torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)",
 RATIO_EXP = ("    ratio = logratio.exp()\n", "    ratio = 1.0 + logratio\n")
 VCLIP_NEW = ("v_clipped = oldvalue + torch.clamp(newvalue - oldvalue, -clip_coef, clip_coef)",
              "v_clipped = newvalue + torch.clamp(oldvalue - newvalue, -clip_coef, clip_coef)")
-TRUNC_DROPPED = ("reward[idx] += args.gamma * final_value.cpu().numpy()",
+TRUNC_DROPPED = ("reward[idx] += gamma * final_value.cpu().numpy()",
                  "reward[idx] += 0.0 * final_value.cpu().numpy()")
-GSTEP = ('first, global_step = ckpt["iteration"] + 1, ckpt["global_step"]',
-         'first, global_step = ckpt["iteration"] + 1, 0')
+GSTEP = ('first_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]',
+         'first_iteration, global_step = ckpt["iteration"] + 1, 0')
 
 MUTANTS: list[Mutant] = [
     # ppo.py -----------------------------------------------------------------------------------------------------
@@ -118,8 +118,8 @@ MUTANTS: list[Mutant] = [
       'final_value = agent.get_value(obs_tensor(np.stack(infos["final_obs"][idx]), device))',
       "final_value = agent.get_value(obs_tensor(next_obs_np[idx], device))", k="truncat"),
     M("ppo.py", "eval-obs-negated", "evaluation feeds the policy negated observations",
-      "action = agent.act(obs_tensor(obs[None], device), args.eval_deterministic)",
-      "action = agent.act(obs_tensor(-obs[None], device), args.eval_deterministic)", k="evaluat"),
+      "env.step(int(agent.act(obs_tensor(obs[None], device), args.eval_deterministic)))",
+      "env.step(int(agent.act(obs_tensor(-obs[None], device), args.eval_deterministic)))", k="evaluat"),
     M("ppo.py", "eval-deterministic-sampled", "deterministic play samples instead of taking the argmax",
       "return self.actor(x).argmax(-1) if deterministic else self.get_action_and_value(x)[0]",
       "return self.get_action_and_value(x)[0]", k="deterministic or load_policy"),
@@ -127,7 +127,7 @@ MUTANTS: list[Mutant] = [
       'load_optimizer_state(optimizer, ckpt["optimizer"], device)', '(optimizer, ckpt["optimizer"], device)',
       k="resume"),
     M("ppo.py", "resume-rng-not-restored", "a resumed run does not restore torch's RNG",
-      'set_rng_state(mine["rng"], device)', '(mine["rng"], device)', k="resume"),
+      'set_rng_state(ckpt["rng"][rank], device)', '(ckpt["rng"][rank], device)', k="resume"),
     M("ppo.py", "resume-global-step-zero", "a resumed run counts its steps from 0", *GSTEP, k="resume"),
     # ppo_continuous.py ------------------------------------------------------------------------------------------
     M("ppo_continuous.py", "gae-lambda-ignored", "GAE with lambda = 1 whatever --gae-lambda says", *GAE_LAMBDA,
@@ -142,14 +142,15 @@ MUTANTS: list[Mutant] = [
       'final_value = agent.get_value(norm.obs(np.stack(infos["final_obs"][idx])))',
       'final_value = agent.get_value(obs_tensor(np.stack(infos["final_obs"][idx]), device))', k="truncat"),
     M("ppo_continuous.py", "eval-obs-negated", "evaluation feeds the policy negated observations",
-      "action = agent.act(obs_tensor(obs[None], device, rms, args.obs_clip), args.eval_deterministic)",
-      "action = agent.act(obs_tensor(-obs[None], device, rms, args.obs_clip), args.eval_deterministic)",
+      "action = agent.act(obs_tensor(obs[None], device, obs_rms if args.norm_obs else None, args.obs_clip),",
+      "action = agent.act(obs_tensor(-obs[None], device, obs_rms if args.norm_obs else None, args.obs_clip),",
       k="eval or deterministic"),
     M("ppo_continuous.py", "eval-obs-unnormalised", "evaluation does not normalise with the saved statistics",
-      "rms = obs_rms if args.norm_obs else None", "rms = None", k="eval or deterministic"),
+      "obs_tensor(obs[None], device, obs_rms if args.norm_obs else None, args.obs_clip)",
+      "obs_tensor(obs[None], device, None, args.obs_clip)", k="eval or deterministic"),
     M("ppo_continuous.py", "load-policy-obs-unnormalised", "load_policy does not normalise with the saved statistics",
-      'x = obs_tensor(obs.reshape(-1, obs_dim), device, rms, saved["obs_clip"])',
-      'x = obs_tensor(obs.reshape(-1, obs_dim), device, None, saved["obs_clip"])', k="load_policy"),
+      'obs_tensor(obs.reshape(-1, obs_dim), device, rms, clip)',
+      'obs_tensor(obs.reshape(-1, obs_dim), device, None, clip)', k="load_policy"),
     M("ppo_continuous.py", "eval-deterministic-sampled", "deterministic play samples instead of the Gaussian's mean",
       "return self.actor_mean(x) if deterministic else self.get_action_and_value(x)[0]",
       "return self.get_action_and_value(x)[0]", k="deterministic or load_policy"),
@@ -168,7 +169,7 @@ MUTANTS: list[Mutant] = [
       "return rewards + gamma * next_values * truncated", "return rewards + 0.0 * next_values * truncated",
       k="bootstrap"),
     M("ppo_atari_envpool.py", "trunc-value-of-same-obs", "truncation bootstraps V(s_t) instead of V(s_t+1)",
-      "next_values = torch.cat([values[1:], next_value.unsqueeze(0)], dim=0)", "next_values = values",
+      "next_values = np.concatenate([values[1:], next_value[None]], axis=0)", "next_values = values",
       k="bootstrap"),
     M("ppo_atari_envpool.py", "reset-mask-inverted", "the loss trains on envpool's reset steps only",
       "mask = 1.0 - dones", "mask = dones", k="norm_adv_scope or real_transitions or smoke"),
@@ -178,8 +179,7 @@ MUTANTS: list[Mutant] = [
       "return self.actor(self.hidden(x)).argmax(-1) if deterministic else self.get_action_and_value(x)[0]",
       "return self.get_action_and_value(x)[0]", k="deterministic or load_policy"),
     M("ppo_atari_envpool.py", "resume-rng-not-restored", "a resumed run does not restore torch's RNG",
-      'set_rng_state((ckpt if rank == 0 else ckpt["other_ranks"][rank - 1])["rng"], self.device)',
-      '((ckpt if rank == 0 else ckpt["other_ranks"][rank - 1])["rng"], self.device)', k="resume"),
+      'set_rng_state(ckpt["rng"][rank], device)', '(ckpt["rng"][rank], device)', k="resume"),
     # ppo_llm.py -------------------------------------------------------------------------------------------------
     M("ppo_llm.py", "gae-lambda-ignored", "token-level GAE with lambda = 1",
       "new = delta + gamma * lam * lastgaelam", "new = delta + gamma * lastgaelam", k="gae"),
