@@ -11,6 +11,7 @@ Read from the top: Args, environments, Agent, the PPO math, then main(), whose l
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -339,7 +340,7 @@ def main(args: Args) -> dict:
             agent.load_state_dict(ckpt["model"])
             load_optimizer_state(optimizer, ckpt["optimizer"], device)
             set_rng_state(ckpt["rng"][rank], device)
-            if kl_penalty and args.kl_penalty_target is not None:
+            if kl_penalty and args.kl_penalty_target is not None and ckpt["kl_coef"] is not None:
                 kl_penalty.set(ckpt["kl_coef"])  # the adapted coefficient goes on
             restored = restore_episodes(envs, ckpt["episodes"][rank], next_obs, next_done, ep_return, ep_length)
             first_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
@@ -529,6 +530,7 @@ def open_logs(args, run_dir: str, rank: int, resumed: bool):  # [SHARED] TensorB
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
                    name=os.path.basename(run_dir), id=os.path.basename(run_dir), resume="allow", dir=run_dir)
     writer = SummaryWriter(run_dir)
+    atexit.register(writer.close)  # a run that ends on a Failure still writes its last scalars
     if not resumed:
         table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
         writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -745,12 +747,16 @@ def save_state(run_dir: str, args: Args, agent: Agent, optimizer, kl_penalty, it
     return path
 
 
-def check_resume(ckpt: dict, args: Args, world: int) -> None:  # its env and number of processes are this run's
+def check_resume(ckpt: dict, args: Args, world: int) -> None:  # its env, processes and rollout size are this run's
     if ckpt["env_id"] != args.env_id:
         raise Failure(f"{args.resume} was trained on {ckpt['env_id']}, not {args.env_id}")
     if ckpt["world_size"] != world:
         raise Failure(f"{args.resume} was written by {ckpt['world_size']} process(es); resume it with as many: "
                       f"{launcher(ckpt['world_size'])} --resume {args.resume}")
+    for name in ("num_envs", "num_steps"):  # its iteration count and lr schedule hold for that rollout
+        if ckpt["args"][name] != getattr(args, name):
+            raise Failure(f"{args.resume} was written with --{name.replace('_', '-')} {ckpt['args'][name]}, which "
+                          "cannot change on --resume")
 
 
 def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "",
@@ -856,3 +862,5 @@ if __name__ == "__main__":  # the one error boundary
         if e.code == 1 or int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(e.code)
+    except KeyboardInterrupt:  # Ctrl-C before the loop (in it, the run stops at the end of the iteration)
+        sys.exit(130)

@@ -17,6 +17,7 @@ and load_policy, compile helpers, the command line and its one error boundary) c
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -251,14 +252,13 @@ class Agent(nn.Module):
 # The PPO math: pure functions (the tests check each against a plain loop)
 # ---------------------------------------------------------------------------------------------------------
 def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, lam: float):
-    """Generalized advantage estimation by the backward recursion of the note.
+    """GAE by the note's backward recursion, in numpy on the host: the values come over once per rollout (a T-step
+    loop of tiny tensors costs ~5x more on the CPU, and ~1,150 kernel launches an iteration on CUDA).
 
-    rewards, values, dones: (T, N) numpy arrays; dones[t] = 1 if obs[t] came with a done (the transition at t-1
-    ended an episode or a life). next_value, next_done: (N,) for the observation after the last step. Truncated
-    episodes must already carry gamma * V(final obs) in their last reward (see bootstrap_truncated), so a done here
-    always means "no bootstrap". Returns advantages and returns R_t = A_t + V(s_t), both (T, N). On the host in
-    numpy (rewards and dones are there; the values come over once): on CUDA the T-step loop of tiny tensors would
-    cost ~1,150 kernel launches an iteration.
+    rewards, values, dones: (T, N) arrays; dones[t] = 1 if obs[t] came with a done (the transition at t-1 ended an
+    episode, or a life in Atari). next_value, next_done: (N,) for the observation after the last step. Truncated
+    episodes already carry gamma * V(final obs) in their last reward (bootstrap_truncated), so a done here always
+    means "no bootstrap". Returns advantages and returns R_t = A_t + V(s_t), both (T, N).
     """
     T = rewards.shape[0]
     advantages = np.zeros_like(rewards)
@@ -475,7 +475,8 @@ def main(args: Args) -> dict:
         next_obs, lives = obs_tensor(next_obs_np, device), info["lives"]
         next_done = np.zeros(args.num_envs, dtype=bool)
         games, recent_returns, stats, result = EpisodeStats(args.num_envs), [], {}, {}  # result: + eval_returns
-        start_time, start_step, last_print, last_checkpoint = time.time(), global_step, 0.0, None
+        start_time, start_step, last_print = time.time(), global_step, 0.0
+        last_checkpoint = os.path.abspath(args.resume) if args.resume else None
         final_save = args.save_model or args.checkpoint_every or args.stop_after or args.eval_episodes or args.resume
 
         for iteration in range(first_iteration, num_iterations + 1):
@@ -560,7 +561,7 @@ def main(args: Args) -> dict:
             if args.eval_episodes and rank == 0:
                 result["eval_returns"] = evaluate(agent, args, device, args.eval_episodes,
                                                   os.path.join(run_dir, "videos"), stop=lambda: bool(signals.received))
-                log_evaluation(writer, args, result, signals, last_checkpoint or args.resume, global_step)
+                log_evaluation(writer, args, result, signals, last_checkpoint, global_step)
         close_run(envs, writer, args, world)
     return {"global_step": global_step, "run_dir": run_dir, "stats": stats, "returns": recent_returns, **result}
 
@@ -635,6 +636,7 @@ def open_logs(args, run_dir: str, rank: int, resumed: bool):  # [SHARED] TensorB
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
                    name=os.path.basename(run_dir), id=os.path.basename(run_dir), resume="allow", dir=run_dir)
     writer = SummaryWriter(run_dir)
+    atexit.register(writer.close)  # a run that ends on a Failure still writes its last scalars
     if not resumed:
         table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
         writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -997,3 +999,5 @@ if __name__ == "__main__":  # the one error boundary
         if e.code == 1 or int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(e.code)
+    except KeyboardInterrupt:  # Ctrl-C before the loop (in it, the run stops at the end of the iteration)
+        sys.exit(130)

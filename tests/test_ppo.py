@@ -370,12 +370,22 @@ def test_save_resume_continues_step_count_and_lr_schedule(tmp_path):
     assert done["global_step"] == 512 and done["stats"] == {} and os.stat(ckpt).st_mtime_ns == before
 
 
-def test_resume_with_another_number_of_envs_is_one_line_exit_2(tmp_path):
+def test_resume_with_another_rollout_size_is_one_line_exit_2(tmp_path):
     first = ppo.main(small_args(tmp_path, total_timesteps=512, num_steps=32, stop_after=1))
     ckpt = os.path.join(first["run_dir"], "checkpoint.pt")
     with pytest.raises(ppo.Failure) as e:
         ppo.main(ppo.parse_args(["--resume", ckpt, "--num-envs", "3"]))
-    assert e.value.code == 2 and "episodes of 2 envs, this run has 3" in str(e.value)
+    assert e.value.code == 2 and "written with --num-envs 2, which cannot change" in str(e.value)
+    with pytest.raises(ppo.Failure) as e:  # another rollout length: the iteration count and lr schedule would jump
+        ppo.main(ppo.parse_args(["--resume", ckpt, "--num-steps", "64"]))
+    assert e.value.code == 2 and "written with --num-steps 32, which cannot change" in str(e.value)
+
+
+def test_a_clipped_run_resumed_with_an_adaptive_kl_penalty_starts_its_coefficient_at_1(tmp_path):
+    first = ppo.main(small_args(tmp_path, total_timesteps=512, num_steps=32, stop_after=1))
+    ckpt = os.path.join(first["run_dir"], "checkpoint.pt")
+    out = ppo.main(ppo.parse_args(["--resume", ckpt, "--kl-penalty-target", "0.01"]))
+    assert out["global_step"] == 512 and math.isfinite(out["stats"]["kl"])
 
 
 @pytest.mark.parametrize("script", ["ppo", "ppo_continuous", "ppo_atari_envpool"])

@@ -74,6 +74,10 @@ def test_the_error_boundary_is_the_same_text():
     assert len(tails) == 1
 
 
+def test_gae_on_the_host_is_the_same_text_in_the_continuous_and_atari_scripts():
+    assert definitions("ppo_continuous.py")["compute_gae"] == definitions("ppo_atari_envpool.py")["compute_gae"]
+
+
 def test_the_comparison_can_fail():
     a, b = definitions("ppo.py"), definitions("ppo_continuous.py")
     assert a["Args"] != b["Args"]  # a helper that differs is seen as different
