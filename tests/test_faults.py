@@ -174,6 +174,17 @@ def test_ctrl_c_on_the_command_line_checkpoints_and_exits_0(s, tmp_path):
 
 
 @over
+def test_ctrl_c_before_the_loop_is_exit_130_without_a_traceback(s, tmp_path):
+    """A Ctrl-C while the run starts (here: raised where main seeds torch) ends it quietly, nothing to save yet."""
+    cmd = s.command("--runs-dir", str(tmp_path))
+    code = ("import runpy, sys, torch\n"
+            "def interrupted(*a):\n    raise KeyboardInterrupt\n"
+            f"torch.manual_seed = interrupted\nsys.argv = {cmd[1:]!r}\nrunpy.run_path({cmd[1]!r}, run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=120)
+    assert p.returncode == 130 and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+@over
 def test_the_handlers_are_given_back_when_main_returns_or_raises(s, tmp_path, monkeypatch):
     before = handlers()
     s.mod.main(s.args(tmp_path / "ok", 1))
