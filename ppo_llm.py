@@ -2471,25 +2471,17 @@ def load_reward_model(args: Args, tok, device):
     return frozen_in_bf16(disable_dropout(rm).eval().requires_grad_(False), args).to(device), rm_tok
 
 
-# --- Command line: tyro, counts as 1e3, the frameworks' option names and on/off values, one-line errors ----------
-def parse_count(text: str) -> int:
-    """A count written as 64, 1e3 or 1_000; anything that is not a whole number is an error."""
-    try:
-        value = float(text.replace("_", ""))
-    except ValueError:
-        raise ValueError(f"{text!r} is not a number") from None
+# --- Command line: tyro, counts as 1e3, the frameworks' option names, one-line errors for bad values ----------
+def parse_count(text: str) -> int:  # 64, 1e3 or 1_000; a number that is not whole is an error
+    value = float(text.replace("_", ""))  # (ValueError: tyro says the flag wants an INT)
     if not value.is_integer():
         raise ValueError(f"{text!r} is not a whole number")
     return int(value)
 
 
-Count = Annotated[
-    int,
-    tyro.constructors.PrimitiveConstructorSpec(
-        nargs=1, metavar="INT", instance_from_str=lambda a: parse_count(a[0]),
-        is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)],
-    ),
-]
+Count = Annotated[int, tyro.constructors.PrimitiveConstructorSpec(
+    nargs=1, metavar="INT", instance_from_str=lambda a: parse_count(a[0]),
+    is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)])]
 
 
 def alias(*names: str):
@@ -2497,54 +2489,19 @@ def alias(*names: str):
     return tyro.conf.arg(aliases=names)
 
 
-def flag_spellings() -> dict[str, tuple[str, object]]:
-    """Every spelling of every Args flag without its "--" (the field's name in kebab-case, its aliases) -> (the
-    field's name, its type without Annotated)."""
-    hints, out = typing.get_type_hints(Args, include_extras=True), {}
-    for f in dataclasses.fields(Args):
-        hint = hints[f.name]
-        base = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
-        aliases = [a[2:] for meta in getattr(hint, "__metadata__", ()) for a in getattr(meta, "aliases", None) or ()]
-        out.update({name: (f.name, base) for name in [f.name.replace("_", "-"), *aliases]})
-    return out
-
-
-BOOL_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
-
-
-def bool_values(argv: list[str]) -> list[str]:
-    """On/off flags given a value, as the frameworks' configs write them (`--use-kl-loss True`,
-    `--add-token-level-kl=false` for an alias), become tyro's `--use-kl-loss` / `--no-use-kl-loss`; any other value
-    is left for tyro to refuse. Optional[bool] options (--use-critic-model) get tyro's True / False for the same
-    words."""
-    spellings, out, i = flag_spellings(), [], 0
-    while i < len(argv):
-        name, eq, value = argv[i].partition("=")
-        field, base = spellings.get(name[2:].replace("_", "-") if name.startswith("--") else "", (None, None))
-        if base in (bool, Optional[bool]) and not eq and i + 1 < len(argv) and argv[i + 1].lower() in BOOL_WORDS:
-            eq, value = "=", argv[i + 1]
-            i += 1
-        if base in (bool, Optional[bool]) and eq and value.lower() in BOOL_WORDS:
-            on = BOOL_WORDS[value.lower()]
-            out.append(f"--{'' if on else 'no-'}{field.replace('_', '-')}" if base is bool else f"{name}={on}")
-        else:
-            out.append(argv[i])
-        i += 1
-    return out
-
-
 def given_fields(argv: list[str]) -> set[str]:
-    """The Args fields set on this command line, under any spelling (--name, an alias, --no-name)."""
-    spelling = {}
-    for name, (field, _) in flag_spellings().items():
-        spelling["--" + name] = spelling["--no-" + name] = field
-    flags = [a.split("=", 1)[0].replace("_", "-") for a in argv if a.startswith("--")]  # (tyro takes --a_b too)
-    return {spelling[f] for f in flags if f in spelling}
+    """The Args fields set on this command line, under any spelling (--name, an alias, --no-name, --a_b)."""
+    hints, spelling = typing.get_type_hints(Args, include_extras=True), {}
+    for f in dataclasses.fields(Args):
+        metadata = getattr(hints[f.name], "__metadata__", ())
+        for name in ["--" + f.name.replace("_", "-"), *(a for m in metadata for a in getattr(m, "aliases", None) or ())]:
+            spelling[name] = spelling["--no-" + name[2:]] = f.name
+    return {spelling.get(a.split("=", 1)[0].replace("_", "-")) for a in argv if a.startswith("--")} - {None}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> Args:
-    """tyro.cli, with its error boxes condensed to one line (exit code 2)."""
-    argv = bool_values(sys.argv[1:] if argv is None else argv)
+    """tyro.cli (its own message on a flag it cannot parse, exit 2), then the implied options and validate()."""
+    argv = sys.argv[1:] if argv is None else argv
     default, gpu_gone = None, False
     resume = resume_path(argv)
     if resume is not None:  # the checkpoint's arguments become the defaults; flags given now override them
@@ -2553,24 +2510,7 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
         default.resume = resume
         if default.cuda and not gpu_for_each_process():  # written on a GPU, resumed where there is none (enough)
             default.cuda, gpu_gone = False, True  # (--cuda by name is refused in validate)
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            args = tyro.cli(Args, args=argv, default=default)
-    except SystemExit as e:
-        if e.code in (0, None):
-            raise
-        # tyro prints a box on a terminal and dashed rules elsewhere: a title, then the message up to a rule line
-        lines = [ln.strip().strip("│╭╮╰╯").strip() for ln in err.getvalue().splitlines()][1:]
-        is_rule = lambda ln: bool(ln) and set(ln) <= set("─-")  # noqa: E731
-        while lines and (not lines[0] or is_rule(lines[0])):
-            lines.pop(0)
-        message = []
-        for ln in lines:
-            if not ln or is_rule(ln):
-                break
-            message.append(ln)
-        die(" ".join(message) or "invalid arguments (see --help)")
+    args = tyro.cli(Args, args=argv, default=default)
     rank = int(os.environ.get("RANK", "0"))  # under torchrun rank 0 alone prints the notes
     with contextlib.redirect_stdout(io.StringIO()) if rank > 0 else contextlib.nullcontext():
         resolve_implied(args, given_fields(argv))
@@ -2650,10 +2590,6 @@ def resume_path(argv: list[str]) -> Optional[str]:
 
 def validate(args: Args) -> None:
     flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
-    for name, choices in (("adv_estimator", ADV_ESTIMATORS), ("kl_penalty", KL_TYPES), ("kl_loss_type", KL_TYPES),
-                          ("loss_agg_mode", LOSS_AGG_MODES)):
-        if getattr(args, name) not in choices:
-            die(f"{flag(name)} {getattr(args, name)!r}: choose one of {', '.join(choices)}")
     for f in dataclasses.fields(Args):  # nan / inf pass the range checks below unnoticed
         if isinstance(getattr(args, f.name), float) and not math.isfinite(getattr(args, f.name)):
             die(f"{flag(f.name)} must be a finite number, got {getattr(args, f.name)}")
