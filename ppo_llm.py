@@ -1514,7 +1514,7 @@ def main(args: Args) -> dict:
             texts = decode_responses(tok, resp, stops)
             eos = is_stop(resp, stops).any(-1)
             rule, problem = rule_scores(reward_fn, rows, texts, args.reward_fn or "exact")
-            run.fail_if(problem)  # (the user's function raised or gave no number: one line naming the prompt)
+            run.fail(problem, alone=True)  # (the user's function raised or gave no number: one line naming the prompt)
             raw, parts = sequence_scores(rule, rm, rm_tok, rows, texts, args, device, autocast)
             raw, correct = raw - args.missing_eos_penalty * (~eos).float(), (rule >= 1).float()
             kld = (kl_full if kl_full is not None else kl_penalty(old_logp, ref_logp, args.kl_penalty)) * maskf
@@ -1634,16 +1634,10 @@ def exception_chain(error: Optional[BaseException]) -> list[BaseException]:
     return chain
 
 
-def write_failure(error: Optional[BaseException]) -> Optional[str]:
-    """Why a write failed if the file system refused it: the OSError in the exception's chain (torch.save into a file
-    raises RuntimeError "unexpected pos" from it) or safetensors' "I/O error: ..."; None for anything else."""
-    for e in exception_chain(error):
-        if isinstance(e, OSError):
-            return e.strerror or str(e)
-        found = re.search(r"I/O error: (.+?)(?: \(os error \d+\))?$", (str(e).splitlines() or [""])[0])
-        if found:
-            return found.group(1)
-    return None
+def write_failure(error: BaseException) -> str:
+    """Why a write failed: the OSError's reason if there is one in the exception's chain (torch.save into a file
+    raises RuntimeError "unexpected pos" from it), else the exception itself (safetensors' words, say)."""
+    return next((e.strerror or str(e) for e in exception_chain(error) if isinstance(e, OSError)), reason(error))
 
 
 class Run:
@@ -1694,9 +1688,9 @@ class Run:
         if self.world > 1:
             import torch.distributed as dist
 
-            if kind is None:
+            if kind is None:  # (a failed rank just exits: torchrun ends the others)
                 dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
-            dist.destroy_process_group()
+                dist.destroy_process_group()
         for sig, handler in self.handlers.items():
             signal.signal(sig, handler)
         self.stack.close()
@@ -1829,7 +1823,7 @@ class Run:
                           stop=self.stop_requested)
             self.eval_stopped = ev is None
             if ev is not None:
-                self.fail_if(ev.pop("problem"))
+                self.fail(ev.pop("problem"), alone=True)
                 self.log({f"eval/{k}": v for k, v in ev.items()}, step)
                 tracker["curve"].append([iteration, ev["accuracy_greedy"], ev["accuracy_sampled"]])
                 print(f"eval iter {iteration}: accuracy greedy {ev['accuracy_greedy']:.3f}  sampled "
@@ -1842,20 +1836,14 @@ class Run:
               f"{self.written}" + (f" (which stops again after {self.args.stop_after} iterations, the checkpoint's "
               "--stop-after; add --stop-after 0 to run to the end)" if self.args.stop_after else ""), flush=True)
 
-    def fail(self, message: str) -> None:
-        """The run cannot go on: one line that names the last checkpoint if there is one, exit 1."""
+    def fail(self, message: Optional[str], alone: bool = False) -> None:
+        """The run cannot go on (message None: it can): one line that names the last checkpoint if there is one, exit
+        1. alone: what this rank alone found (the reward function on its rows; under torchrun its exit ends the job)."""
         kept = f"last checkpoint kept: {self.checkpoint}" if self.checkpoint else "no checkpoint was written"
-        if self.rank == 0:
+        if message is not None and (alone or self.rank == 0):
             print(f"error: {message}; stopping ({kept})", file=sys.stderr)
-        raise SystemExit(1)
-
-    def fail_if(self, problem: Optional[str]) -> None:
-        """fail(problem) if any rank has one (None: none), with the first such rank's words (every rank calls it at
-        the same point: one all-reduce under torchrun, and a gather only when something failed)."""
-        if self.world > 1 and all_ranks_sum(torch.tensor([float(problem is not None)]), self.world).item() > 0:
-            problem = next(p for p in gather_objects(problem, self.world) if p is not None)
-        if problem is not None:
-            self.fail(problem)
+        if message is not None:
+            raise SystemExit(1)
 
 
 def eta_text(seconds: float) -> str:
@@ -2035,9 +2023,9 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
                     gen_dev=None, rank: int = 0, world: int = 1) -> str:
     """Atomic: the models go to a new checkpoint-<iteration>/ directory, then checkpoint.pt, which names that
     directory, is replaced in one rename (the commit point); older checkpoint-* directories are removed after.
-    A kill at any moment leaves a checkpoint.pt whose models are complete; a write the file system refuses removes
-    what this save wrote and raises WriteError on every rank. Under torchrun every rank calls it (FSDP2 shards are
-    gathered into full tensors) and rank 0 writes. With LoRA (ref is AdaptersOff) policy/ (and a LoRA critic/)
+    A kill at any moment leaves a checkpoint.pt whose models are complete; a failed write removes what this save
+    wrote and raises WriteError (rank 0's exit ends a torchrun job). Under torchrun every rank calls it (FSDP2
+    shards are gathered into full tensors) and rank 0 writes. With LoRA (ref is AdaptersOff) policy/ (and a LoRA critic/)
     holds the adapters (peft's save_pretrained) and ref/ the base model they go on."""
     sub, path = f"checkpoint-{iteration}", os.path.join(run_dir, "checkpoint.pt")
     lora, has_ref = bool(args.lora_rank), bool(args.lora_rank) or ref is not None  # (no KL term: no reference)
@@ -2083,8 +2071,6 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
             os.replace(path + ".tmp", path)
         except Exception as e:
             failed = (target, write_failure(e))
-            if failed[1] is None:
-                raise
             for leftover in (tmp_dir, os.path.join(run_dir, "ref.tmp"), *made):  # the checkpoint before stays whole
                 shutil.rmtree(leftover, ignore_errors=True)
             with contextlib.suppress(FileNotFoundError):
@@ -2093,8 +2079,7 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
             for d in os.listdir(run_dir):  # earlier checkpoints (and .tmp leftovers of killed saves)
                 if d.startswith("checkpoint-") and d != sub:
                     shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
-    failed = gather_objects(failed, world)[0]  # every rank stops on rank 0's failed write
-    if failed is not None:
+    if failed is not None:  # (under torchrun rank 0's exit ends the job)
         raise WriteError(*failed, checkpoint=True)
     return path
 
