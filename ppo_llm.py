@@ -2093,7 +2093,10 @@ def base_weights(policy) -> dict:
 
 def saved_model_dir(args: Args, ckpt: Optional[dict], name: str) -> Optional[str]:
     """The save_pretrained directory of the checkpoint's model `name` (policy, ref, critic); None without one."""
-    return None if ckpt is None else os.path.join(os.path.dirname(os.path.abspath(args.resume)), ckpt["model"][name])
+    if ckpt is None:
+        return None
+    with checkpoint_fits(args.resume):
+        return os.path.join(os.path.dirname(os.path.abspath(args.resume)), ckpt["model"][name])
 
 
 _READ: dict = {}  # the last checkpoint read: parse_args reads it for the saved arguments, main() gets the same dict
@@ -2101,8 +2104,7 @@ _READ: dict = {}  # the last checkpoint read: parse_args reads it for the saved 
 
 def load_checkpoint(path: str) -> dict:
     """checkpoint.pt, read once per process (parse_args reads the saved arguments, main() gets the same dict). One that
-    does not load, is another script's, lacks an entry that main() reads or a model directory next to it is one line,
-    exit 2; states that do not fit the models are checkpoint_fits'."""
+    does not load or is another script's is one line, exit 2; what does not fit is checkpoint_fits'."""
     if not os.path.isfile(path):
         die(f"--resume: no such file {path}")
     key = (os.path.abspath(path), os.stat(path).st_mtime_ns, os.stat(path).st_size)
@@ -2114,25 +2116,18 @@ def load_checkpoint(path: str) -> dict:
         if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
             die(f"{path} is not a {SCRIPT} checkpoint "
                 f"(script={ckpt.get('script') if isinstance(ckpt, dict) else None})")
-        missing = [k for k in ("model", "optimizer", "scheduler", "global_step", "iteration", "rng", "args", "kl_coef",
-                               "reward_running", "tracker") if k not in ckpt]
-        if missing:
-            die(f"checkpoint {path}: no {', '.join(missing)}")
-        for d in (ckpt["model"].get(m) for m in ("policy", "ref", "critic")):
-            if d and not os.path.isdir(os.path.join(os.path.dirname(path), d)):
-                die(f"checkpoint {path}: model directory {d}/ next to it is missing")
         _READ.update(key=key, ckpt=ckpt)
     return _READ["ckpt"]
 
 
 @contextlib.contextmanager
 def checkpoint_fits(path: str):
-    """States loaded from a checkpoint into models, optimizers and generators: what torch raises when they do not fit
-    (another model, another number of optimizers, a generator state of another size) is one line, exit 2."""
+    """What reading a checkpoint's states raises (an entry missing, another model, another number of optimizers, a
+    generator state of another size) is one line, exit 2."""
     try:
         yield
-    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
-        die(f"checkpoint {path} does not fit these models: {reason(e)}")
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        die(f"checkpoint {path} does not fit this run: {reason(e)}")
 
 
 def restore_trainer_state(ckpt: dict, args: Args, optimizers, schedulers, gen, gen_dev, kl_ctrl, running, rank: int,
@@ -2166,8 +2161,8 @@ def restore_trainer_state(ckpt: dict, args: Args, optimizers, schedulers, gen, g
                       "new seed (the run is not the one an uninterrupted run would have been)")
         kl_ctrl.value = float(ckpt["kl_coef"])
         running.__dict__.update({k: float(ckpt["reward_running"][k]) for k in ("mean", "var", "count")})
-    print(f"resumed {args.resume} at iteration {ckpt['iteration']}")
-    return ckpt["iteration"] + 1, ckpt["global_step"], {"curve": [], **ckpt["tracker"]}
+        print(f"resumed {args.resume} at iteration {ckpt['iteration']}")
+        return ckpt["iteration"] + 1, ckpt["global_step"], {"curve": [], **ckpt["tracker"]}
 
 
 # --- Evaluation: held-out accuracy, greedy and sampled; pass@k of --eval-n samples ---------------------------------
@@ -2490,8 +2485,9 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
     default, gpu_gone = None, False
     resume = resume_path(argv)
     if resume is not None:  # the checkpoint's arguments become the defaults; flags given now override them
-        saved = load_checkpoint(resume)["args"]
-        default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
+        with checkpoint_fits(resume):
+            saved = load_checkpoint(resume)["args"]
+            default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
         default.resume = resume
         if default.cuda and not gpu_for_each_process():  # written on a GPU, resumed where there is none (enough)
             default.cuda, gpu_gone = False, True  # (--cuda by name is refused in validate)

@@ -1261,12 +1261,12 @@ def test_foreign_corrupt_and_incomplete_checkpoints_are_rejected(tmp_path, capsy
     torch.save({"script": "ppo_llm.py", "model": {"policy": "checkpoint-3/policy", "ref": "", "critic": ""}},
                d / "partial.pt")  # (an entry main() reads is missing)
     for path, needle in [(tmp_path / "foreign.pt", "not a ppo_llm.py checkpoint"),
-                         (d / "partial.pt", "no optimizer, scheduler, global_step, iteration, rng, args"),
+                         (d / "partial.pt", "does not fit this run: KeyError: 'args'"),
                          (tmp_path / "corrupt.pt", "cannot read checkpoint"),
-                         (d / "checkpoint.pt", "model directory checkpoint-9/policy/ next to it is missing")]:
+                         (d / "checkpoint.pt", f"cannot load a tokenizer from {d / 'checkpoint-9' / 'policy'}")]:
         with pytest.raises(SystemExit) as e:
-            P.parse_args(["--resume", str(path)])
-        assert e.value.code == 2
+            P.main(P.parse_args(["--resume", str(path), "--no-cuda"]))
+        assert e.value.code == 2 and sorted(os.listdir(d)) == ["checkpoint-3", "checkpoint.pt", "partial.pt"]
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "\n" not in err and needle in err, err
 
