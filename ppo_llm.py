@@ -1436,6 +1436,105 @@ def warm_start(policy, tok, sample_rows, args: Args, device, autocast=contextlib
     print(f"warm start done in {time.time() - t0:.1f}s")
 
 
+# --- torchrun (statistics over the global batch, FSDP2 / DDP), bf16 autocast, torch.compile ---------------------
+def use_bf16(args: Args) -> bool:
+    """--precision: bf16 autocast (fp32 master weights) in warm-start, generation, scoring and training, or fp32."""
+    return args.precision == "bf16" or (args.precision == "auto" and args.cuda)
+
+
+def collective_device() -> torch.device:
+    """Where tensors must be for a collective: the rank's GPU under nccl, the CPU under gloo."""
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Sum of x over ranks (a new tensor on x's device; x itself with one process)."""
+    if world > 1:
+        import torch.distributed as dist
+
+        y = x.to(collective_device(), copy=True)
+        dist.all_reduce(y)
+        x = y.to(x.device)
+    return x
+
+
+def all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Every rank's x (same shape on all ranks) concatenated in rank order along dim 0, on x's device; x itself with
+    one process."""
+    if world == 1:
+        return x
+    import torch.distributed as dist
+
+    y = x.to(collective_device()).contiguous()
+    parts = [torch.empty_like(y) for _ in range(world)]
+    dist.all_gather(parts, y)
+    return torch.cat(parts).to(x.device)
+
+
+def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, trainable: bool = True):
+    """FSDP2: each transformer block (the model's _no_split_modules), then the whole model, becomes a fully_shard unit:
+    parameters are sharded across ranks and gathered block by block for each forward; the module is changed in place
+    and returned. DDP: returns a DistributedDataParallel replica for the update (generation and scoring use the bare
+    module, which holds the same parameters). Either way gradients are averaged over ranks."""
+    if model is None:
+        return None
+    import torch.distributed as dist
+
+    for p in model.parameters():  # the same start on every rank, whatever each rank's warm-start did
+        dist.broadcast(p.data, 0)
+    if strategy == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        # HF heads return views; this script never modifies a model output in place, which is what FSDP2 warns about
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+        blocks = set(getattr(model, "_no_split_modules", None) or [])
+        for m in model.modules():
+            if type(m).__name__ in blocks:
+                fully_shard(m)
+        return fully_shard(model)
+    if not trainable:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    # find_unused_parameters: the critic warm-up trains the shared trunk through the value loss, not lm_head
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   find_unused_parameters=True)
+
+
+def prepare_models(args: Args, policy, critic, value_head, ref, device, world: int):
+    """The paths to speed and scale, none of which changes what is computed: gradient checkpointing, torch.compile,
+    and under torchrun FSDP2 / DDP (after the warm-start, which every rank ran alike, and before the optimizers take
+    the parameters). Returns the modules the update calls and generation's all_done (FSDP2: every forward is a
+    collective, so the ranks stop generating together)."""
+    if args.gradient_checkpointing:
+        for m in (policy, critic):
+            if m is not None:
+                getattr(m, "activation_checkpointing_enable", m.gradient_checkpointing_enable)()
+    if args.compile:
+        for m in (policy, critic):
+            if m is not None:
+                compile_forward(m)
+    if world == 1:
+        return policy, critic, value_head, None
+    train = [distribute(m, args.strategy, device) for m in (policy, critic, value_head)]
+    distribute(ref, args.strategy, device, trainable=False)
+    all_done = None
+    if args.strategy == "fsdp2":
+        all_done = lambda done: bool(all_ranks_sum(done.all().float()[None], world) == world)  # noqa: E731
+    return (*train, all_done)
+
+
+def compile_forward(model, backend: str = "inductor"):
+    """--compile: the model's forward through torch.compile, with dynamic shapes (prompt, response and KV-cache
+    lengths vary), so generation, scoring and the update all run the compiled graphs; the weights stay shared.
+    (backend: the tests trace with "aot_eager", which skips inductor's minutes of kernel compilation on a CPU.)"""
+    model.forward = torch.compile(model.forward, dynamic=True, backend=backend)
+    return model
+
+
 def main(args: Args) -> dict:
     with Run(args) as run:  # signals, torchrun, run directory, logging, one-line errors (plumbing)
         rank, world, device, ckpt = run.rank, run.world, run.device, run.ckpt
@@ -1597,8 +1696,8 @@ def main(args: Args) -> dict:
 
 # =========================================================================================================
 # Plumbing: nothing below this line changes what PPO computes. Run context (torchrun, logging, signals, ...),
-# checkpoints and exact resume, evaluation, compile helper, --reward-fn files, data files (datasets), local models
-# and the checks of what they will become, command line.
+# checkpoints and exact resume, evaluation, --reward-fn files, data files (datasets), local models and the checks of
+# what they will become, command line.
 # =========================================================================================================
 def die(msg: str, alone: bool = False) -> None:
     """Bad input: one line on stderr (under torchrun from rank 0 alone, as every rank finds the same), exit code 2, no
@@ -1854,12 +1953,7 @@ def eta_text(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-# --- torchrun / FSDP2: prompts sharded across ranks, statistics over the global batch, FSDP2 or DDP; compile ---------
-def use_bf16(args: Args) -> bool:
-    """--precision: bf16 autocast (fp32 master weights) in warm-start, generation, scoring and training, or fp32."""
-    return args.precision == "bf16" or (args.precision == "auto" and args.cuda)
-
-
+# --- torchrun: the process group and the device ----------------------------------------------------------------
 def gpu_for_each_process() -> bool:
     """--cuda's default: whether torch sees a GPU for each process on this machine (torchrun's LOCAL_WORLD_SIZE; one
     without torchrun). With fewer GPUs than processes the default is the CPU."""
@@ -1886,37 +1980,6 @@ def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
     return dist.get_rank(), world, device
 
 
-def collective_device() -> torch.device:
-    """Where tensors must be for a collective: the rank's GPU under nccl, the CPU under gloo."""
-    import torch.distributed as dist
-
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Sum of x over ranks (a new tensor on x's device; x itself with one process)."""
-    if world > 1:
-        import torch.distributed as dist
-
-        y = x.to(collective_device(), copy=True)
-        dist.all_reduce(y)
-        x = y.to(x.device)
-    return x
-
-
-def all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Every rank's x (same shape on all ranks) concatenated in rank order along dim 0, on x's device; x itself with
-    one process."""
-    if world == 1:
-        return x
-    import torch.distributed as dist
-
-    y = x.to(collective_device()).contiguous()
-    parts = [torch.empty_like(y) for _ in range(world)]
-    dist.all_gather(parts, y)
-    return torch.cat(parts).to(x.device)
-
-
 def gather_objects(obj, world: int) -> list:
     """[obj of rank 0, obj of rank 1, ...] on every rank."""
     if world == 1:
@@ -1926,37 +1989,6 @@ def gather_objects(obj, world: int) -> list:
     out = [None] * world
     dist.all_gather_object(out, obj)
     return out
-
-
-def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, trainable: bool = True):
-    """FSDP2: each transformer block (the model's _no_split_modules), then the whole model, becomes a fully_shard unit:
-    parameters are sharded across ranks and gathered block by block for each forward; the module is changed in place
-    and returned. DDP: returns a DistributedDataParallel replica for the update (generation and scoring use the bare
-    module, which holds the same parameters). Either way gradients are averaged over ranks."""
-    if model is None:
-        return None
-    import torch.distributed as dist
-
-    for p in model.parameters():  # the same start on every rank, whatever each rank's warm-start did
-        dist.broadcast(p.data, 0)
-    if strategy == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        # HF heads return views; this script never modifies a model output in place, which is what FSDP2 warns about
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-
-        blocks = set(getattr(model, "_no_split_modules", None) or [])
-        for m in model.modules():
-            if type(m).__name__ in blocks:
-                fully_shard(m)
-        return fully_shard(model)
-    if not trainable:
-        return model
-    from torch.nn.parallel import DistributedDataParallel
-
-    # find_unused_parameters: the critic warm-up trains the shared trunk through the value loss, not lm_head
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   find_unused_parameters=True)
 
 
 def full_state(state):
@@ -1982,37 +2014,6 @@ def shard_optimizer_state(opt) -> None:
             for k, v in st.items():
                 if torch.is_tensor(v) and not isinstance(v, DTensor) and v.shape == p.shape:
                     st[k] = distribute_tensor(v.to(p.device_mesh.device_type), p.device_mesh, p.placements)
-
-
-def prepare_models(args: Args, policy, critic, value_head, ref, device, world: int):
-    """The paths to speed and scale, none of which changes what is computed: gradient checkpointing, torch.compile,
-    and under torchrun FSDP2 / DDP (after the warm-start, which every rank ran alike, and before the optimizers take
-    the parameters). Returns the modules the update calls and generation's all_done (FSDP2: every forward is a
-    collective, so the ranks stop generating together)."""
-    if args.gradient_checkpointing:
-        for m in (policy, critic):
-            if m is not None:
-                getattr(m, "activation_checkpointing_enable", m.gradient_checkpointing_enable)()
-    if args.compile:
-        for m in (policy, critic):
-            if m is not None:
-                compile_forward(m)
-    if world == 1:
-        return policy, critic, value_head, None
-    train = [distribute(m, args.strategy, device) for m in (policy, critic, value_head)]
-    distribute(ref, args.strategy, device, trainable=False)
-    all_done = None
-    if args.strategy == "fsdp2":
-        all_done = lambda done: bool(all_ranks_sum(done.all().float()[None], world) == world)  # noqa: E731
-    return (*train, all_done)
-
-
-def compile_forward(model, backend: str = "inductor"):
-    """--compile: the model's forward through torch.compile, with dynamic shapes (prompt, response and KV-cache
-    lengths vary), so generation, scoring and the update all run the compiled graphs; the weights stay shared.
-    (backend: the tests trace with "aot_eager", which skips inductor's minutes of kernel compilation on a CPU.)"""
-    model.forward = torch.compile(model.forward, dynamic=True, backend=backend)
-    return model
 
 
 # --- Checkpoints: save_pretrained for policy, reference and critic + trainer state in checkpoint.pt; exact resume ---
