@@ -1699,10 +1699,10 @@ def main(args: Args) -> dict:
 # checkpoints and exact resume, evaluation, --reward-fn files, data files (datasets), local models and the checks of
 # what they will become, command line.
 # =========================================================================================================
-def die(msg: str, alone: bool = False) -> None:
+def die(msg: str) -> None:
     """Bad input: one line on stderr (under torchrun from rank 0 alone, as every rank finds the same), exit code 2, no
-    traceback. alone: what this rank alone can see (its own GPU): it prints the line, whatever its rank."""
-    if alone or int(os.environ.get("RANK", "0")) == 0:
+    traceback."""
+    if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
 
@@ -1972,8 +1972,6 @@ def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cpu")
     if args.cuda:  # one GPU per rank
-        if local_rank >= torch.cuda.device_count():
-            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)", alone=True)
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if args.cuda else "gloo")
@@ -2248,8 +2246,8 @@ def load_one_reward_fn(spec: Optional[str]):
 DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension -> datasets' builder
 
 
-def read_rows(path: str, flag: str) -> tuple[list[dict], dict]:
-    """Every row of a local data file and its columns' types, read by Hugging Face datasets (offline; its cache in a
+def read_rows(path: str, flag: str) -> list[dict]:
+    """Every row of a local data file, read by Hugging Face datasets (offline; its cache in a
     temporary directory, removed: nothing is left in ~/.cache). A UTF-8 byte-order mark is allowed; a file it cannot
     read is one line, exit 2."""
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
@@ -2263,15 +2261,12 @@ def read_rows(path: str, flag: str) -> tuple[list[dict], dict]:
         with tempfile.TemporaryDirectory(prefix="ppo_llm_data_") as cache:
             data = datasets.load_dataset(kind, data_files=path, split="train", cache_dir=cache, keep_in_memory=True,
                                          **({"encoding": "utf-8-sig"} if kind == "json" else {}))
-            return data.to_list(), data.features
+            return data.to_list()
     except Exception as e:  # noqa: BLE001 - whatever the reader raises, the file is bad input
-        chain = exception_chain(e)
-        if any(isinstance(x, UnicodeDecodeError) for x in chain):
-            die(f"{flag} {path}: cannot read it as UTF-8 text ({reason(chain[-1])})")
         with open(path, "rb") as f:
             if kind == "json" and not f.read().removeprefix(b"\xef\xbb\xbf").strip():
                 die(f"{flag} {path}: empty (no rows)")
-        die(f"{flag} {path}: cannot read it as {kind} ({reason(chain[-1])})")
+        die(f"{flag} {path}: cannot read it as {kind} ({reason(exception_chain(e)[-1])})")
     finally:
         datasets.logging.set_verbosity(verbosity)
 
@@ -2282,7 +2277,7 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
     for the tokenizer's chat template) from column prompt_key, the answer (as text: answer_text; None where missing)
     from answer_key, a dotted path reaching into nested columns (reward_model.ground_truth). Prompts longer than
     prompt_length tokens are dropped with a note."""
-    def column(row, key):  # (row: a row, or the file's column types)
+    def column(row, key):
         if key in row:
             return row[key]
         for part in key.split("."):
@@ -2294,14 +2289,10 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
             return f"row {i + 1}"
         with open(path, encoding="utf-8-sig") as f:
             return f"line {[n for n, line in enumerate(f, 1) if line.strip()][i]}"
-    (table, types), rows = read_rows(path, flag), []
+    table, rows = read_rows(path, flag), []
     for key, name, default in ((prompt_key, "--prompt-key", None), (answer_key, "--answer-key", Args.answer_key)):
         if table and key != default and all(column(r, key) is None for r in table):  # (a mistyped key, say)
             die(f"{flag} {path}: no column {key!r} ({name}); its columns: {', '.join(column_names(table[0]))}")
-    changed = answers_changed([column(r, answer_key) for r in table], column(types, answer_key))
-    if changed:
-        print(f"note: {flag} {path}: {answer_key!r} may not hold the file's answers exactly: {changed}; write every "
-              "answer as text (\"72\") to keep it as written")
     for i, row in enumerate(table):
         prompt, answer = column(row, prompt_key), column(row, answer_key)
         if isinstance(prompt, list) and prompt and all(
@@ -2334,22 +2325,10 @@ def column_names(row: dict, prefix: str = "") -> list[str]:
 
 def answer_text(value) -> Optional[str]:
     """An answer as text: text as the file has it; a number as the file writes it, but for floats that are whole
-    numbers, written as integers (datasets reads the 72 of a JSON column that also holds 2.5 as 72.0); None as None.
-    (A float past 2**53 is a whole number that may not be the file's: load_dataset notes it.)"""
+    numbers, written as integers (datasets reads the 72 of a JSON column that also holds 2.5 as 72.0); None as None."""
     if value is None or isinstance(value, str):
         return value
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
-
-
-def answers_changed(answers: list, kind) -> Optional[str]:
-    """What datasets' JSON reader may have changed in an answer column (kind: the column's type there), or None: whole
-    numbers past 2**53 read as floats (a number past int64, or one in a column that also holds decimals), numbers
-    beside text read as JSON values."""
-    big = [a for a in answers if isinstance(a, float) and a.is_integer() and abs(a) >= 2**53]
-    changed = [f"{len(big)} whole number(s) past 2**53 read as floats (now {answer_text(big[0])})"] if big else []
-    if type(kind).__name__ == "Json":  # (datasets.Json: the reader's type for a column of mixed types)
-        changed.append("numbers beside text read as JSON values (the text '01' becomes 1)")
-    return "; ".join(changed) or None
 
 
 # --- Local models: loaded, with the checks that turn a model that cannot work here into one line (exit 2) ----------

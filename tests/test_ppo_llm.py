@@ -1112,7 +1112,7 @@ def test_synthetic_held_out_prompts_are_distinct_and_never_trained_on(tmp_path, 
 @pytest.mark.parametrize("argv,needle", [
     (["--prompt-length", "5"], "prompts take up to 6 tokens"),  # a synthetic prompt would be cut to "1415="
     (["--response-length", "5"], "answers up to 5"),  # 5 digits and EOS: 6 tokens
-    (["--dataset", "{latin1}"], "cannot read it as UTF-8"),
+    (["--dataset", "{latin1}"], "cannot read it as json (UnicodeDecodeError"),
 ])
 def test_bad_input_found_in_main_is_one_line_and_leaves_no_run_dir(tmp_path, capsys, argv, needle):
     (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
@@ -1813,8 +1813,8 @@ def test_data_files_through_datasets_keys_and_formats(tmp_path, capsys):
 
 
 def test_answers_read_by_datasets_keep_their_text_and_their_integers(tmp_path, capsys):
-    """datasets reads a JSON column of 72 and 2.5 as floats (72.0), and a number past int64 as a float: answers are
-    text as the file has it, integers as integers, and a note says where the reader could not keep them exactly."""
+    """datasets reads a JSON column of 72 and 2.5 as floats (72.0): answers are text as the file has it, integers as
+    integers."""
     tok = P.build_char_tokenizer()
 
     def answers(name, lines):
@@ -1827,12 +1827,6 @@ def test_answers_read_by_datasets_keep_their_text_and_their_integers(tmp_path, c
     assert P.rule_reward(got[0], "72") == 1.0  # the exact rule scores the right response right again
     got, out = answers("text.jsonl", ['"01"', '"72.0"', '" 7 "', '"1e5"'])
     assert got == ["01", "72.0", " 7 ", "1e5"] and out == ""  # text: as written
-    got, out = answers("big.jsonl", ["12345678901234567890", "7"])
-    assert got == ["12345678901234567168", "7"]  # (a float: the file's last digits are gone)
-    assert out.count("\n") == 1 and "note: --dataset" in out and "1 whole number(s) past 2**53 read as floats (now " \
-        "12345678901234567168); write every answer as text" in out, out
-    got, out = answers("both.jsonl", ['"01"', "2"])
-    assert out.count("\n") == 1 and "numbers beside text read as JSON values" in out, out
     write_parquet(tmp_path / "f.parquet", [{"prompt": "1=", "answer": 72.0, "n": 3}, {"prompt": "2=", "answer": 2.5,
                                                                                      "n": 4}])
     assert [r["answer"] for r in P.load_dataset(str(tmp_path / "f.parquet"), tok, 16)] == ["72", "2.5"]
@@ -2053,8 +2047,7 @@ def test_cuda_is_the_default_where_torch_sees_a_gpu(tmp_path, monkeypatch, capsy
 
 
 def test_under_torchrun_the_gpu_is_the_default_only_with_a_gpu_for_each_process(monkeypatch, capsys):
-    """torchrun --nproc-per-node 2 on a machine with one GPU: the default is the CPU; --cuda is one line (rank 0's),
-    and a rank that finds no GPU of its own says so itself (die() would print on rank 0 alone: no line at all)."""
+    """torchrun --nproc-per-node 2 on a machine with one GPU: the default is the CPU; --cuda is one line (rank 0's)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for var, value in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
@@ -2062,9 +2055,6 @@ def test_under_torchrun_the_gpu_is_the_default_only_with_a_gpu_for_each_process(
     assert not P.parse_args([]).cuda and not P.Args().cuda
     assert "--cuda: 2 processes on this machine, 1 GPU(s): one GPU each" in one_line_exit(capsys, 2, P.parse_args,
                                                                                           ["--cuda"])
-    monkeypatch.setenv("RANK", "1"), monkeypatch.setenv("LOCAL_RANK", "1")  # (sees one GPU, as another rank might)
-    err = one_line_exit(capsys, 2, P.setup_distributed, P.Args(cuda=True))
-    assert err == "error: local rank 1 has no GPU (1 visible)"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert P.parse_args([]).cuda
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1"), monkeypatch.setenv("WORLD_SIZE", "1")  # (no torchrun: 1 GPU will do)
