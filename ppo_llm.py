@@ -1816,24 +1816,20 @@ class Run:
     def open_dir(self) -> None:
         """The run directory: a resumed run's own, or a new one that rank 0 makes under a name no other run has
         (<task>__<exp>__<seed>__<time>, then -2, -3, ...)."""
-        args, path, error = self.args, os.path.dirname(os.path.abspath(self.args.resume or ".")), None
-        if self.ckpt is None and self.rank == 0:
-            task = "sort" if args.dataset is None else os.path.splitext(os.path.basename(args.dataset))[0]
-            base = path = os.path.join(args.runs_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
-            for i in itertools.count(2):
-                try:
-                    os.makedirs(path)
-                    self.created = True
-                    break
-                except FileExistsError:
-                    path = f"{base}-{i}"
-                except OSError as e:
-                    error = f"cannot create run directory {path}: {e.strerror}"
-                    break
-        path, error = gather_objects((path, error), self.world)[0]
-        if error is not None:
-            die(error)
-        self.dir = path
+        args, path = self.args, os.path.dirname(os.path.abspath(self.args.resume or "."))
+        task = "sort" if args.dataset is None else os.path.splitext(os.path.basename(args.dataset))[0]
+        base = os.path.join(args.runs_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+        for n in itertools.count(1) if self.ckpt is None and self.rank == 0 else ():
+            path = base if n == 1 else f"{base}-{n}"
+            try:
+                os.makedirs(path)
+                self.created = True
+                break
+            except FileExistsError:
+                continue
+            except OSError as e:  # (rank 0's exit ends a torchrun job)
+                die(f"cannot create run directory {path}: {e.strerror}")
+        self.dir = gather_objects(path, self.world)[0]
 
     def log(self, scalars: dict, step: int) -> None:
         """Scalars to TensorBoard (and wandb with --track) from rank 0; the writer is made on first use."""
@@ -1856,10 +1852,7 @@ class Run:
             for k, v in scalars.items():
                 self.writer.add_scalar(k, v, step)
         except OSError as e:  # (tensorboard's writer thread failed)
-            raise self._events_error(e) from None
-
-    def _events_error(self, e: OSError) -> WriteError:
-        return WriteError(f"the TensorBoard events in {self.dir}", e.strerror or str(e))
+            raise WriteError(f"the TensorBoard events in {self.dir}", e.strerror or str(e)) from None
 
     def _close_writer(self, failed: bool) -> None:
         try:
@@ -1867,7 +1860,7 @@ class Run:
                 self.writer.close()
         except OSError as e:
             if not failed:
-                raise self._events_error(e) from None
+                raise WriteError(f"the TensorBoard events in {self.dir}", e.strerror or str(e)) from None
         finally:
             if self.args.track and self.writer is not None:
                 import wandb
@@ -2215,9 +2208,7 @@ def evaluate(policy, tok, rows: list[dict], args: Args, rule, stops, gen, device
 # --- Reward functions: --reward-fn FILE.py:NAME, imported once -----------------------------------------------------
 def load_reward_fn(spec: Optional[str], weights: Optional[list[float]] = None):
     """--reward-fn's functions, several (comma-separated) as their weighted sum (weighted_sum; weights: 1 each)."""
-    specs = (spec or "exact").split(",")
-    if weights is not None and len(weights) != len(specs):
-        die(f"--reward-weights: {len(weights)} weights for the {len(specs)} functions of --reward-fn")
+    specs = (spec or "exact").split(",")  # (as many weights: validate)
     return weighted_sum([load_one_reward_fn(s.strip()) for s in specs], weights or [1.0] * len(specs))
 
 
