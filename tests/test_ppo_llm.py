@@ -1634,12 +1634,12 @@ def test_the_non_finite_stop_says_when_no_checkpoint_was_written(tmp_path, monke
 def test_bad_input_under_torchrun_is_printed_by_rank_0_alone(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as e:
-        P.parse_args(["--n", "1.5"])
+        P.parse_args(["--tiny-hidden-size", "12"])
     assert e.value.code == 2 and capsys.readouterr().err == ""
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit):
-        P.parse_args(["--n", "1.5"])
-    assert "whole number" in capsys.readouterr().err
+        P.parse_args(["--tiny-hidden-size", "12"])
+    assert "multiple of 8" in capsys.readouterr().err
 
 
 # ----- real verifiable-reward tasks (issue #27): reward functions, data files, pass@k, LoRA, GPU by default ---------
