@@ -1436,6 +1436,105 @@ def warm_start(policy, tok, sample_rows, args: Args, device, autocast=contextlib
     print(f"warm start done in {time.time() - t0:.1f}s")
 
 
+# --- torchrun (statistics over the global batch, FSDP2 / DDP), bf16 autocast, torch.compile ---------------------
+def use_bf16(args: Args) -> bool:
+    """--precision: bf16 autocast (fp32 master weights) in warm-start, generation, scoring and training, or fp32."""
+    return args.precision == "bf16" or (args.precision == "auto" and args.cuda)
+
+
+def collective_device() -> torch.device:
+    """Where tensors must be for a collective: the rank's GPU under nccl, the CPU under gloo."""
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Sum of x over ranks (a new tensor on x's device; x itself with one process)."""
+    if world > 1:
+        import torch.distributed as dist
+
+        y = x.to(collective_device(), copy=True)
+        dist.all_reduce(y)
+        x = y.to(x.device)
+    return x
+
+
+def all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Every rank's x (same shape on all ranks) concatenated in rank order along dim 0, on x's device; x itself with
+    one process."""
+    if world == 1:
+        return x
+    import torch.distributed as dist
+
+    y = x.to(collective_device()).contiguous()
+    parts = [torch.empty_like(y) for _ in range(world)]
+    dist.all_gather(parts, y)
+    return torch.cat(parts).to(x.device)
+
+
+def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, trainable: bool = True):
+    """FSDP2: each transformer block (the model's _no_split_modules), then the whole model, becomes a fully_shard unit:
+    parameters are sharded across ranks and gathered block by block for each forward; the module is changed in place
+    and returned. DDP: returns a DistributedDataParallel replica for the update (generation and scoring use the bare
+    module, which holds the same parameters). Either way gradients are averaged over ranks."""
+    if model is None:
+        return None
+    import torch.distributed as dist
+
+    for p in model.parameters():  # the same start on every rank, whatever each rank's warm-start did
+        dist.broadcast(p.data, 0)
+    if strategy == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        # HF heads return views; this script never modifies a model output in place, which is what FSDP2 warns about
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+        blocks = set(getattr(model, "_no_split_modules", None) or [])
+        for m in model.modules():
+            if type(m).__name__ in blocks:
+                fully_shard(m)
+        return fully_shard(model)
+    if not trainable:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    # find_unused_parameters: the critic warm-up trains the shared trunk through the value loss, not lm_head
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   find_unused_parameters=True)
+
+
+def prepare_models(args: Args, policy, critic, value_head, ref, device, world: int):
+    """The paths to speed and scale, none of which changes what is computed: gradient checkpointing, torch.compile,
+    and under torchrun FSDP2 / DDP (after the warm-start, which every rank ran alike, and before the optimizers take
+    the parameters). Returns the modules the update calls and generation's all_done (FSDP2: every forward is a
+    collective, so the ranks stop generating together)."""
+    if args.gradient_checkpointing:
+        for m in (policy, critic):
+            if m is not None:
+                getattr(m, "activation_checkpointing_enable", m.gradient_checkpointing_enable)()
+    if args.compile:
+        for m in (policy, critic):
+            if m is not None:
+                compile_forward(m)
+    if world == 1:
+        return policy, critic, value_head, None
+    train = [distribute(m, args.strategy, device) for m in (policy, critic, value_head)]
+    distribute(ref, args.strategy, device, trainable=False)
+    all_done = None
+    if args.strategy == "fsdp2":
+        all_done = lambda done: bool(all_ranks_sum(done.all().float()[None], world) == world)  # noqa: E731
+    return (*train, all_done)
+
+
+def compile_forward(model, backend: str = "inductor"):
+    """--compile: the model's forward through torch.compile, with dynamic shapes (prompt, response and KV-cache
+    lengths vary), so generation, scoring and the update all run the compiled graphs; the weights stay shared.
+    (backend: the tests trace with "aot_eager", which skips inductor's minutes of kernel compilation on a CPU.)"""
+    model.forward = torch.compile(model.forward, dynamic=True, backend=backend)
+    return model
+
+
 def main(args: Args) -> dict:
     with Run(args) as run:  # signals, torchrun, run directory, logging, one-line errors (plumbing)
         rank, world, device, ckpt = run.rank, run.world, run.device, run.ckpt
@@ -1514,7 +1613,7 @@ def main(args: Args) -> dict:
             texts = decode_responses(tok, resp, stops)
             eos = is_stop(resp, stops).any(-1)
             rule, problem = rule_scores(reward_fn, rows, texts, args.reward_fn or "exact")
-            run.fail_if(problem)  # (the user's function raised or gave no number: one line naming the prompt)
+            run.fail(problem, alone=True)  # (the user's function raised or gave no number: one line naming the prompt)
             raw, parts = sequence_scores(rule, rm, rm_tok, rows, texts, args, device, autocast)
             raw, correct = raw - args.missing_eos_penalty * (~eos).float(), (rule >= 1).float()
             kld = (kl_full if kl_full is not None else kl_penalty(old_logp, ref_logp, args.kl_penalty)) * maskf
@@ -1597,13 +1696,13 @@ def main(args: Args) -> dict:
 
 # =========================================================================================================
 # Plumbing: nothing below this line changes what PPO computes. Run context (torchrun, logging, signals, ...),
-# checkpoints and exact resume, evaluation, compile helper, --reward-fn files, data files (datasets), local models
-# and the checks of what they will become, command line.
+# checkpoints and exact resume, evaluation, --reward-fn files, data files (datasets), local models and the checks of
+# what they will become, command line.
 # =========================================================================================================
-def die(msg: str, alone: bool = False) -> None:
+def die(msg: str) -> None:
     """Bad input: one line on stderr (under torchrun from rank 0 alone, as every rank finds the same), exit code 2, no
-    traceback. alone: what this rank alone can see (its own GPU): it prints the line, whatever its rank."""
-    if alone or int(os.environ.get("RANK", "0")) == 0:
+    traceback."""
+    if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
 
@@ -1634,16 +1733,10 @@ def exception_chain(error: Optional[BaseException]) -> list[BaseException]:
     return chain
 
 
-def write_failure(error: Optional[BaseException]) -> Optional[str]:
-    """Why a write failed if the file system refused it: the OSError in the exception's chain (torch.save into a file
-    raises RuntimeError "unexpected pos" from it) or safetensors' "I/O error: ..."; None for anything else."""
-    for e in exception_chain(error):
-        if isinstance(e, OSError):
-            return e.strerror or str(e)
-        found = re.search(r"I/O error: (.+?)(?: \(os error \d+\))?$", (str(e).splitlines() or [""])[0])
-        if found:
-            return found.group(1)
-    return None
+def write_failure(error: BaseException) -> str:
+    """Why a write failed: the OSError's reason if there is one in the exception's chain (torch.save into a file
+    raises RuntimeError "unexpected pos" from it), else the exception itself (safetensors' words, say)."""
+    return next((e.strerror or str(e) for e in exception_chain(error) if isinstance(e, OSError)), reason(error))
 
 
 class Run:
@@ -1694,9 +1787,9 @@ class Run:
         if self.world > 1:
             import torch.distributed as dist
 
-            if kind is None:
+            if kind is None:  # (a failed rank just exits: torchrun ends the others)
                 dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
-            dist.destroy_process_group()
+                dist.destroy_process_group()
         for sig, handler in self.handlers.items():
             signal.signal(sig, handler)
         self.stack.close()
@@ -1723,24 +1816,20 @@ class Run:
     def open_dir(self) -> None:
         """The run directory: a resumed run's own, or a new one that rank 0 makes under a name no other run has
         (<task>__<exp>__<seed>__<time>, then -2, -3, ...)."""
-        args, path, error = self.args, os.path.dirname(os.path.abspath(self.args.resume or ".")), None
-        if self.ckpt is None and self.rank == 0:
-            task = "sort" if args.dataset is None else os.path.splitext(os.path.basename(args.dataset))[0]
-            base = path = os.path.join(args.runs_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
-            for i in itertools.count(2):
-                try:
-                    os.makedirs(path)
-                    self.created = True
-                    break
-                except FileExistsError:
-                    path = f"{base}-{i}"
-                except OSError as e:
-                    error = f"cannot create run directory {path}: {e.strerror}"
-                    break
-        path, error = gather_objects((path, error), self.world)[0]
-        if error is not None:
-            die(error)
-        self.dir = path
+        args, path = self.args, os.path.dirname(os.path.abspath(self.args.resume or "."))
+        task = "sort" if args.dataset is None else os.path.splitext(os.path.basename(args.dataset))[0]
+        base = os.path.join(args.runs_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+        for n in itertools.count(1) if self.ckpt is None and self.rank == 0 else ():
+            path = base if n == 1 else f"{base}-{n}"
+            try:
+                os.makedirs(path)
+                self.created = True
+                break
+            except FileExistsError:
+                continue
+            except OSError as e:  # (rank 0's exit ends a torchrun job)
+                die(f"cannot create run directory {path}: {e.strerror}")
+        self.dir = gather_objects(path, self.world)[0]
 
     def log(self, scalars: dict, step: int) -> None:
         """Scalars to TensorBoard (and wandb with --track) from rank 0; the writer is made on first use."""
@@ -1763,10 +1852,7 @@ class Run:
             for k, v in scalars.items():
                 self.writer.add_scalar(k, v, step)
         except OSError as e:  # (tensorboard's writer thread failed)
-            raise self._events_error(e) from None
-
-    def _events_error(self, e: OSError) -> WriteError:
-        return WriteError(f"the TensorBoard events in {self.dir}", e.strerror or str(e))
+            raise WriteError(f"the TensorBoard events in {self.dir}", e.strerror or str(e)) from None
 
     def _close_writer(self, failed: bool) -> None:
         try:
@@ -1774,7 +1860,7 @@ class Run:
                 self.writer.close()
         except OSError as e:
             if not failed:
-                raise self._events_error(e) from None
+                raise WriteError(f"the TensorBoard events in {self.dir}", e.strerror or str(e)) from None
         finally:
             if self.args.track and self.writer is not None:
                 import wandb
@@ -1829,7 +1915,7 @@ class Run:
                           stop=self.stop_requested)
             self.eval_stopped = ev is None
             if ev is not None:
-                self.fail_if(ev.pop("problem"))
+                self.fail(ev.pop("problem"), alone=True)
                 self.log({f"eval/{k}": v for k, v in ev.items()}, step)
                 tracker["curve"].append([iteration, ev["accuracy_greedy"], ev["accuracy_sampled"]])
                 print(f"eval iter {iteration}: accuracy greedy {ev['accuracy_greedy']:.3f}  sampled "
@@ -1842,20 +1928,14 @@ class Run:
               f"{self.written}" + (f" (which stops again after {self.args.stop_after} iterations, the checkpoint's "
               "--stop-after; add --stop-after 0 to run to the end)" if self.args.stop_after else ""), flush=True)
 
-    def fail(self, message: str) -> None:
-        """The run cannot go on: one line that names the last checkpoint if there is one, exit 1."""
+    def fail(self, message: Optional[str], alone: bool = False) -> None:
+        """The run cannot go on (message None: it can): one line that names the last checkpoint if there is one, exit
+        1. alone: what this rank alone found (the reward function on its rows; under torchrun its exit ends the job)."""
         kept = f"last checkpoint kept: {self.checkpoint}" if self.checkpoint else "no checkpoint was written"
-        if self.rank == 0:
+        if message is not None and (alone or self.rank == 0):
             print(f"error: {message}; stopping ({kept})", file=sys.stderr)
-        raise SystemExit(1)
-
-    def fail_if(self, problem: Optional[str]) -> None:
-        """fail(problem) if any rank has one (None: none), with the first such rank's words (every rank calls it at
-        the same point: one all-reduce under torchrun, and a gather only when something failed)."""
-        if self.world > 1 and all_ranks_sum(torch.tensor([float(problem is not None)]), self.world).item() > 0:
-            problem = next(p for p in gather_objects(problem, self.world) if p is not None)
-        if problem is not None:
-            self.fail(problem)
+        if message is not None:
+            raise SystemExit(1)
 
 
 def eta_text(seconds: float) -> str:
@@ -1866,12 +1946,7 @@ def eta_text(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-# --- torchrun / FSDP2: prompts sharded across ranks, statistics over the global batch, FSDP2 or DDP; compile ---------
-def use_bf16(args: Args) -> bool:
-    """--precision: bf16 autocast (fp32 master weights) in warm-start, generation, scoring and training, or fp32."""
-    return args.precision == "bf16" or (args.precision == "auto" and args.cuda)
-
-
+# --- torchrun: the process group and the device ----------------------------------------------------------------
 def gpu_for_each_process() -> bool:
     """--cuda's default: whether torch sees a GPU for each process on this machine (torchrun's LOCAL_WORLD_SIZE; one
     without torchrun). With fewer GPUs than processes the default is the CPU."""
@@ -1890,43 +1965,10 @@ def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cpu")
     if args.cuda:  # one GPU per rank
-        if local_rank >= torch.cuda.device_count():
-            die(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)", alone=True)
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if args.cuda else "gloo")
     return dist.get_rank(), world, device
-
-
-def collective_device() -> torch.device:
-    """Where tensors must be for a collective: the rank's GPU under nccl, the CPU under gloo."""
-    import torch.distributed as dist
-
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Sum of x over ranks (a new tensor on x's device; x itself with one process)."""
-    if world > 1:
-        import torch.distributed as dist
-
-        y = x.to(collective_device(), copy=True)
-        dist.all_reduce(y)
-        x = y.to(x.device)
-    return x
-
-
-def all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Every rank's x (same shape on all ranks) concatenated in rank order along dim 0, on x's device; x itself with
-    one process."""
-    if world == 1:
-        return x
-    import torch.distributed as dist
-
-    y = x.to(collective_device()).contiguous()
-    parts = [torch.empty_like(y) for _ in range(world)]
-    dist.all_gather(parts, y)
-    return torch.cat(parts).to(x.device)
 
 
 def gather_objects(obj, world: int) -> list:
@@ -1938,37 +1980,6 @@ def gather_objects(obj, world: int) -> list:
     out = [None] * world
     dist.all_gather_object(out, obj)
     return out
-
-
-def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, trainable: bool = True):
-    """FSDP2: each transformer block (the model's _no_split_modules), then the whole model, becomes a fully_shard unit:
-    parameters are sharded across ranks and gathered block by block for each forward; the module is changed in place
-    and returned. DDP: returns a DistributedDataParallel replica for the update (generation and scoring use the bare
-    module, which holds the same parameters). Either way gradients are averaged over ranks."""
-    if model is None:
-        return None
-    import torch.distributed as dist
-
-    for p in model.parameters():  # the same start on every rank, whatever each rank's warm-start did
-        dist.broadcast(p.data, 0)
-    if strategy == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        # HF heads return views; this script never modifies a model output in place, which is what FSDP2 warns about
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-
-        blocks = set(getattr(model, "_no_split_modules", None) or [])
-        for m in model.modules():
-            if type(m).__name__ in blocks:
-                fully_shard(m)
-        return fully_shard(model)
-    if not trainable:
-        return model
-    from torch.nn.parallel import DistributedDataParallel
-
-    # find_unused_parameters: the critic warm-up trains the shared trunk through the value loss, not lm_head
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   find_unused_parameters=True)
 
 
 def full_state(state):
@@ -1996,37 +2007,6 @@ def shard_optimizer_state(opt) -> None:
                     st[k] = distribute_tensor(v.to(p.device_mesh.device_type), p.device_mesh, p.placements)
 
 
-def prepare_models(args: Args, policy, critic, value_head, ref, device, world: int):
-    """The paths to speed and scale, none of which changes what is computed: gradient checkpointing, torch.compile,
-    and under torchrun FSDP2 / DDP (after the warm-start, which every rank ran alike, and before the optimizers take
-    the parameters). Returns the modules the update calls and generation's all_done (FSDP2: every forward is a
-    collective, so the ranks stop generating together)."""
-    if args.gradient_checkpointing:
-        for m in (policy, critic):
-            if m is not None:
-                getattr(m, "activation_checkpointing_enable", m.gradient_checkpointing_enable)()
-    if args.compile:
-        for m in (policy, critic):
-            if m is not None:
-                compile_forward(m)
-    if world == 1:
-        return policy, critic, value_head, None
-    train = [distribute(m, args.strategy, device) for m in (policy, critic, value_head)]
-    distribute(ref, args.strategy, device, trainable=False)
-    all_done = None
-    if args.strategy == "fsdp2":
-        all_done = lambda done: bool(all_ranks_sum(done.all().float()[None], world) == world)  # noqa: E731
-    return (*train, all_done)
-
-
-def compile_forward(model, backend: str = "inductor"):
-    """--compile: the model's forward through torch.compile, with dynamic shapes (prompt, response and KV-cache
-    lengths vary), so generation, scoring and the update all run the compiled graphs; the weights stay shared.
-    (backend: the tests trace with "aot_eager", which skips inductor's minutes of kernel compilation on a CPU.)"""
-    model.forward = torch.compile(model.forward, dynamic=True, backend=backend)
-    return model
-
-
 # --- Checkpoints: save_pretrained for policy, reference and critic + trainer state in checkpoint.pt; exact resume ---
 
 
@@ -2035,9 +2015,9 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
                     gen_dev=None, rank: int = 0, world: int = 1) -> str:
     """Atomic: the models go to a new checkpoint-<iteration>/ directory, then checkpoint.pt, which names that
     directory, is replaced in one rename (the commit point); older checkpoint-* directories are removed after.
-    A kill at any moment leaves a checkpoint.pt whose models are complete; a write the file system refuses removes
-    what this save wrote and raises WriteError on every rank. Under torchrun every rank calls it (FSDP2 shards are
-    gathered into full tensors) and rank 0 writes. With LoRA (ref is AdaptersOff) policy/ (and a LoRA critic/)
+    A kill at any moment leaves a checkpoint.pt whose models are complete; a failed write removes what this save
+    wrote and raises WriteError (rank 0's exit ends a torchrun job). Under torchrun every rank calls it (FSDP2
+    shards are gathered into full tensors) and rank 0 writes. With LoRA (ref is AdaptersOff) policy/ (and a LoRA critic/)
     holds the adapters (peft's save_pretrained) and ref/ the base model they go on."""
     sub, path = f"checkpoint-{iteration}", os.path.join(run_dir, "checkpoint.pt")
     lora, has_ref = bool(args.lora_rank), bool(args.lora_rank) or ref is not None  # (no KL term: no reference)
@@ -2083,8 +2063,6 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
             os.replace(path + ".tmp", path)
         except Exception as e:
             failed = (target, write_failure(e))
-            if failed[1] is None:
-                raise
             for leftover in (tmp_dir, os.path.join(run_dir, "ref.tmp"), *made):  # the checkpoint before stays whole
                 shutil.rmtree(leftover, ignore_errors=True)
             with contextlib.suppress(FileNotFoundError):
@@ -2093,8 +2071,7 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
             for d in os.listdir(run_dir):  # earlier checkpoints (and .tmp leftovers of killed saves)
                 if d.startswith("checkpoint-") and d != sub:
                     shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
-    failed = gather_objects(failed, world)[0]  # every rank stops on rank 0's failed write
-    if failed is not None:
+    if failed is not None:  # (under torchrun rank 0's exit ends the job)
         raise WriteError(*failed, checkpoint=True)
     return path
 
@@ -2108,7 +2085,10 @@ def base_weights(policy) -> dict:
 
 def saved_model_dir(args: Args, ckpt: Optional[dict], name: str) -> Optional[str]:
     """The save_pretrained directory of the checkpoint's model `name` (policy, ref, critic); None without one."""
-    return None if ckpt is None else os.path.join(os.path.dirname(os.path.abspath(args.resume)), ckpt["model"][name])
+    if ckpt is None:
+        return None
+    with checkpoint_fits(args.resume):
+        return os.path.join(os.path.dirname(os.path.abspath(args.resume)), ckpt["model"][name])
 
 
 _READ: dict = {}  # the last checkpoint read: parse_args reads it for the saved arguments, main() gets the same dict
@@ -2116,8 +2096,7 @@ _READ: dict = {}  # the last checkpoint read: parse_args reads it for the saved 
 
 def load_checkpoint(path: str) -> dict:
     """checkpoint.pt, read once per process (parse_args reads the saved arguments, main() gets the same dict). One that
-    does not load, is another script's, lacks an entry that main() reads or a model directory next to it is one line,
-    exit 2; states that do not fit the models are checkpoint_fits'."""
+    does not load or is another script's is one line, exit 2; what does not fit is checkpoint_fits'."""
     if not os.path.isfile(path):
         die(f"--resume: no such file {path}")
     key = (os.path.abspath(path), os.stat(path).st_mtime_ns, os.stat(path).st_size)
@@ -2129,25 +2108,18 @@ def load_checkpoint(path: str) -> dict:
         if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
             die(f"{path} is not a {SCRIPT} checkpoint "
                 f"(script={ckpt.get('script') if isinstance(ckpt, dict) else None})")
-        missing = [k for k in ("model", "optimizer", "scheduler", "global_step", "iteration", "rng", "args", "kl_coef",
-                               "reward_running", "tracker") if k not in ckpt]
-        if missing:
-            die(f"checkpoint {path}: no {', '.join(missing)}")
-        for d in (ckpt["model"].get(m) for m in ("policy", "ref", "critic")):
-            if d and not os.path.isdir(os.path.join(os.path.dirname(path), d)):
-                die(f"checkpoint {path}: model directory {d}/ next to it is missing")
         _READ.update(key=key, ckpt=ckpt)
     return _READ["ckpt"]
 
 
 @contextlib.contextmanager
 def checkpoint_fits(path: str):
-    """States loaded from a checkpoint into models, optimizers and generators: what torch raises when they do not fit
-    (another model, another number of optimizers, a generator state of another size) is one line, exit 2."""
+    """What reading a checkpoint's states raises (an entry missing, another model, another number of optimizers, a
+    generator state of another size) is one line, exit 2."""
     try:
         yield
-    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
-        die(f"checkpoint {path} does not fit these models: {reason(e)}")
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        die(f"checkpoint {path} does not fit this run: {reason(e)}")
 
 
 def restore_trainer_state(ckpt: dict, args: Args, optimizers, schedulers, gen, gen_dev, kl_ctrl, running, rank: int,
@@ -2181,8 +2153,8 @@ def restore_trainer_state(ckpt: dict, args: Args, optimizers, schedulers, gen, g
                       "new seed (the run is not the one an uninterrupted run would have been)")
         kl_ctrl.value = float(ckpt["kl_coef"])
         running.__dict__.update({k: float(ckpt["reward_running"][k]) for k in ("mean", "var", "count")})
-    print(f"resumed {args.resume} at iteration {ckpt['iteration']}")
-    return ckpt["iteration"] + 1, ckpt["global_step"], {"curve": [], **ckpt["tracker"]}
+        print(f"resumed {args.resume} at iteration {ckpt['iteration']}")
+        return ckpt["iteration"] + 1, ckpt["global_step"], {"curve": [], **ckpt["tracker"]}
 
 
 # --- Evaluation: held-out accuracy, greedy and sampled; pass@k of --eval-n samples ---------------------------------
@@ -2236,9 +2208,7 @@ def evaluate(policy, tok, rows: list[dict], args: Args, rule, stops, gen, device
 # --- Reward functions: --reward-fn FILE.py:NAME, imported once -----------------------------------------------------
 def load_reward_fn(spec: Optional[str], weights: Optional[list[float]] = None):
     """--reward-fn's functions, several (comma-separated) as their weighted sum (weighted_sum; weights: 1 each)."""
-    specs = (spec or "exact").split(",")
-    if weights is not None and len(weights) != len(specs):
-        die(f"--reward-weights: {len(weights)} weights for the {len(specs)} functions of --reward-fn")
+    specs = (spec or "exact").split(",")  # (as many weights: validate)
     return weighted_sum([load_one_reward_fn(s.strip()) for s in specs], weights or [1.0] * len(specs))
 
 
@@ -2267,8 +2237,8 @@ def load_one_reward_fn(spec: Optional[str]):
 DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension -> datasets' builder
 
 
-def read_rows(path: str, flag: str) -> tuple[list[dict], dict]:
-    """Every row of a local data file and its columns' types, read by Hugging Face datasets (offline; its cache in a
+def read_rows(path: str, flag: str) -> list[dict]:
+    """Every row of a local data file, read by Hugging Face datasets (offline; its cache in a
     temporary directory, removed: nothing is left in ~/.cache). A UTF-8 byte-order mark is allowed; a file it cannot
     read is one line, exit 2."""
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
@@ -2282,15 +2252,12 @@ def read_rows(path: str, flag: str) -> tuple[list[dict], dict]:
         with tempfile.TemporaryDirectory(prefix="ppo_llm_data_") as cache:
             data = datasets.load_dataset(kind, data_files=path, split="train", cache_dir=cache, keep_in_memory=True,
                                          **({"encoding": "utf-8-sig"} if kind == "json" else {}))
-            return data.to_list(), data.features
+            return data.to_list()
     except Exception as e:  # noqa: BLE001 - whatever the reader raises, the file is bad input
-        chain = exception_chain(e)
-        if any(isinstance(x, UnicodeDecodeError) for x in chain):
-            die(f"{flag} {path}: cannot read it as UTF-8 text ({reason(chain[-1])})")
         with open(path, "rb") as f:
             if kind == "json" and not f.read().removeprefix(b"\xef\xbb\xbf").strip():
                 die(f"{flag} {path}: empty (no rows)")
-        die(f"{flag} {path}: cannot read it as {kind} ({reason(chain[-1])})")
+        die(f"{flag} {path}: cannot read it as {kind} ({reason(exception_chain(e)[-1])})")
     finally:
         datasets.logging.set_verbosity(verbosity)
 
@@ -2301,7 +2268,7 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
     for the tokenizer's chat template) from column prompt_key, the answer (as text: answer_text; None where missing)
     from answer_key, a dotted path reaching into nested columns (reward_model.ground_truth). Prompts longer than
     prompt_length tokens are dropped with a note."""
-    def column(row, key):  # (row: a row, or the file's column types)
+    def column(row, key):
         if key in row:
             return row[key]
         for part in key.split("."):
@@ -2313,14 +2280,10 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
             return f"row {i + 1}"
         with open(path, encoding="utf-8-sig") as f:
             return f"line {[n for n, line in enumerate(f, 1) if line.strip()][i]}"
-    (table, types), rows = read_rows(path, flag), []
+    table, rows = read_rows(path, flag), []
     for key, name, default in ((prompt_key, "--prompt-key", None), (answer_key, "--answer-key", Args.answer_key)):
         if table and key != default and all(column(r, key) is None for r in table):  # (a mistyped key, say)
             die(f"{flag} {path}: no column {key!r} ({name}); its columns: {', '.join(column_names(table[0]))}")
-    changed = answers_changed([column(r, answer_key) for r in table], column(types, answer_key))
-    if changed:
-        print(f"note: {flag} {path}: {answer_key!r} may not hold the file's answers exactly: {changed}; write every "
-              "answer as text (\"72\") to keep it as written")
     for i, row in enumerate(table):
         prompt, answer = column(row, prompt_key), column(row, answer_key)
         if isinstance(prompt, list) and prompt and all(
@@ -2353,22 +2316,10 @@ def column_names(row: dict, prefix: str = "") -> list[str]:
 
 def answer_text(value) -> Optional[str]:
     """An answer as text: text as the file has it; a number as the file writes it, but for floats that are whole
-    numbers, written as integers (datasets reads the 72 of a JSON column that also holds 2.5 as 72.0); None as None.
-    (A float past 2**53 is a whole number that may not be the file's: load_dataset notes it.)"""
+    numbers, written as integers (datasets reads the 72 of a JSON column that also holds 2.5 as 72.0); None as None."""
     if value is None or isinstance(value, str):
         return value
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
-
-
-def answers_changed(answers: list, kind) -> Optional[str]:
-    """What datasets' JSON reader may have changed in an answer column (kind: the column's type there), or None: whole
-    numbers past 2**53 read as floats (a number past int64, or one in a column that also holds decimals), numbers
-    beside text read as JSON values."""
-    big = [a for a in answers if isinstance(a, float) and a.is_integer() and abs(a) >= 2**53]
-    changed = [f"{len(big)} whole number(s) past 2**53 read as floats (now {answer_text(big[0])})"] if big else []
-    if type(kind).__name__ == "Json":  # (datasets.Json: the reader's type for a column of mixed types)
-        changed.append("numbers beside text read as JSON values (the text '01' becomes 1)")
-    return "; ".join(changed) or None
 
 
 # --- Local models: loaded, with the checks that turn a model that cannot work here into one line (exit 2) ----------
@@ -2471,25 +2422,17 @@ def load_reward_model(args: Args, tok, device):
     return frozen_in_bf16(disable_dropout(rm).eval().requires_grad_(False), args).to(device), rm_tok
 
 
-# --- Command line: tyro, counts as 1e3, the frameworks' option names and on/off values, one-line errors ----------
-def parse_count(text: str) -> int:
-    """A count written as 64, 1e3 or 1_000; anything that is not a whole number is an error."""
-    try:
-        value = float(text.replace("_", ""))
-    except ValueError:
-        raise ValueError(f"{text!r} is not a number") from None
+# --- Command line: tyro, counts as 1e3, the frameworks' option names, one-line errors for bad values ----------
+def parse_count(text: str) -> int:  # 64, 1e3 or 1_000; a number that is not whole is an error
+    value = float(text.replace("_", ""))  # (ValueError: tyro says the flag wants an INT)
     if not value.is_integer():
         raise ValueError(f"{text!r} is not a whole number")
     return int(value)
 
 
-Count = Annotated[
-    int,
-    tyro.constructors.PrimitiveConstructorSpec(
-        nargs=1, metavar="INT", instance_from_str=lambda a: parse_count(a[0]),
-        is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)],
-    ),
-]
+Count = Annotated[int, tyro.constructors.PrimitiveConstructorSpec(
+    nargs=1, metavar="INT", instance_from_str=lambda a: parse_count(a[0]),
+    is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)])]
 
 
 def alias(*names: str):
@@ -2497,80 +2440,29 @@ def alias(*names: str):
     return tyro.conf.arg(aliases=names)
 
 
-def flag_spellings() -> dict[str, tuple[str, object]]:
-    """Every spelling of every Args flag without its "--" (the field's name in kebab-case, its aliases) -> (the
-    field's name, its type without Annotated)."""
-    hints, out = typing.get_type_hints(Args, include_extras=True), {}
-    for f in dataclasses.fields(Args):
-        hint = hints[f.name]
-        base = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
-        aliases = [a[2:] for meta in getattr(hint, "__metadata__", ()) for a in getattr(meta, "aliases", None) or ()]
-        out.update({name: (f.name, base) for name in [f.name.replace("_", "-"), *aliases]})
-    return out
-
-
-BOOL_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
-
-
-def bool_values(argv: list[str]) -> list[str]:
-    """On/off flags given a value, as the frameworks' configs write them (`--use-kl-loss True`,
-    `--add-token-level-kl=false` for an alias), become tyro's `--use-kl-loss` / `--no-use-kl-loss`; any other value
-    is left for tyro to refuse. Optional[bool] options (--use-critic-model) get tyro's True / False for the same
-    words."""
-    spellings, out, i = flag_spellings(), [], 0
-    while i < len(argv):
-        name, eq, value = argv[i].partition("=")
-        field, base = spellings.get(name[2:].replace("_", "-") if name.startswith("--") else "", (None, None))
-        if base in (bool, Optional[bool]) and not eq and i + 1 < len(argv) and argv[i + 1].lower() in BOOL_WORDS:
-            eq, value = "=", argv[i + 1]
-            i += 1
-        if base in (bool, Optional[bool]) and eq and value.lower() in BOOL_WORDS:
-            on = BOOL_WORDS[value.lower()]
-            out.append(f"--{'' if on else 'no-'}{field.replace('_', '-')}" if base is bool else f"{name}={on}")
-        else:
-            out.append(argv[i])
-        i += 1
-    return out
-
-
 def given_fields(argv: list[str]) -> set[str]:
-    """The Args fields set on this command line, under any spelling (--name, an alias, --no-name)."""
-    spelling = {}
-    for name, (field, _) in flag_spellings().items():
-        spelling["--" + name] = spelling["--no-" + name] = field
-    flags = [a.split("=", 1)[0].replace("_", "-") for a in argv if a.startswith("--")]  # (tyro takes --a_b too)
-    return {spelling[f] for f in flags if f in spelling}
+    """The Args fields set on this command line, under any spelling (--name, an alias, --no-name, --a_b)."""
+    hints, spelling = typing.get_type_hints(Args, include_extras=True), {}
+    for f in dataclasses.fields(Args):
+        metadata = getattr(hints[f.name], "__metadata__", ())
+        for name in ["--" + f.name.replace("_", "-"), *(a for m in metadata for a in getattr(m, "aliases", None) or ())]:
+            spelling[name] = spelling["--no-" + name[2:]] = f.name
+    return {spelling.get(a.split("=", 1)[0].replace("_", "-")) for a in argv if a.startswith("--")} - {None}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> Args:
-    """tyro.cli, with its error boxes condensed to one line (exit code 2)."""
-    argv = bool_values(sys.argv[1:] if argv is None else argv)
+    """tyro.cli (its own message on a flag it cannot parse, exit 2), then the implied options and validate()."""
+    argv = sys.argv[1:] if argv is None else argv
     default, gpu_gone = None, False
     resume = resume_path(argv)
     if resume is not None:  # the checkpoint's arguments become the defaults; flags given now override them
-        saved = load_checkpoint(resume)["args"]
-        default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
+        with checkpoint_fits(resume):
+            saved = load_checkpoint(resume)["args"]
+            default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
         default.resume = resume
         if default.cuda and not gpu_for_each_process():  # written on a GPU, resumed where there is none (enough)
             default.cuda, gpu_gone = False, True  # (--cuda by name is refused in validate)
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            args = tyro.cli(Args, args=argv, default=default)
-    except SystemExit as e:
-        if e.code in (0, None):
-            raise
-        # tyro prints a box on a terminal and dashed rules elsewhere: a title, then the message up to a rule line
-        lines = [ln.strip().strip("│╭╮╰╯").strip() for ln in err.getvalue().splitlines()][1:]
-        is_rule = lambda ln: bool(ln) and set(ln) <= set("─-")  # noqa: E731
-        while lines and (not lines[0] or is_rule(lines[0])):
-            lines.pop(0)
-        message = []
-        for ln in lines:
-            if not ln or is_rule(ln):
-                break
-            message.append(ln)
-        die(" ".join(message) or "invalid arguments (see --help)")
+    args = tyro.cli(Args, args=argv, default=default)
     rank = int(os.environ.get("RANK", "0"))  # under torchrun rank 0 alone prints the notes
     with contextlib.redirect_stdout(io.StringIO()) if rank > 0 else contextlib.nullcontext():
         resolve_implied(args, given_fields(argv))
@@ -2650,10 +2542,6 @@ def resume_path(argv: list[str]) -> Optional[str]:
 
 def validate(args: Args) -> None:
     flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
-    for name, choices in (("adv_estimator", ADV_ESTIMATORS), ("kl_penalty", KL_TYPES), ("kl_loss_type", KL_TYPES),
-                          ("loss_agg_mode", LOSS_AGG_MODES)):
-        if getattr(args, name) not in choices:
-            die(f"{flag(name)} {getattr(args, name)!r}: choose one of {', '.join(choices)}")
     for f in dataclasses.fields(Args):  # nan / inf pass the range checks below unnoticed
         if isinstance(getattr(args, f.name), float) and not math.isfinite(getattr(args, f.name)):
             die(f"{flag(f.name)} must be a finite number, got {getattr(args, f.name)}")

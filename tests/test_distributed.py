@@ -167,3 +167,23 @@ def test_ppo_llm_trains_stops_and_resumes_under_torchrun(tmp_path):
     shapes = sorted(tuple(p.shape) for p in policy.parameters())
     moments = sorted(tuple(s["exp_avg"].shape) for s in state["optimizer"][0]["state"].values())
     assert moments == shapes
+
+
+def test_ppo_llm_a_full_disk_of_rank_0_under_torchrun_ends_the_job(tmp_path):
+    """Rank 0 alone writes; its failed save is one line and its exit ends the job (no rank waits for the others)."""
+    import resource
+
+    def small_files():  # a file-size limit stands for the full disk (writes past it fail with EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+    tiny = ["--sft-steps", "0", "--eval-prompts", "8", "--rollout-batch-size", "4", "--group-size", "2",
+            "--ppo-mini-batch-size", "2", "--micro-batch-size", "2", "--num-iterations", "2", "--tiny-hidden-size",
+            "128", "--tiny-num-layers", "2", "--torch-threads", "1", "--no-cuda", "--checkpoint-every", "1"]
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                          os.path.join(ROOT, "ppo_llm.py"), *tiny, "--runs-dir", str(tmp_path)], capture_output=True,
+                         text=True, timeout=240, env=ENV, cwd=ROOT, preexec_fn=small_files)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert res.returncode == 1 and len(errors) == 1 and "cannot write" in errors[0], res.stderr[-3000:]
+    assert "File too large" in errors[0] and "(no checkpoint was written)" in errors[0], errors[0]
+    (run,) = os.listdir(tmp_path)
+    assert not [f for f in os.listdir(tmp_path / run) if f.startswith(("checkpoint", "ref"))]

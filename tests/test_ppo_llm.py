@@ -707,14 +707,6 @@ def test_readme_option_table_names_are_flags_of_their_row():
     (["--loss-type", "actor", "--use-critic-model", "True", "--critic", "separate"], {"critic": "separate"}),
     (["--critic.use-critic-model", "False"], {"critic": "shared"}),
     (["--reward-norm", "null"], {"reward_norm": "none"}),  # ROLL's spelling
-    # on/off flags with a value, as the frameworks' configs write them (aliases too)
-    (["--use-kl-loss", "True"], {"use_kl_loss": True, "use_kl_in_reward": False}),
-    (["--use-kl-loss", "True", "--add-token-level-kl", "true"], {"use_kl_loss": True, "use_kl_in_reward": True}),
-    (["--dual-clip-loss=false", "--normalize_advantages", "False"], {"dual_clip_loss": False,
-                                                                      "whiten_advantages": False}),
-    (["--enable-gradient-checkpointing", "1", "--reward-shift", "yes"], {"gradient_checkpointing": True,
-                                                                          "reward_shift": True}),
-    (["--use-critic-model", "true"], {"critic": "separate"}), (["--critic.use-critic-model=no"], {"critic": "shared"}),
     # RLinf's / ROLL's PPO setting of one response per prompt: micro-batches no larger than a minibatch (8)
     (["--group-size", "1"], {"n": 1, "micro_batch_size": 8}),
     (["--n", "3"], {"micro_batch_size": 12}),  # 24 responses a minibatch: the largest divisor up to 16
@@ -780,10 +772,6 @@ def test_what_ppo_computes_lies_above_the_banner():
 
 # ----- bad input: one line, exit 2 ----------------------------------------------------------------------------
 @pytest.mark.parametrize("argv,needle", [
-    (["--kl-loss-type", "k5"], "low_var_kl"),
-    (["--kl-penalty", "k5"], "full"),
-    (["--loss-agg-mode", "sum"], "seq-mean-token-sum-norm"),
-    (["--adv-estimator", "vtrace"], "reinforce_plus_plus_baseline"),
     (["--adv-estimator", "grpo", "--n", "1"], "n >= 2"),
     (["--adv-estimator", "rloo", "--n", "1", "--critic", "none"], "n >= 2"),
     (["--critic", "none"], "needs a critic"),
@@ -793,7 +781,6 @@ def test_what_ppo_computes_lies_above_the_banner():
     (["--reward-model-path", "/nonexistent/rm"], "no config.json"),
     (["--dataset", "/nonexistent.jsonl"], "no such file"),
     (["--eval-dataset", "/nonexistent.jsonl"], "--eval-dataset /nonexistent.jsonl: no such file"),
-    (["--n", "1.5"], "whole number"),
     (["--resume", "/nonexistent/checkpoint.pt"], "no such file"),
     (["--tiny-hidden-size", "12"], "multiple of 8"),
     (["--adv-estimator", "reinforce_plus_plus_baseline", "--critic", "none", "--n", "1"], "n >= 2"),
@@ -887,13 +874,23 @@ def test_the_gsm8k_commands_of_the_docs_would_run():
                 if "python ppo_llm.py" in line and "--reward-fn math" in line]
     assert len(commands) == 3, commands  # the docstring's, the doc's first block and its real-task command
     for command in commands:
-        args = tyro.cli(P.Args, args=P.bool_values(shlex.split(command.split(" #")[0])))
+        args = tyro.cli(P.Args, args=shlex.split(command.split(" #")[0]))
         assert args.answer_key == "reward_model.ground_truth" and args.prompt_length >= 256, command
         assert args.response_length >= 256 and args.sft_steps == 0 and args.lora_rank > 0, command
 
 
 def test_counts_parse():
     assert P.parse_args(["--num-iterations", "1e2", "--rollout-batch-size", "1_6"]).num_iterations == 100
+
+
+@pytest.mark.parametrize("argv,needle", [(["--n", "1.5"], "--n"), (["--no-such-flag"], "--no-such-flag"),
+                                         (["--use-kl-loss", "True"], "True"), (["--kl-loss-type", "k5"], "low_var_kl"),
+                                         (["--kl-penalty", "k5"], "k3+"), (["--loss-agg-mode", "sum"], "seq-mean"),
+                                         (["--adv-estimator", "vtrace"], "reinforce_plus_plus_baseline")])
+def test_flags_tyro_cannot_parse_are_its_message_and_exit_2(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:  # (tyro's own message, as the RL scripts leave it)
+        P.parse_args(argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
 
 
 # ----- runs ---------------------------------------------------------------------------------------------------
@@ -1115,7 +1112,7 @@ def test_synthetic_held_out_prompts_are_distinct_and_never_trained_on(tmp_path, 
 @pytest.mark.parametrize("argv,needle", [
     (["--prompt-length", "5"], "prompts take up to 6 tokens"),  # a synthetic prompt would be cut to "1415="
     (["--response-length", "5"], "answers up to 5"),  # 5 digits and EOS: 6 tokens
-    (["--dataset", "{latin1}"], "cannot read it as UTF-8"),
+    (["--dataset", "{latin1}"], "cannot read it as json (UnicodeDecodeError"),
 ])
 def test_bad_input_found_in_main_is_one_line_and_leaves_no_run_dir(tmp_path, capsys, argv, needle):
     (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
@@ -1264,12 +1261,12 @@ def test_foreign_corrupt_and_incomplete_checkpoints_are_rejected(tmp_path, capsy
     torch.save({"script": "ppo_llm.py", "model": {"policy": "checkpoint-3/policy", "ref": "", "critic": ""}},
                d / "partial.pt")  # (an entry main() reads is missing)
     for path, needle in [(tmp_path / "foreign.pt", "not a ppo_llm.py checkpoint"),
-                         (d / "partial.pt", "no optimizer, scheduler, global_step, iteration, rng, args"),
+                         (d / "partial.pt", "does not fit this run: KeyError: 'args'"),
                          (tmp_path / "corrupt.pt", "cannot read checkpoint"),
-                         (d / "checkpoint.pt", "model directory checkpoint-9/policy/ next to it is missing")]:
+                         (d / "checkpoint.pt", f"cannot load a tokenizer from {d / 'checkpoint-9' / 'policy'}")]:
         with pytest.raises(SystemExit) as e:
-            P.parse_args(["--resume", str(path)])
-        assert e.value.code == 2
+            P.main(P.parse_args(["--resume", str(path), "--no-cuda"]))
+        assert e.value.code == 2 and sorted(os.listdir(d)) == ["checkpoint-3", "checkpoint.pt", "partial.pt"]
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "\n" not in err and needle in err, err
 
@@ -1580,12 +1577,9 @@ def test_a_full_disk_while_writing_the_models_removes_what_the_save_wrote(tmp_pa
     monkeypatch.setattr(critic, "save_pretrained", full)
     with pytest.raises(P.WriteError) as e:
         save(2)
-    assert (e.value.what, e.value.why) == (str(tmp_path / "checkpoint-2" / "critic"), "No space left on device")
+    assert e.value.what == str(tmp_path / "checkpoint-2" / "critic") and "No space left on device" in e.value.why
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "checkpoint.pt", "ref"]
     assert P.load_checkpoint(str(tmp_path / "checkpoint.pt"))["iteration"] == 1
-    monkeypatch.setattr(critic, "save_pretrained", lambda *a, **k: 1 / 0)  # not the file system's doing: raised
-    with pytest.raises(ZeroDivisionError):
-        save(3)
     assert P.write_failure(OSError(errno.EDQUOT, "Disk quota exceeded")) == "Disk quota exceeded"
     try:  # the chain that write_failure and read_rows walk: raised from, or while handling
         try:
@@ -1640,12 +1634,12 @@ def test_the_non_finite_stop_says_when_no_checkpoint_was_written(tmp_path, monke
 def test_bad_input_under_torchrun_is_printed_by_rank_0_alone(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as e:
-        P.parse_args(["--n", "1.5"])
+        P.parse_args(["--tiny-hidden-size", "12"])
     assert e.value.code == 2 and capsys.readouterr().err == ""
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit):
-        P.parse_args(["--n", "1.5"])
-    assert "whole number" in capsys.readouterr().err
+        P.parse_args(["--tiny-hidden-size", "12"])
+    assert "multiple of 8" in capsys.readouterr().err
 
 
 # ----- real verifiable-reward tasks (issue #27): reward functions, data files, pass@k, LoRA, GPU by default ---------
@@ -1819,8 +1813,8 @@ def test_data_files_through_datasets_keys_and_formats(tmp_path, capsys):
 
 
 def test_answers_read_by_datasets_keep_their_text_and_their_integers(tmp_path, capsys):
-    """datasets reads a JSON column of 72 and 2.5 as floats (72.0), and a number past int64 as a float: answers are
-    text as the file has it, integers as integers, and a note says where the reader could not keep them exactly."""
+    """datasets reads a JSON column of 72 and 2.5 as floats (72.0): answers are text as the file has it, integers as
+    integers."""
     tok = P.build_char_tokenizer()
 
     def answers(name, lines):
@@ -1833,12 +1827,6 @@ def test_answers_read_by_datasets_keep_their_text_and_their_integers(tmp_path, c
     assert P.rule_reward(got[0], "72") == 1.0  # the exact rule scores the right response right again
     got, out = answers("text.jsonl", ['"01"', '"72.0"', '" 7 "', '"1e5"'])
     assert got == ["01", "72.0", " 7 ", "1e5"] and out == ""  # text: as written
-    got, out = answers("big.jsonl", ["12345678901234567890", "7"])
-    assert got == ["12345678901234567168", "7"]  # (a float: the file's last digits are gone)
-    assert out.count("\n") == 1 and "note: --dataset" in out and "1 whole number(s) past 2**53 read as floats (now " \
-        "12345678901234567168); write every answer as text" in out, out
-    got, out = answers("both.jsonl", ['"01"', "2"])
-    assert out.count("\n") == 1 and "numbers beside text read as JSON values" in out, out
     write_parquet(tmp_path / "f.parquet", [{"prompt": "1=", "answer": 72.0, "n": 3}, {"prompt": "2=", "answer": 2.5,
                                                                                      "n": 4}])
     assert [r["answer"] for r in P.load_dataset(str(tmp_path / "f.parquet"), tok, 16)] == ["72", "2.5"]
@@ -2059,8 +2047,7 @@ def test_cuda_is_the_default_where_torch_sees_a_gpu(tmp_path, monkeypatch, capsy
 
 
 def test_under_torchrun_the_gpu_is_the_default_only_with_a_gpu_for_each_process(monkeypatch, capsys):
-    """torchrun --nproc-per-node 2 on a machine with one GPU: the default is the CPU; --cuda is one line (rank 0's),
-    and a rank that finds no GPU of its own says so itself (die() would print on rank 0 alone: no line at all)."""
+    """torchrun --nproc-per-node 2 on a machine with one GPU: the default is the CPU; --cuda is one line (rank 0's)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for var, value in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
@@ -2068,9 +2055,6 @@ def test_under_torchrun_the_gpu_is_the_default_only_with_a_gpu_for_each_process(
     assert not P.parse_args([]).cuda and not P.Args().cuda
     assert "--cuda: 2 processes on this machine, 1 GPU(s): one GPU each" in one_line_exit(capsys, 2, P.parse_args,
                                                                                           ["--cuda"])
-    monkeypatch.setenv("RANK", "1"), monkeypatch.setenv("LOCAL_RANK", "1")  # (sees one GPU, as another rank might)
-    err = one_line_exit(capsys, 2, P.setup_distributed, P.Args(cuda=True))
-    assert err == "error: local rank 1 has no GPU (1 visible)"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert P.parse_args([]).cuda
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1"), monkeypatch.setenv("WORLD_SIZE", "1")  # (no torchrun: 1 GPU will do)
