@@ -1138,6 +1138,8 @@ if __name__ == "__main__":  # the one error boundary
     except Failure as e:  # every rank finds bad input and rank 0 says it; a failed write is said where it happened
         if e.code == 1 or int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
+        else:  # torchrun ends the job when a rank exits: give rank 0 the time to say it
+            time.sleep(5)
         sys.exit(e.code)
     except KeyboardInterrupt:  # Ctrl-C before the loop (in it, the run stops at the end of the iteration)
         sys.exit(130)

@@ -2297,7 +2297,9 @@ print(json.dumps({{"start": rss, "peak": resource.getrusage(resource.RUSAGE_SELF
     assert res.returncode == 0, res.stderr[-3000:]
     mem = json.loads(res.stdout.strip().splitlines()[-1])
     full_logits = B * (P_len + R) * V * 4  # ~2.4 GB
-    assert mem["peak"] - mem["start"] < full_logits / 4, (mem, full_logits)
+    # the growth is 0.45-0.5 GB alone on 2 cores and was 0.8 GB once inside the whole suite; full-vocabulary logits
+    # would add at least full_logits to it
+    assert mem["peak"] - mem["start"] < full_logits / 2, (mem, full_logits)
 
 
 def test_prompt_length_2048_or_256_on_short_prompts_take_about_the_same_time(tmp_path):
