@@ -35,6 +35,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (benchmarks/common.py: the machine and versions of a report)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RL = ("ppo.py", "ppo_continuous.py", "ppo_atari_envpool.py")
 
@@ -340,17 +343,6 @@ def run_mutant(m: Mutant | None, root: str, timeout: float, args: list[str] | No
 
 
 # --- The report --------------------------------------------------------------------------------------------------
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def version(pkg: str) -> str:
     try:
         return importlib.metadata.version(pkg)
@@ -429,7 +421,7 @@ def main(argv=None, table: list[Mutant] = MUTANTS, root: str = ROOT) -> int:
     jobs = max(1, a.jobs)
     meta = {"command": " ".join(["python", "benchmarks/mutants.py", *(sys.argv[1:] if argv is None else argv)]),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "hardware": {"cpu": cpu_model(), "cores": os.cpu_count(), "jobs": jobs},
+            "hardware": {"cpu": common.cpu_model(), "cores": os.cpu_count(), "jobs": jobs},
             "versions": {"python": platform.python_version(), "torch": version("torch")},
             "commit": commit(root), "timeout_s": a.timeout}
     broken = {}
