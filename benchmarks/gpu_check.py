@@ -7,12 +7,14 @@
 Stages, in this order, each under its own share of --minutes (the last stage run takes what is left):
   1 versions     python, torch, CUDA, GPU, transformers, gymnasium, envpool, mujoco, tensordict; then
                  `pytest -m gpu -q tests/test_gpu.py`
-  2 atari_speed  Breakout-v5 with 8 envs, SPS warm-up excluded: envpool alone (random actions), CleanRL --cuda,
-                 LeanRL eager / --compile / --compile --cudagraphs, ours eager / --compile / --cudagraphs /
-                 --compile --cudagraphs / --no-torch-deterministic; each as SPS and as ratios to envpool alone and
-                 to CleanRL
-  3 ppo_llm      benchmarks/llm_throughput.py at 0.5B (gae and grpo, eager and compile), then ppo_llm.py's default task
-                 for 20 iterations on CUDA: the held-out accuracy must rise from the first evaluation to the last
+  2 atari_speed  Breakout-v5 with 8 envs, SPS warm-up excluded: envpool alone (random actions), CleanRL --cuda, the
+                 compiled commands side by side for 2 iterations (this fills torch.compile's cache on disk, so the
+                 timed runs compile in seconds), LeanRL --compile --cudagraphs, ours --compile --cudagraphs / eager /
+                 --compile / --no-torch-deterministic, LeanRL --compile / eager; each as SPS and as ratios to envpool
+                 alone and to CleanRL
+  3 ppo_llm      ppo_llm.py's default task for 20 iterations on CUDA (the held-out accuracy must rise from the first
+                 evaluation to the last), then benchmarks/llm_throughput.py at 0.5B for gae and grpo, eager, then
+                 --compile
   4 cuda_vs_cpu  ppo.py (CartPole-v1) and ppo_continuous.py (HalfCheetah-v5; Pendulum-v1 without MuJoCo), CUDA vs CPU
   5 breakout     ppo_atari_envpool.py learning Breakout-v5 at stage 2's fastest path of ours for the time left, then
                  its return curve beside the CPU one (CSV and PNG)
@@ -56,7 +58,7 @@ PY = sys.executable
 STAGES = {1: "versions", 2: "atari_speed", 3: "ppo_llm", 4: "cuda_vs_cpu", 5: "breakout"}
 # Shares of --minutes; a stage gets its share of the time left among the stages still to run, so the time a stage
 # does not use goes to the later ones, and the last stage run (5 when all run) takes what is left.
-SHARES = {1: 0.25, 2: 0.35, 3: 0.20, 4: 0.10, 5: 0.10}
+SHARES = {1: 0.30, 2: 0.40, 3: 0.20, 4: 0.05, 5: 0.05}
 GRACE_S = 10.0  # between SIGTERM and SIGKILL
 STOP_GRACE_S = 30.0  # stage 5: the run finishes its iteration and writes its checkpoint
 MIN_ITEM_S = 5.0  # a command with less time than this left is skipped
@@ -67,8 +69,8 @@ PROGRESS_EVERY_S = 10.0
 # Known figures, one H100 (../shared/anchors.md), printed beside ours
 KNOWN_H100 = {"envpool_alone": "3,635", "cleanrl": "1,006–1,136", "leanrl_eager": "≈1,760",
               "leanrl_compile": "≈2,230–2,600", "leanrl_compile_cudagraphs": "≈3,700"}
-OUR_PATHS = {"eager": [], "compile": ["--compile"], "cudagraphs": ["--cudagraphs"],
-             "compile_cudagraphs": ["--compile", "--cudagraphs"]}
+# (--cudagraphs alone is the same path as --compile --cudagraphs: torch.compile's reduce-overhead mode)
+OUR_PATHS = {"eager": [], "compile": ["--compile"], "compile_cudagraphs": ["--compile", "--cudagraphs"]}
 CPU_BREAKOUT = os.path.join(REPO, "benchmarks", "results", "ppo_atari_envpool_breakout")
 PYTEST_SUMMARY = re.compile(r"^=*\s*((?:\d+ \w+,? ?)+ in [\d.]+s(?: \([^)]*\))?)\s*=*$")
 LLM_EVAL = re.compile(r"eval iter (\d+): accuracy greedy ([\d.]+)\s+sampled ([\d.]+)")
@@ -443,7 +445,7 @@ def stage2(ctx: Ctx) -> list:
     if ctx.dry:
         envs, steps, iters, warm, lean_iters, lean_skip = 2, 16, 2, 0, 20, 0
     else:
-        steps, iters, warm, lean_iters, lean_skip = 128, 30, 5, 40, 1
+        steps, iters, warm, lean_iters, lean_skip = 128, 20, 4, 30, 1
     batch = envs * steps
     small = ["--num-steps", str(steps)] + (["--num-minibatches", "2", "--update-epochs", "1"] if ctx.dry else [])
     common_args = ["--env-id", env_id, "--num-envs", str(envs), "--total-timesteps", str(iters * batch), *small]
@@ -452,34 +454,47 @@ def stage2(ctx: Ctx) -> list:
     leanrl = os.path.join(ctx.anchors, "leanrl", "ppo_atari_envpool_torchcompile.py")
     items = [Item("envpool_alone", [PY, "-c", 'import sys; sys.path.insert(0, "benchmarks"); import speed; '
                                     f'print("envpool_sps", speed.raw_envpool_sps({json.dumps(env_id)}, {envs}, '
-                                    f'{1.0 if ctx.dry else 10.0}))'],
-                  timeout=40, device="cpu", read=read_envpool, skip=no_envpool)]
+                                    f'{1.0 if ctx.dry else 6.0}))'],
+                  timeout=30, device="cpu", read=read_envpool, skip=no_envpool)]
     cwd = ctx.stage_dir(2, "cleanrl")
-    items.append(Item("cleanrl", [PY, cleanrl, *dev_flag(ctx), *common_args], timeout=120, cwd=cwd,
+    items.append(Item("cleanrl", [PY, cleanrl, *dev_flag(ctx), *common_args], timeout=50, cwd=cwd,
                       read=tb_or_stdout_sps(os.path.join(cwd, "runs"), warm, batch, "cleanrl"),
                       skip=no_envpool or (None if os.path.isfile(cleanrl) else f"no {cleanrl}")))
     lean_skip_reason = no_envpool or (None if os.path.isfile(leanrl) else f"no {leanrl}") or (
         None if has("tensordict") else "tensordict is not installed (WITH_ANCHORS=1 bash ../shared/device/pack.sh)")
     lean_args = ["--env-id", env_id, "--num-envs", str(envs), "--total-timesteps", str(lean_iters * batch), *small]
-    for name, flags in (("leanrl_eager", []), ("leanrl_compile", ["--compile"]),
-                        ("leanrl_compile_cudagraphs", ["--compile", "--cudagraphs"])):
-        skip = lean_skip_reason or (needs_cuda(ctx) if "cudagraphs" in name else None) or (
-            "dry run: torch.compile takes minutes on a CPU" if ctx.dry and flags else None)
-        items.append(Item(name, [PY, leanrl, *dev_flag(ctx), *flags, *lean_args], timeout=150 if flags else 100,
-                          cwd=ctx.stage_dir(2, name), read=read_leanrl(lean_skip), skip=skip))
     ours = os.path.join(REPO, "ppo_atari_envpool.py")
-    variants = [(f"ours_{p}", f) for p, f in OUR_PATHS.items()] + [("ours_no_torch_deterministic",
-                                                                      ["--no-torch-deterministic"])]
-    for name, flags in variants:
-        runs = ctx.stage_dir(2, name, "runs")
+    lean = {name: flags for name, flags in (("leanrl_compile_cudagraphs", ["--compile", "--cudagraphs"]),
+                                            ("leanrl_compile", ["--compile"]), ("leanrl_eager", []))}
+    variants = {f"ours_{p}": f for p, f in OUR_PATHS.items()}
+    variants["ours_no_torch_deterministic"] = ["--no-torch-deterministic"]
+    # The compiled commands first run side by side for 2 iterations at the same sizes, which fills torch.compile's
+    # cache on disk: the timed runs below then compile from it in seconds (their warm-up iterations are not timed)
+    warm_cmds = [[PY, leanrl, *dev_flag(ctx), *f, *lean_args[:4], "--total-timesteps", str(2 * batch), *small]
+                 for n, f in lean.items() if f and not lean_skip_reason] + [
+                [PY, ours, *dev_flag(ctx), *f, *common_args[:4], "--total-timesteps", str(2 * batch), *small,
+                 "--runs-dir", ctx.stage_dir(2, "warmup_runs")] for f in OUR_PATHS.values() if f]
+    script = " & ".join(" ".join(shlex.quote(a) for a in c) + " >/dev/null 2>&1" for c in warm_cmds) + " & wait"
+    items.append(Item("compile_warmup", ["bash", "-c", script], timeout=150, cwd=ctx.stage_dir(2, "warmup"),
+                      skip=no_envpool or needs_cuda(ctx)))
+    order = ["leanrl_compile_cudagraphs", "ours_compile_cudagraphs", "ours_eager", "ours_compile",
+             "ours_no_torch_deterministic", "leanrl_compile", "leanrl_eager"]
+    for name in order:
+        if name.startswith("leanrl"):
+            flags = lean[name]
+            skip = lean_skip_reason or (needs_cuda(ctx) if "--cudagraphs" in flags else None) or (
+                "dry run: torch.compile takes minutes on a CPU" if ctx.dry and flags else None)
+            items.append(Item(name, [PY, leanrl, *dev_flag(ctx), *flags, *lean_args], timeout=60,
+                              cwd=ctx.stage_dir(2, name), read=read_leanrl(lean_skip), skip=skip))
+            continue
+        flags, runs = variants[name], ctx.stage_dir(2, name, "runs")
         skip = no_envpool or (needs_cuda(ctx) if "--cudagraphs" in flags else None) or (
             "dry run: torch.compile takes minutes on a CPU" if ctx.dry and "--compile" in flags else None) or (
             "dry run: ours_eager with one flag more" if ctx.dry and name == "ours_no_torch_deterministic" else None)
         threads = ["--torch-threads", "1"] if ctx.dry else []
         items.append(Item(name, [PY, ours, *dev_flag(ctx), *flags, *common_args, *threads, "--exp-name", name,
                                  "--runs-dir", runs],
-                          timeout=150 if "--compile" in flags else 90, read=tb_or_stdout_sps(runs, warm, batch, "ours"),
-                          skip=skip))
+                          timeout=60, read=tb_or_stdout_sps(runs, warm, batch, "ours"), skip=skip))
     return items
 
 
@@ -501,21 +516,23 @@ def stage2_figures(items: list) -> dict:
 def stage3(ctx: Ctx) -> list:
     prefix = os.path.join(ctx.out, "llm_throughput")
     if ctx.dry:
-        tp = ["--preset", "tiny", "--device", "cpu", "--estimators", "gae", "grpo", "--paths", "eager",
-              "--iterations", "2"]
+        tp = ["--preset", "tiny", "--device", "cpu", "--estimators", "gae", "grpo", "--iterations", "2"]
         llm = ["--num-iterations", "2", "--no-cuda", "--sft-steps", "1", "--sft-batch-size", "4", "--eval-prompts", "4",
                "--train-batch-size", "4", "--ppo-mini-batch-size", "2", "--tiny-hidden-size", "32", "--tiny-num-layers",
                "1", "--torch-threads", "1"]
     else:
-        tp = ["--preset", "qwen2.5-0.5b", "--device", "cuda", "--estimators", "gae", "grpo", "--paths", "eager",
-              "compile", "--iterations", "4"]
+        tp = ["--preset", "qwen2.5-0.5b", "--device", "cuda", "--estimators", "gae", "grpo", "--iterations", "4"]
         llm = ["--num-iterations", "20", "--cuda"]
     runs = ctx.stage_dir(3, "runs")
-    return [Item("llm_throughput", [PY, os.path.join(REPO, "benchmarks", "llm_throughput.py"), *tp, "--out", prefix],
-                 timeout=None, weight=1, read=read_llm_throughput(prefix), device="cpu" if ctx.dry else "cuda"),
-            Item("ppo_llm_20_iterations", [PY, os.path.join(REPO, "ppo_llm.py"), *llm, "--runs-dir", runs],
-                 timeout=None, weight=1, read=read_ppo_llm(must_learn=not ctx.dry),
-                 device="cpu" if ctx.dry else "cuda")]
+    items = [Item("ppo_llm_20_iterations", [PY, os.path.join(REPO, "ppo_llm.py"), *llm, "--runs-dir", runs],
+                  timeout=None, weight=2, read=read_ppo_llm(must_learn=not ctx.dry),
+                  device="cpu" if ctx.dry else "cuda")]
+    for path in ("eager",) if ctx.dry else ("eager", "compile"):  # (compile last: the first to go when time is short)
+        items.append(Item(f"llm_throughput_{path}", [PY, os.path.join(REPO, "benchmarks", "llm_throughput.py"), *tp,
+                                                     "--paths", path, "--out", f"{prefix}_{path}"],
+                          timeout=None, weight=1, read=read_llm_throughput(f"{prefix}_{path}"),
+                          device="cpu" if ctx.dry else "cuda"))
+    return items
 
 
 def stage4(ctx: Ctx) -> list:

@@ -54,9 +54,10 @@ def test_dry_run_runs_the_five_stages_in_order(dry_run):
 def test_dry_run_skips_cuda_only_commands_but_shows_them(dry_run):
     _, data, _, _, _ = dry_run
     items = {i["name"]: i for s in data["stages"] for i in s["items"]}
-    for name in ("ours_cudagraphs", "ours_compile_cudagraphs", "ppo_cuda", "ppo_continuous_cuda"):
+    for name in ("compile_warmup", "ours_compile_cudagraphs", "ppo_cuda", "ppo_continuous_cuda"):
         assert items[name]["status"] == "skipped" and items[name]["reason"] == "needs CUDA", items[name]
-    assert "--cudagraphs" in items["ours_cudagraphs"]["command"]
+    assert "--cudagraphs" in items["ours_compile_cudagraphs"]["command"]
+    assert items["compile_warmup"]["command"].count("--compile") >= 2  # ours (LeanRL's two where tensordict is)
     assert items["ours_eager"]["status"] == "ok" and items["ours_eager"]["figures"]["sps"] > 0
     assert items["ppo_cpu"]["status"] == "ok" and items["ppo_cpu"]["figures"]["sps"] > 0
     assert items["ppo_llm_20_iterations"]["status"] == "ok"
@@ -78,15 +79,15 @@ def test_dry_run_markdown_has_a_row_per_command(dry_run):
 
 def test_stage_budget_plan():
     plan = gpu_check.plan_stages(480, [1, 2, 3, 4, 5])
-    assert plan == pytest.approx({1: 120, 2: 168, 3: 96, 4: 48, 5: 48})  # the shares of 8 minutes
+    assert plan == pytest.approx({1: 144, 2: 192, 3: 96, 4: 24, 5: 24})  # the shares of 8 minutes
     plan = gpu_check.plan_stages(100, [1, 3])  # a subset: the shares of the chosen stages, rescaled
-    assert plan == pytest.approx({1: 100 * 0.25 / 0.45, 3: 100 * 0.20 / 0.45})
+    assert plan == pytest.approx({1: 100 * 0.30 / 0.50, 3: 100 * 0.20 / 0.50})
     assert gpu_check.share_of(100, [1, 1, 2]) == pytest.approx(25)
     assert gpu_check.share_of(100, [7]) == 100  # the last one takes what is left
     assert gpu_check.share_of(-5, [1, 1]) == 0
     # time a stage does not use goes to the later ones: stage 1 uses 20 of its 120 s
     left = 480 - 20
-    assert gpu_check.share_of(left, [0.35, 0.2, 0.1, 0.1]) == pytest.approx(460 * 0.35 / 0.75)
+    assert gpu_check.share_of(left, [0.40, 0.2, 0.05, 0.05]) == pytest.approx(460 * 0.40 / 0.70)
 
 
 def test_median_after_warmup():
