@@ -74,7 +74,7 @@ OUR_PATHS = {"eager": [], "compile": ["--compile"], "compile_cudagraphs": ["--co
 CPU_BREAKOUT = os.path.join(REPO, "benchmarks", "results", "ppo_atari_envpool_breakout")
 PYTEST_SUMMARY = re.compile(r"^=*\s*((?:\d+ \w+,? ?)+ in [\d.]+s(?: \([^)]*\))?)\s*=*$")
 LLM_EVAL = re.compile(r"eval iter (\d+): accuracy greedy ([\d.]+)\s+sampled ([\d.]+)")
-LEANRL_SPS = re.compile(r"^SPS: ([\d.]+) iteration (\d+)")
+LEANRL_SPS = re.compile(r"(?:^|\r|\])SPS: ([\d.]+) iteration (\d+)", re.M)  # (tqdm's bar may lead the line)
 CLEANRL_SPS = re.compile(r"^SPS: (\d+)\s*$")
 
 
@@ -300,7 +300,7 @@ def tb_or_stdout_sps(runs_dir: str, warmup: int, batch: int, stdout_kind: str):
 
 def read_leanrl(skip: int):
     def read(item: Item, text: str) -> dict:
-        values = [float(m[1]) for m in (LEANRL_SPS.match(ln) for ln in text.splitlines()) if m]
+        values = [float(m[1]) for m in LEANRL_SPS.finditer(text)]
         return {"sps": median_after_warmup(values, skip), "iterations": len(values) * 10,
                 "source": f"median of its per-10-iteration SPS prints after the first {skip}"}
     return read
@@ -440,6 +440,23 @@ def stage1(ctx: Ctx) -> list:
                  device="cuda" if ctx.cuda else "cpu (every test skips without CUDA)")]
 
 
+def patched_leanrl(path: str, folder: str) -> str:
+    """A copy of LeanRL's script whose rollout and GAE run under torch.no_grad(). With tensordict 0.15 its inference
+    copy of the agent (`from_module(agent).data` put back with `to_module`) holds parameters that require grad, so
+    the rollout's values carried a graph into the update: eager failed at the second minibatch's backward ("backward
+    through the graph a second time"), --cudagraphs at GAE's inputs. The rollout was meant to be gradient-free."""
+    with open(path) as f:
+        text = f.read()
+    for name in ("rollout", "gae"):
+        if text.count(f"\ndef {name}(") != 1:
+            raise ValueError(f"{path}: cannot find `def {name}(` once")
+        text = text.replace(f"\ndef {name}(", f"\n@torch.no_grad()\ndef {name}(")
+    out = os.path.join(folder, os.path.basename(path))
+    with open(out, "w") as f:
+        f.write(text)
+    return out
+
+
 def stage2(ctx: Ctx) -> list:
     env_id, envs = "Breakout-v5", 8
     if ctx.dry:
@@ -462,6 +479,8 @@ def stage2(ctx: Ctx) -> list:
                       skip=no_envpool or (None if os.path.isfile(cleanrl) else f"no {cleanrl}")))
     lean_skip_reason = no_envpool or (None if os.path.isfile(leanrl) else f"no {leanrl}") or (
         None if has("tensordict") else "tensordict is not installed (WITH_ANCHORS=1 bash ../shared/device/pack.sh)")
+    if not lean_skip_reason:
+        leanrl = patched_leanrl(leanrl, ctx.stage_dir(2, "leanrl_patched"))
     lean_args = ["--env-id", env_id, "--num-envs", str(envs), "--total-timesteps", str(lean_iters * batch), *small]
     ours = os.path.join(REPO, "ppo_atari_envpool.py")
     lean = {name: flags for name, flags in (("leanrl_compile_cudagraphs", ["--compile", "--cudagraphs"]),
@@ -875,6 +894,8 @@ def parse(argv: list):
     p.add_argument("--minutes", type=float, default=8.0, help="time for all the selected stages (default 8)")
     p.add_argument("--stages", type=int, nargs="+", choices=sorted(STAGES), default=sorted(STAGES),
                    help="which stages to run (in their order), e.g. --stages 1 3")
+    p.add_argument("--only", nargs="+", metavar="ITEM", default=None,
+                   help="run only these commands of the selected stages (e.g. a rerun of the ones that failed)")
     p.add_argument("--dry-run", action="store_true",
                    help="every stage at tiny sizes on the CPU (CUDA-only commands skipped, still shown)")
     p.add_argument("--anchors", default=None, help="CleanRL / LeanRL scripts (default: .devsite/anchors if it "
@@ -930,7 +951,7 @@ def main(argv: Optional[list] = None) -> int:
     try:
         for k, n in enumerate(a.stages):
             budget = share_of(ctx.deadline - time.time(), [SHARES[s] for s in a.stages[k:]])
-            items = BUILDERS[n](ctx)
+            items = [i for i in BUILDERS[n](ctx) if a.only is None or i.name in a.only]
             for it in items:
                 if ctx.dry and it.device == "cuda":
                     it.device = "cpu (dry run)"

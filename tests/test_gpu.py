@@ -42,6 +42,10 @@ SKIP_NOTES = ("without cuda graphs", "skipping cudagraphs")
 # Paths compared with eager after ITERATIONS iterations (--torch-deterministic; --compile sets inductor's
 # fallback_random, so the same actions are sampled): parameters allclose at these tolerances
 SAME_AS_EAGER = {"compile": dict(rtol=1e-3, atol=1e-5), "compile_cudagraphs": dict(rtol=1e-3, atol=1e-5)}
+# The Atari CNN's compiled kernels round differently from cuDNN's eager ones, and Adam turns a last-bit difference in
+# a near-zero gradient into a step of up to about lr: its 16 steps here (2.5e-4 each) can move a weight by 4e-3, and
+# 5.8e-5 was seen on an H100. 2e-4 (5 % of those 16 steps) still fails a compiled update that differs in substance.
+ATOL = {"ppo_atari_envpool.py": 2e-4}
 LLM_TINY = ["--num-iterations", "2"]  # the default task and model; 2 iterations
 ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # many compiling processes at once
 TIMEOUT_S = 420
@@ -157,7 +161,7 @@ def test_compiled_parameters_equal_eager(runs, script, path):
     eager = torch.load(checkpoint_in(dirs[("path", script, "eager")]), map_location="cpu", weights_only=True)["model"]
     other = torch.load(checkpoint_in(dirs[("path", script, path)]), map_location="cpu", weights_only=True)["model"]
     assert eager.keys() == other.keys()
-    tol = SAME_AS_EAGER[path]
+    tol = dict(SAME_AS_EAGER[path], **({"atol": ATOL[script]} if script in ATOL else {}))
     for k in eager:
         a, b = eager[k].float(), other[k].float()
         assert torch.allclose(a, b, **tol), f"{script} {path} {k}: max |diff| {(a - b).abs().max().item():.3g}"

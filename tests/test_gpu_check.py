@@ -121,6 +121,10 @@ def test_leanrl_reader_skips_its_first_window():
     read = gpu_check.read_leanrl(1)
     text = "SPS: 900 iteration 10\nSPS: 3600 iteration 20\nSPS: 3800 iteration 30\nSPS: 3700 iteration 40\n"
     assert read(None, text)["sps"] == 3700
+    # as it was seen on an H100: tqdm's bar, then the print on the same line
+    bar = "speed:  3166.4 sps, returns:  1.30: 97%|#########7| 29/30 [00:16<00:00,  3.01it/s]"
+    text = f"{bar}SPS: 3077 iteration 10\n\r{bar}SPS: 3166 iteration 20\n{bar}\rSPS: 3161 iteration 30\nNOT SPS: 5 iteration 1\n"
+    assert read(None, text)["sps"] == pytest.approx(3163.5)
 
 
 def test_bin_curve_and_edges():
