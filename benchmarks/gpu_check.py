@@ -11,7 +11,7 @@ Stages, in this order, each under its own share of --minutes (the last stage run
                  compiled commands side by side for 2 iterations (this fills torch.compile's cache on disk, so the
                  timed runs compile in seconds), LeanRL --compile --cudagraphs, ours --compile --cudagraphs / eager /
                  --compile / --no-torch-deterministic, LeanRL --compile / eager; each as SPS and as ratios to envpool
-                 alone and to CleanRL
+                 alone and to CleanRL; last, ours --compile --cudagraphs under cProfile (its top functions, in its log)
   3 ppo_llm      ppo_llm.py's default task for 20 iterations on CUDA (the held-out accuracy must rise from the first
                  evaluation to the last), then benchmarks/llm_throughput.py at 0.5B for gae and grpo, eager, then
                  --compile
@@ -514,6 +514,16 @@ def stage2(ctx: Ctx) -> list:
         items.append(Item(name, [PY, ours, *dev_flag(ctx), *flags, *common_args, *threads, "--exp-name", name,
                                  "--runs-dir", runs],
                           timeout=60, read=tb_or_stdout_sps(runs, warm, batch, "ours"), skip=skip))
+    # Where our fastest path spends its host time (it ran at 0.75x LeanRL's on an H100): Python's profiler over a
+    # short run (runpy, so that the script is __main__ for tyro), its top functions by own time in the log
+    prof = os.path.join(ctx.stage_dir(2, "profile"), "ours.prof")
+    code = ("import cProfile, pstats, runpy, sys\nsys.argv = sys.argv[1:]\np = cProfile.Profile()\np.enable()\n"
+            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            f"p.disable()\npstats.Stats(p).sort_stats('tottime').print_stats(30)\np.dump_stats({json.dumps(prof)})")
+    items.append(Item("ours_compile_cudagraphs_profile",
+                      [PY, "-c", code, ours, *dev_flag(ctx), *OUR_PATHS["compile_cudagraphs"], *common_args,
+                       "--exp-name", "profile", "--runs-dir", ctx.stage_dir(2, "profile", "runs")], timeout=60,
+                      skip=no_envpool or needs_cuda(ctx)))
     return items
 
 
