@@ -12,6 +12,9 @@ it is written with, a number of the result files that back the row: those its ow
 section links. A linked `report.md` (or a report's curve) brings the other files of its directory (CSV,
 `meta.json`); a directory all of its text files. A percentage also matches a fraction (`77.7` and `0.7773`).
 Prose between the tables is not checked (its derived figures, e.g. hours at a given SPS, are arithmetic).
+
+Counts: the 31 PPO details (13 core, 9 Atari, 9 continuous control) of README.md and docs/reading_guide.md are the
+rows of the guide's tables, and the mutants benchmarks/README.md counts are those of benchmarks/mutants.py.
 """
 
 import functools
@@ -244,3 +247,35 @@ def test_the_figure_checker_reports_a_figure_its_result_file_does_not_hold(tmp_p
     assert figures("1,754.42 ± 69.69 (v5) `--seed 3` 10.4% 1.16× 500k [x](a1.md)") == [
         (1754.42, 0.005, "1,754.42"), (69.69, 0.005, "69.69"), (10.4, 0.05, "10.4"), (1.16, 0.005, "1.16"),
         (500e3, 500.0, "500k")]
+
+
+# --- counts the docs state, against what they count ------------------------------------------------------------------
+
+def numbered_rows(text: str, heading_start: str) -> int:
+    """The rows `| 1 | ...` of the table under the `###` heading that starts with heading_start."""
+    part = text.split(f"\n### {heading_start}", 1)[1].split("\n#", 1)[0]
+    return len(re.findall(r"^\|\s*\d+\s*\|", part, re.M))
+
+
+def test_the_counts_of_ppo_details_are_the_rows_of_the_reading_guide():
+    guide, readme = read("docs/reading_guide.md"), read("README.md")
+    rows = {name: numbered_rows(guide, name) for name in ("Core", "Atari", "Continuous control")}
+    total = sum(rows.values())
+    assert f"## The implementation details of PPO ({total} of the 37)" in guide, rows
+    stated = f"the {total} that apply to these scripts: {rows['Core']} core, {rows['Atari']} Atari, " \
+             f"{rows['Continuous control']} continuous control"
+    assert stated in " ".join(guide.split()), rows
+    flat = " ".join(readme.split())
+    assert (f"lists where each of the {total} details" in flat
+            and f"({rows['Core']} core, {rows['Atari']} Atari, {rows['Continuous control']} continuous control;"
+            in flat), rows
+
+
+def test_the_mutant_count_is_the_mutation_check_table():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import mutants
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    stated = re.search(r"holds (\d+) named mutants", read("benchmarks/README.md"))
+    assert stated and int(stated.group(1)) == len(mutants.MUTANTS), (stated, len(mutants.MUTANTS))
