@@ -5,14 +5,9 @@
     python ppo_continuous.py --resume runs/<run>/checkpoint.pt --eval-episodes 10 --capture-video
     torchrun --nproc-per-node 2 ppo_continuous.py              # data parallel: each process steps --num-envs envs
 
-Read from the top: Args -> environments and normalisation (observations, rewards; their merge across torchrun
-ranks) -> Agent (diagonal Gaussian) -> the PPO math (compute_gae, advantage normalisation, ppo_loss, the
-adaptive-KL-penalty variant) -> the episodes in flight (their snapshot for an exact resume, MuJoCo's own state
-functions included) -> main(), whose loop is the PPO note's steps (docs/reading_guide.md): 1. Collect rollout,
-2. Compute advantages and returns (GAE), 3. Advantage normalisation, 4. Optimise policy & value for E epochs,
-5. Update reference policy. PPO ends at the banner below main(). What follows it changes nothing that PPO computes:
-flat helpers (torchrun, the run directory, logging, checkpoints, evaluation and load_policy, compile helpers, the
-command line) and the one error boundary in __main__.
+Read from the top: Args, environments and normalisation, Agent (diagonal Gaussian), the PPO math, the episodes in
+flight (for an exact resume), then main(), whose loop is the note's five steps (docs/reading_guide.md). PPO ends at
+the banner below main(); the flat helpers under it change nothing it computes.
 """
 
 from __future__ import annotations
@@ -108,9 +103,7 @@ def make_env(env_id: str, idx: int = 0, capture_video: bool = False, video_dir: 
     return thunk
 
 
-def make_vector_env(args: Args):
-    """Vector env in SAME_STEP autoreset mode: a finished episode is reset inside the same step() call and its last
-    observation comes back in info["final_obs"], so every stored transition is a real one (no reset transitions)."""
+def make_vector_env(args: Args):  # SAME_STEP autoreset: the last obs is in info["final_obs"], no reset transitions
     import gymnasium as gym
 
     cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
@@ -119,34 +112,26 @@ def make_vector_env(args: Args):
 
 
 class RunningMeanStd:
-    """Mean and (population) variance of a stream of vectors, merged batch by batch with Chan et al.'s parallel
-    update, as in OpenAI baselines and gymnasium. count starts at epsilon (mean 0, var 1) as there."""
+    """Mean and population variance of a stream of vectors (Chan et al.'s parallel update, as in gymnasium)."""
 
-    def __init__(self, shape: tuple = (), epsilon: float = 1e-4):
-        self.mean = np.zeros(shape, dtype=np.float64)
-        self.var = np.ones(shape, dtype=np.float64)
+    def __init__(self, shape: tuple = (), epsilon: float = 1e-4):  # count starts at epsilon (mean 0, var 1)
+        self.mean, self.var = np.zeros(shape, dtype=np.float64), np.ones(shape, dtype=np.float64)
         self.count = float(epsilon)
-        self.added: Optional[RunningMeanStd] = None  # under torchrun: what this rank added since the last merge
-        self.merged: Optional[tuple] = None  # under torchrun: (mean, var, count) at the last merge, alike on all ranks
+        self.added = self.merged = None  # torchrun: samples added since the last merge, and that merge's state
 
-    def update(self, x: np.ndarray) -> None:
-        """x: a batch (B, *shape) of new samples."""
+    def update(self, x: np.ndarray) -> None:  # x: a batch (B, *shape) of new samples
         x = np.asarray(x, dtype=np.float64)
         b_count = x.shape[0]
         b_mean = x.sum(axis=0) / b_count  # = x.mean(0), x.var(0) without numpy's slow wrappers (hot loop)
         b_var = np.square(x - b_mean).sum(axis=0) / b_count
-        delta = b_mean - self.mean
-        total = self.count + b_count
+        delta, total = b_mean - self.mean, self.count + b_count
         self.mean = self.mean + delta * (b_count / total)
-        m2 = self.var * self.count + b_var * b_count + delta**2 * (self.count * b_count / total)
-        self.var = m2 / total
+        self.var = (self.var * self.count + b_var * b_count + delta**2 * (self.count * b_count / total)) / total
         self.count = total
         if self.added is not None:
             self.added.update(x)
 
-    def track_additions(self) -> None:
-        """Under torchrun: remember the current state (the same on every rank) and collect the samples added from
-        now on in self.added, for merge_ranks."""
+    def track_additions(self) -> None:  # torchrun: keep the state (alike on all ranks), collect new samples in added
         self.merged = (self.mean.copy(), self.var.copy(), self.count)
         self.added = RunningMeanStd(self.mean.shape, epsilon=0.0)
 
@@ -169,20 +154,17 @@ def normalize_obs(obs: np.ndarray, rms: RunningMeanStd, clip: float, eps: float 
 
 
 def obs_tensor(obs, device: torch.device, rms: Optional[RunningMeanStd] = None, clip: float = 10.0) -> torch.Tensor:
-    """A batch of raw observations as the Agent takes them: normalised with rms's statistics as they are (None: not
-    normalised), float32 on `device`."""
-    x = np.asarray(obs)
-    x = (x if rms is None else normalize_obs(x, rms, clip)).astype(np.float32)  # (numpy's cast: half torch's cost)
-    return torch.from_numpy(x).to(device)
+    """Raw observations as the Agent takes them: normalised with rms as it is (None: not), float32 on `device`."""
+    x = np.asarray(obs) if rms is None else normalize_obs(np.asarray(obs), rms, clip)
+    return torch.from_numpy(x.astype(np.float32)).to(device)  # (numpy's cast: half torch's cost)
 
 
 class RewardScaler:
-    """Divide rewards by the running std of the discounted return G <- gamma * G + r (no mean subtraction), as
-    gymnasium's NormalizeReward; G restarts at 0 after every episode end, termination or truncation."""
+    """Rewards / the running std of the discounted return G <- gamma * G + r (as gymnasium's NormalizeReward, no
+    mean subtraction); G restarts at 0 after every episode end, termination or truncation."""
 
     def __init__(self, num_envs: int, gamma: float, clip: float = 10.0, eps: float = 1e-8):
-        self.rms = RunningMeanStd(())
-        self.ret = np.zeros(num_envs, dtype=np.float64)
+        self.rms, self.ret = RunningMeanStd(()), np.zeros(num_envs, dtype=np.float64)
         self.gamma, self.clip, self.eps = gamma, clip, eps
 
     def __call__(self, reward: np.ndarray, done: np.ndarray) -> np.ndarray:
@@ -194,20 +176,17 @@ class RewardScaler:
 
 
 class Normalizer:
-    """What the rollout feeds the agent and the advantages (details 6-9): observations normalised by their running
-    mean/std (--norm-obs) and rewards scaled by the running std of the discounted return (--norm-reward), both clipped.
-    The statistics grow in rollouts only; evaluation and load_policy use them frozen."""
+    """Details 6-9: observations normalised by their running mean/std (--norm-obs), rewards scaled (--norm-reward),
+    both clipped. The statistics grow in rollouts only; evaluation and load_policy use them frozen."""
 
     def __init__(self, args: Args, obs_dim: int, device: torch.device, track_additions: bool = False):
         self.obs_rms = RunningMeanStd((obs_dim,))
         self.reward_scaler = RewardScaler(args.num_envs, args.gamma, args.reward_clip)
         self.args, self.device = args, device
-        if track_additions:  # under torchrun (see merge_ranks)
-            self.obs_rms.track_additions()
-            self.reward_scaler.rms.track_additions()
+        for rms in (self.obs_rms, self.reward_scaler.rms) if track_additions else ():  # torchrun: see merge_ranks
+            rms.track_additions()
 
-    def obs(self, raw: np.ndarray, update: bool = False) -> torch.Tensor:
-        """The Agent's input for a batch of raw observations; update: add them to the statistics first (rollouts)."""
+    def obs(self, raw: np.ndarray, update: bool = False) -> torch.Tensor:  # update: add them to the statistics first
         if update and self.args.norm_obs:
             self.obs_rms.update(raw)
         return obs_tensor(raw, self.device, self.obs_rms if self.args.norm_obs else None, self.args.obs_clip)
@@ -217,11 +196,9 @@ class Normalizer:
 
 
 def merge_moments(parts: list) -> tuple[np.ndarray, np.ndarray, float]:
-    """Mean, (population) variance and count of the union of disjoint sets of samples, from each set's
-    (mean, var, count): the parallel variance formula (Chan et al.) for any number of sets,
-        n = sum_i n_i,   mean = sum_i n_i mean_i / n,   var = sum_i n_i (var_i + (mean_i - mean)^2) / n.
-    Sets of count 0 add nothing. Deterministic in the order of `parts`: ranks that merge the same list agree bit for
-    bit."""
+    """Mean, population variance and count of the union of disjoint sets, from each set's (mean, var, count), in
+    `parts`' order (ranks that merge the same list agree bit for bit); Chan et al.'s formula for any number of sets:
+        n = sum_i n_i,   mean = sum_i n_i mean_i / n,   var = sum_i n_i (var_i + (mean_i - mean)^2) / n."""
     count = sum(float(c) for _, _, c in parts)
     mean = sum(float(c) * np.asarray(m, dtype=np.float64) for m, _, c in parts) / count
     var = sum(float(c) * (np.asarray(v, dtype=np.float64) + np.square(np.asarray(m, dtype=np.float64) - mean))
@@ -230,11 +207,8 @@ def merge_moments(parts: list) -> tuple[np.ndarray, np.ndarray, float]:
 
 
 def merge_ranks(stats: list[RunningMeanStd], world: int) -> None:
-    """Under torchrun, once per rollout: each rank normalises with running statistics of its own data during a
-    rollout; after it, each running statistics in `stats` (tracking its additions, see
-    RunningMeanStd.track_additions) becomes that of the data of all ranks: the state of the last merge, the same on
-    every rank, combined with what each rank added since. One collective for all of them. So every rank, and the
-    checkpoint, hold the statistics of all ranks' data."""
+    """Under torchrun, after each rollout (in which each rank normalised with its own data): each statistics becomes
+    that of all ranks' data, the last merge's state combined with what each rank added since; one collective."""
     added = gather_objects([(rms.added.mean, rms.added.var, rms.added.count) for rms in stats], world)
     for i, rms in enumerate(stats):
         rms.mean, rms.var, rms.count = merge_moments([rms.merged] + [rank_added[i] for rank_added in added])
@@ -251,16 +225,10 @@ def layer_init(layer: nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.
 class Agent(nn.Module):
     def __init__(self, obs_dim: int, act_dim: int):
         super().__init__()
-        self.critic = nn.Sequential(
-            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 1), std=1.0),
-        )
-        self.actor_mean = nn.Sequential(
-            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, act_dim), std=0.01),  # detail: small last-layer gain -> mean near 0 at start
-        )
+        self.critic = nn.Sequential(layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64)),
+                                    nn.Tanh(), layer_init(nn.Linear(64, 1), std=1.0))
+        self.actor_mean = nn.Sequential(layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64)),
+                                        nn.Tanh(), layer_init(nn.Linear(64, act_dim), std=0.01))  # detail: mean ~0
         self.actor_logstd = nn.Parameter(torch.zeros(1, act_dim))  # detail: state-independent learnable log std
 
     def get_value(self, x: torch.Tensor) -> torch.Tensor:
@@ -276,29 +244,26 @@ class Agent(nn.Module):
                     (torch.block_diag(a[4].weight, c[4].weight), torch.cat([a[4].bias, c[4].bias]))]
 
     def get_action_and_value(self, x: torch.Tensor, action: Optional[torch.Tensor] = None, fused=None):
-        """Sample (or score) an unclipped action. Returns action, log pi(a|s), entropy, V(s).
-        fused: fused_weights() of this agent, for a faster forward pass without gradients."""
+        """Sample (or score) an unclipped action: action, log pi(a|s), entropy, V(s); fused: fused_weights()."""
         return self(x, action, fused)[:4]
 
     def forward(self, x: torch.Tensor, action: Optional[torch.Tensor] = None, fused=None):
-        """get_action_and_value, plus the Gaussian (mean, log std) of each state (the KL-penalty variant's exact KL
-        compares the old and the new ones). The update calls the agent itself, so that DDP can average the gradients."""
+        """get_action_and_value and the Gaussian (mean, log std) of each state (for the KL variant's exact KL); the
+        update calls the agent itself, so that DDP averages the gradients."""
         if fused is None:
             mean, value = self.actor_mean(x), self.get_value(x)
         else:
             (w1, b1), (w2, b2), (w3, b3) = fused
             out = F.linear(torch.tanh(F.linear(torch.tanh(F.linear(x, w1, b1)), w2, b2)), w3, b3)
             mean, value = out[..., :-1], out[..., -1]
-        logstd = self.actor_logstd.expand_as(mean)
-        noise = None
+        logstd, noise = self.actor_logstd.expand_as(mean), None
         if action is None:  # sampling: z = (a - mean) / std is the noise itself
             noise = torch.randn_like(mean)
             action = mean + torch.exp(logstd) * noise
         logprob, entropy = gaussian_logprob_entropy(mean, logstd, action, z=noise)
         return action, logprob, entropy, value, (mean, logstd)
 
-    def act(self, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
-        """The action to play (evaluation, load_policy), unclipped: sampled, or the Gaussian's mean."""
+    def act(self, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:  # to play, unclipped: sampled or mean
         return self.actor_mean(x) if deterministic else self.get_action_and_value(x)[0]
 
 
@@ -350,9 +315,8 @@ def normalize_advantages_rollout(adv: torch.Tensor, eps: float = 1e-8) -> torch.
 def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, entropy,
              clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool, kl_coef=None,
              kl=None):
-    """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync).
-    kl_coef (a number or 0-d tensor) selects the KL-penalty policy loss instead: -r*A + kl_coef * kl, with kl the
-    exact KL(pi_old(.|s) || pi(.|s)) of each sample's state (gaussian_kl), as in the PPO paper."""
+    """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync). kl_coef
+    selects the KL-penalty policy loss instead: -r*A + kl_coef * kl, kl: each state's exact KL (gaussian_kl)."""
     if kl_coef is not None and kl is None:
         raise ValueError("ppo_loss: kl_coef needs kl, the KL(pi_old(.|s) || pi(.|s)) of each sample")
     logratio = newlogprob - oldlogprob
@@ -386,9 +350,8 @@ LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
 def gaussian_logprob_entropy(mean: torch.Tensor, logstd: torch.Tensor, action: torch.Tensor, z=None):
-    """log N(action; mean, exp(logstd)^2) and the entropy, summed over action dimensions (the diagonal Gaussian's
-    dimensions are independent). z: (action - mean) / std where the caller has it (sampling: the noise). Written out
-    instead of torch.distributions: cheaper in the hot loop, compilable."""
+    """log N(action; mean, exp(logstd)^2) and the entropy, summed over the (independent) action dimensions; z:
+    (action - mean) / std where the caller has it. Cheaper in the hot loop than torch.distributions, compilable."""
     if z is None:
         z = (action - mean) * torch.exp(-logstd)
     logprob = (-0.5 * z * z - logstd - LOG_SQRT_2PI).sum(-1)
@@ -413,23 +376,20 @@ def adapt_kl_coef(coef: float, kl: float, target: float) -> float:
 
 
 class KLPenalty:
-    """The note's adaptive-KL-penalty variant in one place (PPO paper, sec. 4): each minibatch's policy loss is
-    -r*A + beta * KL(pi_old(.|s) || pi(.|s)) instead of the clipped one (loss_terms); after each update the rollout's
-    KL (rollout_kl) halves or doubles beta with --kl-penalty-target (adapt). pi_old(.|s) is the Gaussian of the
-    rollout's policy: its mean in each state and its (state-independent) log std."""
+    """The note's adaptive-KL-penalty variant (PPO paper, sec. 4): the policy loss -r*A + beta * KL(pi_old || pi)
+    (loss_terms); after each update the rollout's KL (rollout_kl) halves or doubles beta (adapt)."""
 
     def __init__(self, args: Args, device: torch.device):
         self.target = args.kl_penalty_target
         self.beta = 1.0 if args.kl_penalty_coef is None else args.kl_penalty_coef  # on the host, for the rule
         self.coef = torch.tensor(self.beta, device=device)  # in a tensor, which the (compiled) update reads
 
-    def loss_terms(self, old_mean, old_logstd, mean, logstd) -> dict:
-        """ppo_loss's keyword arguments kl_coef and kl for one minibatch."""
+    def loss_terms(self, old_mean, old_logstd, mean, logstd) -> dict:  # ppo_loss's kl_coef and kl (a minibatch)
         return dict(kl_coef=self.coef, kl=gaussian_kl(old_mean, old_logstd, mean, logstd))
 
     @torch.no_grad()
     def rollout_kl(self, agent: Agent, b_obs, b_old_means, old_logstd, minibatch_size: int) -> torch.Tensor:
-        """KL(pi_old || pi_theta) averaged over the rollout's states after the update: the d of the adaptive rule."""
+        """KL(pi_old || pi_theta) over the rollout's states after the update: the d of the adaptive rule."""
         total = torch.zeros((), device=b_obs.device)
         for start in range(0, len(b_obs), minibatch_size):
             mb = slice(start, start + minibatch_size)
@@ -440,8 +400,7 @@ class KLPenalty:
         if self.target is not None:
             self.set(adapt_kl_coef(self.beta, kl, self.target))
 
-    def set(self, beta: float) -> None:
-        """The coefficient of the next update (adapt; a resumed run's adapted value)."""
+    def set(self, beta: float) -> None:  # the coefficient of the next update (adapt; a resumed run's)
         self.beta = beta
         self.coef.fill_(beta)
 
@@ -451,10 +410,9 @@ EXACT_RESUME_MODULES = ("gymnasium.envs.classic_control", "gymnasium.envs.mujoco
 
 
 def env_state(envs) -> Optional[list]:
-    """Each sub-environment of a SyncVectorEnv, enough to continue its episode bit for bit: the plain numbers and
-    arrays of every wrapper and of the env (TimeLimit's step counter, a classic-control env's state), its random
-    generator and MuJoCo's simulator state (mujoco_state). None for an AsyncVectorEnv (its envs live in other
-    processes) and for envs whose state lives elsewhere (Box2D's world): a resumed run starts new episodes."""
+    """Each env of a SyncVectorEnv, enough to continue its episode bit for bit: the plain numbers and arrays of each
+    wrapper and the env (TimeLimit's step counter, ...), its random generator, MuJoCo's state (mujoco_state). None
+    for an AsyncVectorEnv and for envs whose state lives elsewhere (Box2D's world): the run starts new episodes."""
     if not hasattr(envs, "envs") or not envs.envs[0].unwrapped.__module__.startswith(EXACT_RESUME_MODULES):
         return None
     return [{"layers": [{k: torch.tensor(v) if isinstance(v, np.ndarray) else v for k, v in vars(layer).items()
@@ -474,8 +432,7 @@ def load_env_state(envs, snapshot: list) -> None:
             set_mujoco_state(env.unwrapped, saved["mujoco"])
 
 
-def wrapper_layers(env) -> list:
-    """The wrappers of an env, outermost first, then the env itself."""
+def wrapper_layers(env) -> list:  # the wrappers of an env, outermost first, then the env itself
     layers = [env]
     while hasattr(layers[-1], "env"):
         layers.append(layers[-1].env)
@@ -483,10 +440,9 @@ def wrapper_layers(env) -> list:
 
 
 def mujoco_state(env) -> Optional[dict]:
-    """A MuJoCo env's simulator state through MuJoCo's own state functions (None for other envs): mj_getState's
-    integration state (time, qpos, qvel, act, the solver's warm start, ctrl, ...), from which every later step
-    follows, and the body positions of the last step's start (xpos, xipos), which Ant's and Humanoid's rewards
-    read before they step (mj_forward on the restored state would compute those of its end)."""
+    """A MuJoCo env's state by MuJoCo's own functions (None for other envs): mj_getState's integration state (time,
+    qpos, qvel, act, warm start, ctrl, ...), whence every later step follows, and the body positions at the last
+    step's start (xpos, xipos), which Ant's and Humanoid's rewards read (mj_forward would give those of its end)."""
     if type(getattr(env, "data", None)).__module__.split(".")[0] != "mujoco":
         return None
     import mujoco
@@ -509,8 +465,8 @@ def set_mujoco_state(env, saved: dict) -> None:
 
 
 def load_episodes(ckpt: dict, rank: int, args: Args, envs, episodes: dict, norm: Normalizer, device) -> tuple:
-    """This rank's episodes in flight as the checkpoint left them: (next_obs, next_done); (None, zeros) where they
-    cannot go on (async envs, another kind of env) and the run starts new episodes."""
+    """This rank's episodes in flight from the checkpoint: (next_obs, next_done); (None, zeros) where they cannot go
+    on (async envs, another kind of env) and the run starts new episodes."""
     saved, n = ckpt["episodes"][rank], args.num_envs
     exact = saved["envs"] is not None and args.vector_mode == "sync"
     if rank == 0:
