@@ -626,7 +626,7 @@ def main(args: Args) -> dict:
             check_finite(stats, iteration, last_checkpoint)  # a non-finite update stops here (exit 1)
             stats["explained_variance"] = explained_variance(b_values.cpu().numpy(), b_returns.cpu().numpy())
             log_iteration(writer, args, stats, lr_now, kl_penalty, global_step, iteration, num_iterations,
-                          batch_size * world, episodes["recent"], clock, first=iteration == first_iteration)
+                          batch_size * world, episodes["recent"], clock)  # TensorBoard, the progress line
             if kl_penalty:
                 kl_penalty.adapt(stats["kl"])  # the coefficient of the next update
 
@@ -786,26 +786,25 @@ def iteration_stats(update_stats: list[dict], world: int, signals: StopSignals, 
 
 
 def log_iteration(writer, args: Args, stats: dict, lr: float, kl_penalty, global_step: int, iteration: int,
-                  num_iterations: int, steps_per_iteration: int, recent: list, clock: dict, first: bool) -> None:
+                  num_iterations: int, steps_per_iteration: int, recent: list, clock: dict) -> None:
     """TensorBoard's scalars and, every 5 s and at the end, the progress line."""
     if writer is None:
         return
     rate = (global_step - clock["steps"]) / max(time.time() - clock["start"], 1e-9)  # steps/s, all processes
     scalars = {"charts/learning_rate": lr, "charts/SPS": int(rate), **{f"losses/{k}": stats[k] for k in (
-        "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance")}}
-    if kl_penalty is not None:  # the rollout's KL and the coefficient this update used
-        scalars.update({"losses/kl": stats["kl"], "charts/kl_coef": kl_penalty.beta})
+        "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance")},
+        **({"losses/kl": stats["kl"], "charts/kl_coef": kl_penalty.beta} if kl_penalty else {})}  # (this update's)
     for tag, value in scalars.items():
         writer.add_scalar(tag, value, global_step)
     if time.time() - clock["printed"] >= 5.0 or iteration == num_iterations:
+        if args.cudagraphs and not clock["printed"] and cudagraph_skips():  # after the first iteration
+            print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs: why)")
         clock["printed"] = time.time()
         eta = eta_text((num_iterations - iteration) * steps_per_iteration / rate if rate > 0 else math.inf)
+        kl = f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else ""
         print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={int(rate)}  return(last 20)="
-              f"{np.mean(recent[-20:]) if recent else math.nan:.1f}  approx_kl={stats['approx_kl']:.4f}"
-              + (f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else "") + f"  eta={eta}",
+              f"{np.mean(recent[-20:]) if recent else math.nan:.1f}  approx_kl={stats['approx_kl']:.4f}{kl}  eta={eta}",
               flush=True)
-    if first and args.cudagraphs and cudagraph_skips():
-        print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs says why)")
 
 
 def say_stopped(iteration: int, signals: StopSignals, stats: dict, args: Args, world: int, path: str) -> None:
@@ -842,13 +841,12 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_
     return returns
 
 
-def log_evaluation(writer, args: Args, returns: list, global_step: int, signals: StopSignals,
-                   path: str) -> Optional[list]:
+def log_evaluation(writer, args: Args, returns: list, step: int, signals: StopSignals, path: str) -> Optional[list]:
     """The evaluation's returns logged; None after a signal stopped it (the trained model is in the checkpoint)."""
     if signals.received:
         return print(f"stopped during the evaluation ({signal.Signals(signals.received[0]).name}); the trained model "
                      f"is in {path}", flush=True)
-    writer.add_scalar("eval/episodic_return", float(np.mean(returns)), global_step)
+    writer.add_scalar("eval/episodic_return", float(np.mean(returns)), step)
     print(f"eval: {len(returns)} episodes{' (deterministic)' if args.eval_deterministic else ''}, return "
           f"{np.mean(returns):.2f} ± {np.std(returns):.2f}")
     return returns
@@ -938,8 +936,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: 
 # --- this script's checkpoint, load_policy ----------------------------------------------------------------
 def save_state(run_dir: str, args: Args, agent: Agent, optimizer, norm: Normalizer, kl_penalty, iteration: int,
                global_step: int, rollout: tuple, rank: int, world: int) -> str:
-    """Every rank's RNG and episodes in flight (rollout: envs, next obs and done, episode counters) gathered, rank 0
-    writes (networks and statistics are alike on all ranks); --stop-after is not kept. Returns the path."""
+    """Every rank's RNG and episodes in flight (rollout) gathered, rank 0 writes (the rest is alike on all ranks)."""
     envs, next_obs, next_done, episodes = rollout
     mine = dict(envs=env_state(envs), next_obs=next_obs.cpu(), next_done=torch.tensor(next_done),
                 ep_return=torch.tensor(episodes["return"]), ep_length=torch.tensor(episodes["length"]),
@@ -955,17 +952,18 @@ def save_state(run_dir: str, args: Args, agent: Agent, optimizer, norm: Normaliz
     return path
 
 
-def check_resume(ckpt: dict, args: Args, world: int) -> None:
-    """The checkpoint's env, processes, rollout (its iteration count, lr schedule) and normalisation switches (the
-    network's inputs) are this run's."""
-    if ckpt["env_id"] != args.env_id:
-        raise Failure(f"{args.resume} was trained on {ckpt['env_id']}, not {args.env_id}")
-    if ckpt["world_size"] != world:  # iterations, seeds and envs are per process
-        raise Failure(f"{args.resume} was written by {ckpt['world_size']} process(es); resume it with as many")
-    for name in ("num_envs", "num_steps", "norm_obs", "norm_reward"):
-        if ckpt["args"][name] != getattr(args, name):
-            raise Failure(f"{args.resume} was written with --{name.replace('_', '-')} {ckpt['args'][name]}, which "
-                          "cannot change on --resume")
+def check_resume(ckpt: dict, args: Args, world: int) -> None:  # env, processes, rollout, normalisation switches
+    need(ckpt["env_id"] == args.env_id, f"{args.resume} was trained on {ckpt['env_id']}, not {args.env_id}")
+    need(ckpt["world_size"] == world,  # iterations, seeds and envs are per process
+         f"{args.resume} was written by {ckpt['world_size']} process(es); resume it with as many")
+    for name in ("num_envs", "num_steps", "norm_obs", "norm_reward"):  # the iteration count, lr schedule, inputs
+        need(ckpt["args"][name] == getattr(args, name), f"{args.resume} was written with "
+             f"--{name.replace('_', '-')} {ckpt['args'][name]}, which cannot change on --resume")
+
+
+def need(ok: bool, message: str) -> None:  # bad input: one line, exit 2
+    if not ok:
+        raise Failure(message)
 
 
 def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
@@ -975,9 +973,8 @@ def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
     import gymnasium as gym
 
     ckpt = load_checkpoint(path)
-    probe = gym.make(ckpt["env_id"])
-    obs_dim, low, high = probe.observation_space.shape[0], probe.action_space.low, probe.action_space.high
-    probe.close()
+    with contextlib.closing(gym.make(ckpt["env_id"])) as probe:
+        obs_dim, low, high = probe.observation_space.shape[0], probe.action_space.low, probe.action_space.high
     agent = Agent(obs_dim, low.shape[0]).to(device)
     agent.load_state_dict(ckpt["model"])
     obs_rms = RunningMeanStd((obs_dim,))
@@ -1040,12 +1037,7 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED] with --res
     return args
 
 
-def validate(args: Args) -> None:
-    """Bad values: one line, exit 2, before anything is written."""
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            raise Failure(message)
-
+def validate(args: Args) -> None:  # bad values: one line, exit 2, before anything is written
     for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "torch_threads",
                  "learning_rate", "clip_coef", "max_grad_norm", "obs_clip", "reward_clip", "target_kl",
                  "kl_penalty_target"):  # (nan fails these too)
@@ -1072,8 +1064,7 @@ def validate(args: Args) -> None:
     check_env(args.env_id)
 
 
-def check_env(env_id: str) -> None:
-    """An env id that makes an env with flat Box action and observation spaces."""
+def check_env(env_id: str) -> None:  # an env id that makes an env with flat Box action and observation spaces
     import gymnasium as gym
 
     try:
@@ -1082,9 +1073,9 @@ def check_env(env_id: str) -> None:
     except Exception as e:  # an unknown id, a missing optional dependency of the env, ...
         raise Failure(f"unknown or unusable env id {env_id!r}: {type(e).__name__}: {first_line(e)}") from None
     for what, space in spaces.items():  # (N, dim) batches, actions clipped to the bounds
-        if not isinstance(space, gym.spaces.Box) or len(space.shape) != 1:
-            raise Failure(f"{env_id} has a {space} {what} space; {SCRIPT} needs a flat Box"
-                          + (" (ppo.py takes discrete actions)" if isinstance(space, gym.spaces.Discrete) else ""))
+        discrete = " (ppo.py takes discrete actions)" if isinstance(space, gym.spaces.Discrete) else ""
+        need(isinstance(space, gym.spaces.Box) and len(space.shape) == 1,
+             f"{env_id} has a {space} {what} space; {SCRIPT} needs a flat Box{discrete}")
 
 
 # --- the one error boundary -------------------------------------------------------------------------------
