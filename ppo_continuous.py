@@ -762,10 +762,8 @@ def launcher(world: int) -> str:  # [SHARED]
     return f"{f'torchrun --nproc-per-node {world}' if world > 1 else 'python'} {SCRIPT}"
 
 
-# --- logging, stops, evaluation (rank 0 alone has a writer) -----------------------------------------------
 def count_episodes(writer, episodes: dict, reward: np.ndarray, done: np.ndarray, global_step: int) -> None:
-    """A step's raw rewards join the episodes in flight; those that end are logged and their returns kept."""
-    episodes["return"] += reward
+    episodes["return"] += reward  # a step's raw rewards; the episodes that end are logged, their returns kept
     episodes["length"] += 1
     for i in np.nonzero(done)[0]:
         episodes["recent"].append(float(episodes["return"][i]))
@@ -787,8 +785,7 @@ def iteration_stats(update_stats: list[dict], world: int, signals: StopSignals, 
 
 def log_iteration(writer, args: Args, stats: dict, lr: float, kl_penalty, global_step: int, iteration: int,
                   num_iterations: int, steps_per_iteration: int, recent: list, clock: dict) -> None:
-    """TensorBoard's scalars and, every 5 s and at the end, the progress line."""
-    if writer is None:
+    if writer is None:  # rank 0: TensorBoard's scalars and, every 5 s and at the end, the progress line
         return
     rate = (global_step - clock["steps"]) / max(time.time() - clock["start"], 1e-9)  # steps/s, all processes
     scalars = {"charts/learning_rate": lr, "charts/SPS": int(rate), **{f"losses/{k}": stats[k] for k in (
@@ -814,9 +811,7 @@ def say_stopped(iteration: int, signals: StopSignals, stats: dict, args: Args, w
 
 
 def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_rms: RunningMeanStd,
-             video_dir: str = "", stop=lambda: False) -> list[float]:
-    """The raw returns of `episodes` episodes (fewer once stop() says so), the statistics frozen, actions sampled
-    (the Gaussian's mean with --eval-deterministic); recorded with --capture-video (a renderer that fails: one line)."""
+             video_dir: str = "", stop=lambda: False) -> list[float]:  # raw returns (fewer once stop() says so)
     env = make_env(args.env_id, 0, args.capture_video, video_dir)()
     try:
         obs, _ = env.reset(seed=args.seed + 10_000)  # (RecordVideo renders its first frame here)
@@ -842,8 +837,7 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_
 
 
 def log_evaluation(writer, args: Args, returns: list, step: int, signals: StopSignals, path: str) -> Optional[list]:
-    """The evaluation's returns logged; None after a signal stopped it (the trained model is in the checkpoint)."""
-    if signals.received:
+    if signals.received:  # the evaluation's returns, or None after a stop signal, which the line says
         return print(f"stopped during the evaluation ({signal.Signals(signals.received[0]).name}); the trained model "
                      f"is in {path}", flush=True)
     writer.add_scalar("eval/episodic_return", float(np.mean(returns)), step)
@@ -933,10 +927,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: 
                 st["step"] = st["step"].to(p.device if on_param else "cpu", torch.float32, copy=True)
 
 
-# --- this script's checkpoint, load_policy ----------------------------------------------------------------
 def save_state(run_dir: str, args: Args, agent: Agent, optimizer, norm: Normalizer, kl_penalty, iteration: int,
-               global_step: int, rollout: tuple, rank: int, world: int) -> str:
-    """Every rank's RNG and episodes in flight (rollout) gathered, rank 0 writes (the rest is alike on all ranks)."""
+               global_step: int, rollout: tuple, rank: int, world: int) -> str:  # every rank's RNG and episodes
     envs, next_obs, next_done, episodes = rollout
     mine = dict(envs=env_state(envs), next_obs=next_obs.cpu(), next_done=torch.tensor(next_done),
                 ep_return=torch.tensor(episodes["return"]), ep_length=torch.tensor(episodes["length"]),
@@ -967,9 +959,8 @@ def need(ok: bool, message: str) -> None:  # bad input: one line, exit 2
 
 
 def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
-    """A trained policy for your own code: `policy = load_policy("runs/<run>/checkpoint.pt")`, then `policy(obs)` for
-    one raw observation of its env or a batch of them; the saved statistics normalise (frozen), actions are clipped
-    to the action space. Not a checkpoint of this script: Failure; an observation of another shape: ValueError."""
+    """`policy = load_policy("runs/<run>/checkpoint.pt")`: `policy(obs)` is the clipped action for one raw observation
+    of the checkpoint's env or a batch of them, normalised with the saved statistics (Failure: not a checkpoint)."""
     import gymnasium as gym
 
     ckpt = load_checkpoint(path)
