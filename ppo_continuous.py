@@ -946,8 +946,8 @@ def save_state(run_dir: str, args: Args, agent: Agent, optimizer, norm: Normaliz
 
 def check_resume(ckpt: dict, args: Args, world: int) -> None:  # env, processes, rollout, normalisation switches
     need(ckpt["env_id"] == args.env_id, f"{args.resume} was trained on {ckpt['env_id']}, not {args.env_id}")
-    need(ckpt["world_size"] == world,  # iterations, seeds and envs are per process
-         f"{args.resume} was written by {ckpt['world_size']} process(es); resume it with as many")
+    need(ckpt["world_size"] == world, f"{args.resume} was written by {ckpt['world_size']} process(es); resume it with "
+         f"as many: {launcher(ckpt['world_size'])} --resume {args.resume}")  # iterations, seeds, envs are per process
     for name in ("num_envs", "num_steps", "norm_obs", "norm_reward"):  # the iteration count, lr schedule, inputs
         need(ckpt["args"][name] == getattr(args, name), f"{args.resume} was written with "
              f"--{name.replace('_', '-')} {ckpt['args'][name]}, which cannot change on --resume")
