@@ -227,8 +227,9 @@ class Agent(nn.Module):
         super().__init__()
         self.critic = nn.Sequential(layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64)),
                                     nn.Tanh(), layer_init(nn.Linear(64, 1), std=1.0))
-        self.actor_mean = nn.Sequential(layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64)),
-                                        nn.Tanh(), layer_init(nn.Linear(64, act_dim), std=0.01))  # detail: mean ~0
+        self.actor_mean = nn.Sequential(  # detail: a small last-layer gain puts the mean near 0 at the start
+            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, act_dim), std=0.01))
         self.actor_logstd = nn.Parameter(torch.zeros(1, act_dim))  # detail: state-independent learnable log std
 
     def get_value(self, x: torch.Tensor) -> torch.Tensor:
