@@ -5,14 +5,9 @@
     python ppo_continuous.py --resume runs/<run>/checkpoint.pt --eval-episodes 10 --capture-video
     torchrun --nproc-per-node 2 ppo_continuous.py              # data parallel: each process steps --num-envs envs
 
-Read from the top: Args -> environments and normalisation (observations, rewards; their merge across torchrun
-ranks) -> Agent (diagonal Gaussian) -> the PPO math (compute_gae, advantage normalisation, ppo_loss, the
-adaptive-KL-penalty variant) -> the episodes in flight (their snapshot for an exact resume, MuJoCo's own state
-functions included) -> main(), whose loop is the PPO note's steps (docs/reading_guide.md): 1. Collect rollout,
-2. Compute advantages and returns (GAE), 3. Advantage normalisation, 4. Optimise policy & value for E epochs,
-5. Update reference policy. PPO ends at the banner below main(). What follows it changes nothing that PPO computes:
-flat helpers (torchrun, the run directory, logging, checkpoints, evaluation and load_policy, compile helpers, the
-command line) and the one error boundary in __main__.
+Read from the top: Args, environments and normalisation, Agent (diagonal Gaussian), the PPO math, the episodes in
+flight (for an exact resume), then main(), whose loop is the note's five steps (docs/reading_guide.md). PPO ends at
+the banner below main(); the flat helpers under it change nothing it computes.
 """
 
 from __future__ import annotations
@@ -108,9 +103,7 @@ def make_env(env_id: str, idx: int = 0, capture_video: bool = False, video_dir: 
     return thunk
 
 
-def make_vector_env(args: Args):
-    """Vector env in SAME_STEP autoreset mode: a finished episode is reset inside the same step() call and its last
-    observation comes back in info["final_obs"], so every stored transition is a real one (no reset transitions)."""
+def make_vector_env(args: Args):  # SAME_STEP autoreset: the last obs is in info["final_obs"], no reset transitions
     import gymnasium as gym
 
     cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
@@ -119,34 +112,26 @@ def make_vector_env(args: Args):
 
 
 class RunningMeanStd:
-    """Mean and (population) variance of a stream of vectors, merged batch by batch with Chan et al.'s parallel
-    update, as in OpenAI baselines and gymnasium. count starts at epsilon (mean 0, var 1) as there."""
+    """Mean and population variance of a stream of vectors (Chan et al.'s parallel update, as in gymnasium)."""
 
-    def __init__(self, shape: tuple = (), epsilon: float = 1e-4):
-        self.mean = np.zeros(shape, dtype=np.float64)
-        self.var = np.ones(shape, dtype=np.float64)
+    def __init__(self, shape: tuple = (), epsilon: float = 1e-4):  # count starts at epsilon (mean 0, var 1)
+        self.mean, self.var = np.zeros(shape, dtype=np.float64), np.ones(shape, dtype=np.float64)
         self.count = float(epsilon)
-        self.added: Optional[RunningMeanStd] = None  # under torchrun: what this rank added since the last merge
-        self.merged: Optional[tuple] = None  # under torchrun: (mean, var, count) at the last merge, alike on all ranks
+        self.added = self.merged = None  # torchrun: samples added since the last merge, and that merge's state
 
-    def update(self, x: np.ndarray) -> None:
-        """x: a batch (B, *shape) of new samples."""
+    def update(self, x: np.ndarray) -> None:  # x: a batch (B, *shape) of new samples
         x = np.asarray(x, dtype=np.float64)
         b_count = x.shape[0]
         b_mean = x.sum(axis=0) / b_count  # = x.mean(0), x.var(0) without numpy's slow wrappers (hot loop)
         b_var = np.square(x - b_mean).sum(axis=0) / b_count
-        delta = b_mean - self.mean
-        total = self.count + b_count
+        delta, total = b_mean - self.mean, self.count + b_count
         self.mean = self.mean + delta * (b_count / total)
-        m2 = self.var * self.count + b_var * b_count + delta**2 * (self.count * b_count / total)
-        self.var = m2 / total
+        self.var = (self.var * self.count + b_var * b_count + delta**2 * (self.count * b_count / total)) / total
         self.count = total
         if self.added is not None:
             self.added.update(x)
 
-    def track_additions(self) -> None:
-        """Under torchrun: remember the current state (the same on every rank) and collect the samples added from
-        now on in self.added, for merge_ranks."""
+    def track_additions(self) -> None:  # torchrun: keep the state (alike on all ranks), collect new samples in added
         self.merged = (self.mean.copy(), self.var.copy(), self.count)
         self.added = RunningMeanStd(self.mean.shape, epsilon=0.0)
 
@@ -169,20 +154,17 @@ def normalize_obs(obs: np.ndarray, rms: RunningMeanStd, clip: float, eps: float 
 
 
 def obs_tensor(obs, device: torch.device, rms: Optional[RunningMeanStd] = None, clip: float = 10.0) -> torch.Tensor:
-    """A batch of raw observations as the Agent takes them: normalised with rms's statistics as they are (None: not
-    normalised), float32 on `device`."""
-    x = np.asarray(obs)
-    x = (x if rms is None else normalize_obs(x, rms, clip)).astype(np.float32)  # (numpy's cast: half torch's cost)
-    return torch.from_numpy(x).to(device)
+    """Raw observations as the Agent takes them: normalised with rms as it is (None: not), float32 on `device`."""
+    x = np.asarray(obs) if rms is None else normalize_obs(np.asarray(obs), rms, clip)
+    return torch.from_numpy(x.astype(np.float32)).to(device)  # (numpy's cast: half torch's cost)
 
 
 class RewardScaler:
-    """Divide rewards by the running std of the discounted return G <- gamma * G + r (no mean subtraction), as
-    gymnasium's NormalizeReward; G restarts at 0 after every episode end, termination or truncation."""
+    """Rewards / the running std of the discounted return G <- gamma * G + r (as gymnasium's NormalizeReward, no
+    mean subtraction); G restarts at 0 after every episode end, termination or truncation."""
 
     def __init__(self, num_envs: int, gamma: float, clip: float = 10.0, eps: float = 1e-8):
-        self.rms = RunningMeanStd(())
-        self.ret = np.zeros(num_envs, dtype=np.float64)
+        self.rms, self.ret = RunningMeanStd(()), np.zeros(num_envs, dtype=np.float64)
         self.gamma, self.clip, self.eps = gamma, clip, eps
 
     def __call__(self, reward: np.ndarray, done: np.ndarray) -> np.ndarray:
@@ -194,20 +176,17 @@ class RewardScaler:
 
 
 class Normalizer:
-    """What the rollout feeds the agent and the advantages (details 6-9): observations normalised by their running
-    mean/std (--norm-obs) and rewards scaled by the running std of the discounted return (--norm-reward), both clipped.
-    The statistics grow in rollouts only; evaluation and load_policy use them frozen."""
+    """Details 6-9: observations normalised by their running mean/std (--norm-obs), rewards scaled (--norm-reward),
+    both clipped. The statistics grow in rollouts only; evaluation and load_policy use them frozen."""
 
     def __init__(self, args: Args, obs_dim: int, device: torch.device, track_additions: bool = False):
         self.obs_rms = RunningMeanStd((obs_dim,))
         self.reward_scaler = RewardScaler(args.num_envs, args.gamma, args.reward_clip)
         self.args, self.device = args, device
-        if track_additions:  # under torchrun (see merge_ranks)
-            self.obs_rms.track_additions()
-            self.reward_scaler.rms.track_additions()
+        for rms in (self.obs_rms, self.reward_scaler.rms) if track_additions else ():  # torchrun: see merge_ranks
+            rms.track_additions()
 
-    def obs(self, raw: np.ndarray, update: bool = False) -> torch.Tensor:
-        """The Agent's input for a batch of raw observations; update: add them to the statistics first (rollouts)."""
+    def obs(self, raw: np.ndarray, update: bool = False) -> torch.Tensor:  # update: add them to the statistics first
         if update and self.args.norm_obs:
             self.obs_rms.update(raw)
         return obs_tensor(raw, self.device, self.obs_rms if self.args.norm_obs else None, self.args.obs_clip)
@@ -217,11 +196,9 @@ class Normalizer:
 
 
 def merge_moments(parts: list) -> tuple[np.ndarray, np.ndarray, float]:
-    """Mean, (population) variance and count of the union of disjoint sets of samples, from each set's
-    (mean, var, count): the parallel variance formula (Chan et al.) for any number of sets,
-        n = sum_i n_i,   mean = sum_i n_i mean_i / n,   var = sum_i n_i (var_i + (mean_i - mean)^2) / n.
-    Sets of count 0 add nothing. Deterministic in the order of `parts`: ranks that merge the same list agree bit for
-    bit."""
+    """Mean, population variance and count of the union of disjoint sets, from each set's (mean, var, count), in
+    `parts`' order (ranks that merge the same list agree bit for bit); Chan et al.'s formula for any number of sets:
+        n = sum_i n_i,   mean = sum_i n_i mean_i / n,   var = sum_i n_i (var_i + (mean_i - mean)^2) / n."""
     count = sum(float(c) for _, _, c in parts)
     mean = sum(float(c) * np.asarray(m, dtype=np.float64) for m, _, c in parts) / count
     var = sum(float(c) * (np.asarray(v, dtype=np.float64) + np.square(np.asarray(m, dtype=np.float64) - mean))
@@ -230,11 +207,8 @@ def merge_moments(parts: list) -> tuple[np.ndarray, np.ndarray, float]:
 
 
 def merge_ranks(stats: list[RunningMeanStd], world: int) -> None:
-    """Under torchrun, once per rollout: each rank normalises with running statistics of its own data during a
-    rollout; after it, each running statistics in `stats` (tracking its additions, see
-    RunningMeanStd.track_additions) becomes that of the data of all ranks: the state of the last merge, the same on
-    every rank, combined with what each rank added since. One collective for all of them. So every rank, and the
-    checkpoint, hold the statistics of all ranks' data."""
+    """Under torchrun, after each rollout (in which each rank normalised with its own data): each statistics becomes
+    that of all ranks' data, the last merge's state combined with what each rank added since; one collective."""
     added = gather_objects([(rms.added.mean, rms.added.var, rms.added.count) for rms in stats], world)
     for i, rms in enumerate(stats):
         rms.mean, rms.var, rms.count = merge_moments([rms.merged] + [rank_added[i] for rank_added in added])
@@ -251,16 +225,11 @@ def layer_init(layer: nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.
 class Agent(nn.Module):
     def __init__(self, obs_dim: int, act_dim: int):
         super().__init__()
-        self.critic = nn.Sequential(
-            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 1), std=1.0),
-        )
-        self.actor_mean = nn.Sequential(
-            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, 64)), nn.Tanh(),
-            layer_init(nn.Linear(64, act_dim), std=0.01),  # detail: small last-layer gain -> mean near 0 at start
-        )
+        self.critic = nn.Sequential(layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64)),
+                                    nn.Tanh(), layer_init(nn.Linear(64, 1), std=1.0))
+        self.actor_mean = nn.Sequential(  # detail: a small last-layer gain puts the mean near 0 at the start
+            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, act_dim), std=0.01))
         self.actor_logstd = nn.Parameter(torch.zeros(1, act_dim))  # detail: state-independent learnable log std
 
     def get_value(self, x: torch.Tensor) -> torch.Tensor:
@@ -276,29 +245,26 @@ class Agent(nn.Module):
                     (torch.block_diag(a[4].weight, c[4].weight), torch.cat([a[4].bias, c[4].bias]))]
 
     def get_action_and_value(self, x: torch.Tensor, action: Optional[torch.Tensor] = None, fused=None):
-        """Sample (or score) an unclipped action. Returns action, log pi(a|s), entropy, V(s).
-        fused: fused_weights() of this agent, for a faster forward pass without gradients."""
+        """Sample (or score) an unclipped action: action, log pi(a|s), entropy, V(s); fused: fused_weights()."""
         return self(x, action, fused)[:4]
 
     def forward(self, x: torch.Tensor, action: Optional[torch.Tensor] = None, fused=None):
-        """get_action_and_value, plus the Gaussian (mean, log std) of each state (the KL-penalty variant's exact KL
-        compares the old and the new ones). The update calls the agent itself, so that DDP can average the gradients."""
+        """get_action_and_value and the Gaussian (mean, log std) of each state (for the KL variant's exact KL); the
+        update calls the agent itself, so that DDP averages the gradients."""
         if fused is None:
             mean, value = self.actor_mean(x), self.get_value(x)
         else:
             (w1, b1), (w2, b2), (w3, b3) = fused
             out = F.linear(torch.tanh(F.linear(torch.tanh(F.linear(x, w1, b1)), w2, b2)), w3, b3)
             mean, value = out[..., :-1], out[..., -1]
-        logstd = self.actor_logstd.expand_as(mean)
-        noise = None
+        logstd, noise = self.actor_logstd.expand_as(mean), None
         if action is None:  # sampling: z = (a - mean) / std is the noise itself
             noise = torch.randn_like(mean)
             action = mean + torch.exp(logstd) * noise
         logprob, entropy = gaussian_logprob_entropy(mean, logstd, action, z=noise)
         return action, logprob, entropy, value, (mean, logstd)
 
-    def act(self, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
-        """The action to play (evaluation, load_policy), unclipped: sampled, or the Gaussian's mean."""
+    def act(self, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:  # to play, unclipped: sampled or mean
         return self.actor_mean(x) if deterministic else self.get_action_and_value(x)[0]
 
 
@@ -350,9 +316,8 @@ def normalize_advantages_rollout(adv: torch.Tensor, eps: float = 1e-8) -> torch.
 def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, entropy,
              clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool, kl_coef=None,
              kl=None):
-    """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync).
-    kl_coef (a number or 0-d tensor) selects the KL-penalty policy loss instead: -r*A + kl_coef * kl, with kl the
-    exact KL(pi_old(.|s) || pi(.|s)) of each sample's state (gaussian_kl), as in the PPO paper."""
+    """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync). kl_coef
+    selects the KL-penalty policy loss instead: -r*A + kl_coef * kl, kl: each state's exact KL (gaussian_kl)."""
     if kl_coef is not None and kl is None:
         raise ValueError("ppo_loss: kl_coef needs kl, the KL(pi_old(.|s) || pi(.|s)) of each sample")
     logratio = newlogprob - oldlogprob
@@ -386,9 +351,8 @@ LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
 def gaussian_logprob_entropy(mean: torch.Tensor, logstd: torch.Tensor, action: torch.Tensor, z=None):
-    """log N(action; mean, exp(logstd)^2) and the entropy, summed over action dimensions (the diagonal Gaussian's
-    dimensions are independent). z: (action - mean) / std where the caller has it (sampling: the noise). Written out
-    instead of torch.distributions: cheaper in the hot loop, compilable."""
+    """log N(action; mean, exp(logstd)^2) and the entropy, summed over the (independent) action dimensions; z:
+    (action - mean) / std where the caller has it. Cheaper in the hot loop than torch.distributions, compilable."""
     if z is None:
         z = (action - mean) * torch.exp(-logstd)
     logprob = (-0.5 * z * z - logstd - LOG_SQRT_2PI).sum(-1)
@@ -413,23 +377,20 @@ def adapt_kl_coef(coef: float, kl: float, target: float) -> float:
 
 
 class KLPenalty:
-    """The note's adaptive-KL-penalty variant in one place (PPO paper, sec. 4): each minibatch's policy loss is
-    -r*A + beta * KL(pi_old(.|s) || pi(.|s)) instead of the clipped one (loss_terms); after each update the rollout's
-    KL (rollout_kl) halves or doubles beta with --kl-penalty-target (adapt). pi_old(.|s) is the Gaussian of the
-    rollout's policy: its mean in each state and its (state-independent) log std."""
+    """The note's adaptive-KL-penalty variant (PPO paper, sec. 4): the policy loss -r*A + beta * KL(pi_old || pi)
+    (loss_terms); after each update the rollout's KL (rollout_kl) halves or doubles beta (adapt)."""
 
     def __init__(self, args: Args, device: torch.device):
         self.target = args.kl_penalty_target
         self.beta = 1.0 if args.kl_penalty_coef is None else args.kl_penalty_coef  # on the host, for the rule
         self.coef = torch.tensor(self.beta, device=device)  # in a tensor, which the (compiled) update reads
 
-    def loss_terms(self, old_mean, old_logstd, mean, logstd) -> dict:
-        """ppo_loss's keyword arguments kl_coef and kl for one minibatch."""
+    def loss_terms(self, old_mean, old_logstd, mean, logstd) -> dict:  # ppo_loss's kl_coef and kl (a minibatch)
         return dict(kl_coef=self.coef, kl=gaussian_kl(old_mean, old_logstd, mean, logstd))
 
     @torch.no_grad()
     def rollout_kl(self, agent: Agent, b_obs, b_old_means, old_logstd, minibatch_size: int) -> torch.Tensor:
-        """KL(pi_old || pi_theta) averaged over the rollout's states after the update: the d of the adaptive rule."""
+        """KL(pi_old || pi_theta) over the rollout's states after the update: the d of the adaptive rule."""
         total = torch.zeros((), device=b_obs.device)
         for start in range(0, len(b_obs), minibatch_size):
             mb = slice(start, start + minibatch_size)
@@ -440,8 +401,7 @@ class KLPenalty:
         if self.target is not None:
             self.set(adapt_kl_coef(self.beta, kl, self.target))
 
-    def set(self, beta: float) -> None:
-        """The coefficient of the next update (adapt; a resumed run's adapted value)."""
+    def set(self, beta: float) -> None:  # the coefficient of the next update (adapt; a resumed run's)
         self.beta = beta
         self.coef.fill_(beta)
 
@@ -451,10 +411,9 @@ EXACT_RESUME_MODULES = ("gymnasium.envs.classic_control", "gymnasium.envs.mujoco
 
 
 def env_state(envs) -> Optional[list]:
-    """Each sub-environment of a SyncVectorEnv, enough to continue its episode bit for bit: the plain numbers and
-    arrays of every wrapper and of the env (TimeLimit's step counter, a classic-control env's state), its random
-    generator and MuJoCo's simulator state (mujoco_state). None for an AsyncVectorEnv (its envs live in other
-    processes) and for envs whose state lives elsewhere (Box2D's world): a resumed run starts new episodes."""
+    """Each env of a SyncVectorEnv, enough to continue its episode bit for bit: the plain numbers and arrays of each
+    wrapper and the env (TimeLimit's step counter, ...), its random generator, MuJoCo's state (mujoco_state). None
+    for an AsyncVectorEnv and for envs whose state lives elsewhere (Box2D's world): the run starts new episodes."""
     if not hasattr(envs, "envs") or not envs.envs[0].unwrapped.__module__.startswith(EXACT_RESUME_MODULES):
         return None
     return [{"layers": [{k: torch.tensor(v) if isinstance(v, np.ndarray) else v for k, v in vars(layer).items()
@@ -474,8 +433,7 @@ def load_env_state(envs, snapshot: list) -> None:
             set_mujoco_state(env.unwrapped, saved["mujoco"])
 
 
-def wrapper_layers(env) -> list:
-    """The wrappers of an env, outermost first, then the env itself."""
+def wrapper_layers(env) -> list:  # the wrappers of an env, outermost first, then the env itself
     layers = [env]
     while hasattr(layers[-1], "env"):
         layers.append(layers[-1].env)
@@ -483,10 +441,9 @@ def wrapper_layers(env) -> list:
 
 
 def mujoco_state(env) -> Optional[dict]:
-    """A MuJoCo env's simulator state through MuJoCo's own state functions (None for other envs): mj_getState's
-    integration state (time, qpos, qvel, act, the solver's warm start, ctrl, ...), from which every later step
-    follows, and the body positions of the last step's start (xpos, xipos), which Ant's and Humanoid's rewards
-    read before they step (mj_forward on the restored state would compute those of its end)."""
+    """A MuJoCo env's state by MuJoCo's own functions (None for other envs): mj_getState's integration state (time,
+    qpos, qvel, act, warm start, ctrl, ...), whence every later step follows, and the body positions at the last
+    step's start (xpos, xipos), which Ant's and Humanoid's rewards read (mj_forward would give those of its end)."""
     if type(getattr(env, "data", None)).__module__.split(".")[0] != "mujoco":
         return None
     import mujoco
@@ -509,8 +466,8 @@ def set_mujoco_state(env, saved: dict) -> None:
 
 
 def load_episodes(ckpt: dict, rank: int, args: Args, envs, episodes: dict, norm: Normalizer, device) -> tuple:
-    """This rank's episodes in flight as the checkpoint left them: (next_obs, next_done); (None, zeros) where they
-    cannot go on (async envs, another kind of env) and the run starts new episodes."""
+    """This rank's episodes in flight from the checkpoint: (next_obs, next_done); (None, zeros) where they cannot go
+    on (async envs, another kind of env) and the run starts new episodes."""
     saved, n = ckpt["episodes"][rank], args.num_envs
     exact = saved["envs"] is not None and args.vector_mode == "sync"
     if rank == 0:
@@ -670,7 +627,7 @@ def main(args: Args) -> dict:
             check_finite(stats, iteration, last_checkpoint)  # a non-finite update stops here (exit 1)
             stats["explained_variance"] = explained_variance(b_values.cpu().numpy(), b_returns.cpu().numpy())
             log_iteration(writer, args, stats, lr_now, kl_penalty, global_step, iteration, num_iterations,
-                          batch_size * world, episodes["recent"], clock, first=iteration == first_iteration)
+                          batch_size * world, episodes["recent"], clock)  # TensorBoard, the progress line
             if kl_penalty:
                 kl_penalty.adapt(stats["kl"])  # the coefficient of the next update
 
@@ -806,10 +763,8 @@ def launcher(world: int) -> str:  # [SHARED]
     return f"{f'torchrun --nproc-per-node {world}' if world > 1 else 'python'} {SCRIPT}"
 
 
-# --- logging, stops, evaluation (rank 0 alone has a writer) -----------------------------------------------
 def count_episodes(writer, episodes: dict, reward: np.ndarray, done: np.ndarray, global_step: int) -> None:
-    """A step's raw rewards join the episodes in flight; those that end are logged and their returns kept."""
-    episodes["return"] += reward
+    episodes["return"] += reward  # a step's raw rewards; the episodes that end are logged, their returns kept
     episodes["length"] += 1
     for i in np.nonzero(done)[0]:
         episodes["recent"].append(float(episodes["return"][i]))
@@ -830,26 +785,24 @@ def iteration_stats(update_stats: list[dict], world: int, signals: StopSignals, 
 
 
 def log_iteration(writer, args: Args, stats: dict, lr: float, kl_penalty, global_step: int, iteration: int,
-                  num_iterations: int, steps_per_iteration: int, recent: list, clock: dict, first: bool) -> None:
-    """TensorBoard's scalars and, every 5 s and at the end, the progress line."""
-    if writer is None:
+                  num_iterations: int, steps_per_iteration: int, recent: list, clock: dict) -> None:
+    if writer is None:  # rank 0: TensorBoard's scalars and, every 5 s and at the end, the progress line
         return
     rate = (global_step - clock["steps"]) / max(time.time() - clock["start"], 1e-9)  # steps/s, all processes
     scalars = {"charts/learning_rate": lr, "charts/SPS": int(rate), **{f"losses/{k}": stats[k] for k in (
-        "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance")}}
-    if kl_penalty is not None:  # the rollout's KL and the coefficient this update used
-        scalars.update({"losses/kl": stats["kl"], "charts/kl_coef": kl_penalty.beta})
+        "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance")},
+        **({"losses/kl": stats["kl"], "charts/kl_coef": kl_penalty.beta} if kl_penalty else {})}  # (this update's)
     for tag, value in scalars.items():
         writer.add_scalar(tag, value, global_step)
     if time.time() - clock["printed"] >= 5.0 or iteration == num_iterations:
+        if args.cudagraphs and not clock["printed"] and cudagraph_skips():  # after the first iteration
+            print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs: why)")
         clock["printed"] = time.time()
         eta = eta_text((num_iterations - iteration) * steps_per_iteration / rate if rate > 0 else math.inf)
+        kl = f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else ""
         print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={int(rate)}  return(last 20)="
-              f"{np.mean(recent[-20:]) if recent else math.nan:.1f}  approx_kl={stats['approx_kl']:.4f}"
-              + (f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else "") + f"  eta={eta}",
+              f"{np.mean(recent[-20:]) if recent else math.nan:.1f}  approx_kl={stats['approx_kl']:.4f}{kl}  eta={eta}",
               flush=True)
-    if first and args.cudagraphs and cudagraph_skips():
-        print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs says why)")
 
 
 def say_stopped(iteration: int, signals: StopSignals, stats: dict, args: Args, world: int, path: str) -> None:
@@ -859,9 +812,7 @@ def say_stopped(iteration: int, signals: StopSignals, stats: dict, args: Args, w
 
 
 def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_rms: RunningMeanStd,
-             video_dir: str = "", stop=lambda: False) -> list[float]:
-    """The raw returns of `episodes` episodes (fewer once stop() says so), the statistics frozen, actions sampled
-    (the Gaussian's mean with --eval-deterministic); recorded with --capture-video (a renderer that fails: one line)."""
+             video_dir: str = "", stop=lambda: False) -> list[float]:  # raw returns (fewer once stop() says so)
     env = make_env(args.env_id, 0, args.capture_video, video_dir)()
     try:
         obs, _ = env.reset(seed=args.seed + 10_000)  # (RecordVideo renders its first frame here)
@@ -886,13 +837,11 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, obs_
     return returns
 
 
-def log_evaluation(writer, args: Args, returns: list, global_step: int, signals: StopSignals,
-                   path: str) -> Optional[list]:
-    """The evaluation's returns logged; None after a signal stopped it (the trained model is in the checkpoint)."""
-    if signals.received:
+def log_evaluation(writer, args: Args, returns: list, step: int, signals: StopSignals, path: str) -> Optional[list]:
+    if signals.received:  # the evaluation's returns, or None after a stop signal, which the line says
         return print(f"stopped during the evaluation ({signal.Signals(signals.received[0]).name}); the trained model "
                      f"is in {path}", flush=True)
-    writer.add_scalar("eval/episodic_return", float(np.mean(returns)), global_step)
+    writer.add_scalar("eval/episodic_return", float(np.mean(returns)), step)
     print(f"eval: {len(returns)} episodes{' (deterministic)' if args.eval_deterministic else ''}, return "
           f"{np.mean(returns):.2f} ± {np.std(returns):.2f}")
     return returns
@@ -979,11 +928,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: 
                 st["step"] = st["step"].to(p.device if on_param else "cpu", torch.float32, copy=True)
 
 
-# --- this script's checkpoint, load_policy ----------------------------------------------------------------
 def save_state(run_dir: str, args: Args, agent: Agent, optimizer, norm: Normalizer, kl_penalty, iteration: int,
-               global_step: int, rollout: tuple, rank: int, world: int) -> str:
-    """Every rank's RNG and episodes in flight (rollout: envs, next obs and done, episode counters) gathered, rank 0
-    writes (networks and statistics are alike on all ranks); --stop-after is not kept. Returns the path."""
+               global_step: int, rollout: tuple, rank: int, world: int) -> str:  # every rank's RNG and episodes
     envs, next_obs, next_done, episodes = rollout
     mine = dict(envs=env_state(envs), next_obs=next_obs.cpu(), next_done=torch.tensor(next_done),
                 ep_return=torch.tensor(episodes["return"]), ep_length=torch.tensor(episodes["length"]),
@@ -999,29 +945,28 @@ def save_state(run_dir: str, args: Args, agent: Agent, optimizer, norm: Normaliz
     return path
 
 
-def check_resume(ckpt: dict, args: Args, world: int) -> None:
-    """The checkpoint's env, processes, rollout (its iteration count, lr schedule) and normalisation switches (the
-    network's inputs) are this run's."""
-    if ckpt["env_id"] != args.env_id:
-        raise Failure(f"{args.resume} was trained on {ckpt['env_id']}, not {args.env_id}")
-    if ckpt["world_size"] != world:  # iterations, seeds and envs are per process
-        raise Failure(f"{args.resume} was written by {ckpt['world_size']} process(es); resume it with as many")
-    for name in ("num_envs", "num_steps", "norm_obs", "norm_reward"):
-        if ckpt["args"][name] != getattr(args, name):
-            raise Failure(f"{args.resume} was written with --{name.replace('_', '-')} {ckpt['args'][name]}, which "
-                          "cannot change on --resume")
+def check_resume(ckpt: dict, args: Args, world: int) -> None:  # env, processes, rollout, normalisation switches
+    need(ckpt["env_id"] == args.env_id, f"{args.resume} was trained on {ckpt['env_id']}, not {args.env_id}")
+    need(ckpt["world_size"] == world, f"{args.resume} was written by {ckpt['world_size']} process(es); resume it with "
+         f"as many: {launcher(ckpt['world_size'])} --resume {args.resume}")  # iterations, seeds, envs are per process
+    for name in ("num_envs", "num_steps", "norm_obs", "norm_reward"):  # the iteration count, lr schedule, inputs
+        need(ckpt["args"][name] == getattr(args, name), f"{args.resume} was written with "
+             f"--{name.replace('_', '-')} {ckpt['args'][name]}, which cannot change on --resume")
+
+
+def need(ok: bool, message: str) -> None:  # bad input: one line, exit 2
+    if not ok:
+        raise Failure(message)
 
 
 def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
-    """A trained policy for your own code: `policy = load_policy("runs/<run>/checkpoint.pt")`, then `policy(obs)` for
-    one raw observation of its env or a batch of them; the saved statistics normalise (frozen), actions are clipped
-    to the action space. Not a checkpoint of this script: Failure; an observation of another shape: ValueError."""
+    """`policy = load_policy("runs/<run>/checkpoint.pt")`: `policy(obs)` is the clipped action for one raw observation
+    of the checkpoint's env or a batch of them, normalised with the saved statistics (Failure: not a checkpoint)."""
     import gymnasium as gym
 
     ckpt = load_checkpoint(path)
-    probe = gym.make(ckpt["env_id"])
-    obs_dim, low, high = probe.observation_space.shape[0], probe.action_space.low, probe.action_space.high
-    probe.close()
+    with contextlib.closing(gym.make(ckpt["env_id"])) as probe:
+        obs_dim, low, high = probe.observation_space.shape[0], probe.action_space.low, probe.action_space.high
     agent = Agent(obs_dim, low.shape[0]).to(device)
     agent.load_state_dict(ckpt["model"])
     obs_rms = RunningMeanStd((obs_dim,))
@@ -1084,12 +1029,7 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED] with --res
     return args
 
 
-def validate(args: Args) -> None:
-    """Bad values: one line, exit 2, before anything is written."""
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            raise Failure(message)
-
+def validate(args: Args) -> None:  # bad values: one line, exit 2, before anything is written
     for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "torch_threads",
                  "learning_rate", "clip_coef", "max_grad_norm", "obs_clip", "reward_clip", "target_kl",
                  "kl_penalty_target"):  # (nan fails these too)
@@ -1116,8 +1056,7 @@ def validate(args: Args) -> None:
     check_env(args.env_id)
 
 
-def check_env(env_id: str) -> None:
-    """An env id that makes an env with flat Box action and observation spaces."""
+def check_env(env_id: str) -> None:  # an env id that makes an env with flat Box action and observation spaces
     import gymnasium as gym
 
     try:
@@ -1126,9 +1065,9 @@ def check_env(env_id: str) -> None:
     except Exception as e:  # an unknown id, a missing optional dependency of the env, ...
         raise Failure(f"unknown or unusable env id {env_id!r}: {type(e).__name__}: {first_line(e)}") from None
     for what, space in spaces.items():  # (N, dim) batches, actions clipped to the bounds
-        if not isinstance(space, gym.spaces.Box) or len(space.shape) != 1:
-            raise Failure(f"{env_id} has a {space} {what} space; {SCRIPT} needs a flat Box"
-                          + (" (ppo.py takes discrete actions)" if isinstance(space, gym.spaces.Discrete) else ""))
+        discrete = " (ppo.py takes discrete actions)" if isinstance(space, gym.spaces.Discrete) else ""
+        need(isinstance(space, gym.spaces.Box) and len(space.shape) == 1,
+             f"{env_id} has a {space} {what} space; {SCRIPT} needs a flat Box{discrete}")
 
 
 # --- the one error boundary -------------------------------------------------------------------------------

@@ -484,6 +484,12 @@ def test_a_checkpoint_of_another_rollout_or_normalisation_is_one_line_exit_2(hop
     assert open(hopper_checkpoint, "rb").read() == before
 
 
+def test_a_checkpoint_of_another_process_count_is_refused_with_the_command_that_resumes_it(hopper_checkpoint):
+    ckpt = torch.load(hopper_checkpoint, weights_only=True)
+    with pytest.raises(pc.Failure, match=r"written by 1 process\(es\); resume it with as many: python ppo_continuous"):
+        pc.check_resume(ckpt, pc.parse_args(["--resume", hopper_checkpoint]), world=2)
+
+
 def read_scalars(run_dir, tag):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
