@@ -57,8 +57,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 @dataclass
 class Args:
     # Rollout: prompts, responses per prompt, sampling (verl actor_rollout_ref.rollout, ROLL, RLinf rollout)
-    num_iterations: Count = 150
-    """PPO iterations (rollout + update)"""
+    num_iterations: Count = 150  # PPO iterations (rollout + update)
     rollout_batch_size: Annotated[Count, alias("--train-batch-size", "--data.train-batch-size")] = 32
     """prompts per iteration (verl data.train_batch_size, ROLL rollout_batch_size)"""
     n: Annotated[Count, alias("--group-size", "--num-return-sequences-in-group", "--num-generations")] = 4
@@ -67,12 +66,9 @@ class Args:
     """maximum prompt tokens (longer dataset prompts are dropped and counted); a batch is padded to its longest"""
     response_length: Annotated[Count, alias("--max-response-length", "--max-completion-length")] = 8
     """maximum response tokens (8: the built-in task's five digits + EOS; a real task needs its own, e.g. 512)"""
-    temperature: float = 1.0
-    """sampling temperature; log-probs for training are computed with the same temperature"""
-    top_p: float = 1.0
-    """nucleus sampling threshold (1: off)"""
-    top_k: Count = 0
-    """sample among the k most likely tokens (0: off)"""
+    temperature: float = 1.0  # sampling temperature; log-probs for training are computed with the same temperature
+    top_p: float = 1.0  # nucleus sampling threshold (1: off)
+    top_k: Count = 0  # sample among the k most likely tokens (0: off)
     rollout_micro_batch_size: Optional[Count] = None
     """generate at most this many responses at a time (RLinf; memory only; None: the whole batch at once)"""
     logprob_forward_micro_batch_size: Annotated[Optional[Count], alias("--log-prob-micro-batch-size-per-gpu")] = None
@@ -86,29 +82,22 @@ class Args:
     """weights of the --reward-fn functions in their sum (TRL reward_weights; None: 1 each)"""
     reward_norm: Literal["none", "batch", "group", "running", "null"] = "none"
     """normalise scores over the batch, the prompt's group, or running statistics (ROLL; null: none)"""
-    reward_shift: bool = False
-    """reward_norm subtracts the mean (given alone: without dividing by the std)"""
-    reward_scale: bool = False
-    """reward_norm divides by the std (given alone: without subtracting the mean)"""
+    reward_shift: bool = False  # reward_norm subtracts the mean (given alone: without dividing by the std)
+    reward_scale: bool = False  # reward_norm divides by the std (given alone: without subtracting the mean)
     reward_clip: Optional[float] = None
     """clip scores to [-c, c] after normalisation, and token rewards after the KL penalty (ROLL)"""
-    missing_eos_penalty: float = 0.0
-    """subtracted from the score of a response that hits response_length without EOS"""
+    missing_eos_penalty: float = 0.0  # subtracted from the score of a response that hits response_length without EOS
 
     # Advantages (verl algorithm.adv_estimator, ROLL adv_estimator, RLinf adv_type)
     adv_estimator: Annotated[Literal["gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus",
                                      "reinforce_plus_plus_baseline"], alias("--adv-type")] = "gae"
     """advantage estimator"""
-    gamma: float = 1.0
-    """discount factor over response tokens"""
-    lam: Annotated[float, alias("--lambd", "--gae-lambda")] = 1.0
-    """GAE lambda"""
-    norm_adv_by_std_in_grpo: bool = True
-    """grpo: divide by the group's std (off: Dr. GRPO)"""
+    gamma: float = 1.0  # discount factor over response tokens
+    lam: Annotated[float, alias("--lambd", "--gae-lambda")] = 1.0  # GAE lambda
+    norm_adv_by_std_in_grpo: bool = True  # grpo: divide by the group's std (off: Dr. GRPO)
     whiten_advantages: Annotated[bool, alias("--normalize-advantages")] = True
     """whiten (A - mean)/std over the batch's response tokens (gae, reinforce; grpo/rloo only when given, as ROLL)"""
-    advantage_clip: Optional[float] = None
-    """clip advantages to [-c, c]"""
+    advantage_clip: Optional[float] = None  # clip advantages to [-c, c]
 
     # KL to the reference policy: a penalty in the reward (fixed or adaptive coefficient) and / or a loss
     use_kl_in_reward: Annotated[bool, alias("--add-token-level-kl")] = True
@@ -121,12 +110,9 @@ class Args:
     """(initial) in-reward KL coefficient (verl kl_ctrl.kl_coef)"""
     target_kl: Annotated[Optional[float], alias("--kl-ctrl.target-kl")] = 0.1
     """adaptive controller's target sequence KL; a number given alone selects adaptive, None (ROLL's ~) fixed"""
-    kl_horizon: Annotated[Count, alias("--kl-ctrl.horizon")] = 10000
-    """adaptive controller: horizon in samples"""
-    use_kl_loss: bool = False
-    """add kl_loss_coef * kl(logp, ref_logp) to the actor loss (GRPO style)"""
-    kl_loss_coef: float = 0.001
-    """coefficient of the KL loss"""
+    kl_horizon: Annotated[Count, alias("--kl-ctrl.horizon")] = 10000  # adaptive controller: horizon in samples
+    use_kl_loss: bool = False  # add kl_loss_coef * kl(logp, ref_logp) to the actor loss (GRPO style)
+    kl_loss_coef: float = 0.001  # coefficient of the KL loss
     kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl", "full", "k1", "k2", "k3", "k1+", "k2+", "k3+"] = \
         "low_var_kl"
     """KL estimator of the KL loss (k3+: the value of k3 with the gradient of k2, whose expected gradient is KL's)"""
@@ -134,19 +120,14 @@ class Args:
     # Policy loss (verl compute_policy_loss, agg_loss)
     clip_ratio: Annotated[Optional[float], alias("--pg-clip", "--epsilon", "--cliprange")] = None
     """sets clip_ratio_low and clip_ratio_high where those are not given (verl clip_ratio, ROLL pg_clip)"""
-    clip_ratio_low: float = 0.2
-    """ratio lower clip: 1 - clip_ratio_low"""
-    clip_ratio_high: Annotated[float, alias("--epsilon-high")] = 0.2
-    """ratio upper clip: 1 + clip_ratio_high"""
-    dual_clip_loss: bool = True
-    """dual-clip PPO: for A < 0 the loss is at most -A * clip_ratio_c"""
-    clip_ratio_c: float = 3.0
-    """dual-clip bound (> 1)"""
+    clip_ratio_low: float = 0.2  # ratio lower clip: 1 - clip_ratio_low
+    clip_ratio_high: Annotated[float, alias("--epsilon-high")] = 0.2  # ratio upper clip: 1 + clip_ratio_high
+    dual_clip_loss: bool = True  # dual-clip PPO: for A < 0 the loss is at most -A * clip_ratio_c
+    clip_ratio_c: float = 3.0  # dual-clip bound (> 1)
     loss_agg_mode: Annotated[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                      "seq-mean-token-sum-norm"], alias("--loss-agg-func")] = "token-mean"
     """how token losses become one number (verl agg_loss)"""
-    entropy_coeff: Annotated[float, alias("--entropy-bonus")] = 0.0
-    """entropy bonus coefficient"""
+    entropy_coeff: Annotated[float, alias("--entropy-bonus")] = 0.0  # entropy bonus coefficient
 
     # Value model and value loss (verl critic, verl compute_value_loss, RLinf critic.use_critic_model / loss_type)
     critic: Literal["separate", "shared", "none"] = "separate"
@@ -157,22 +138,18 @@ class Args:
     """RLinf loss_type: actor_critic = --critic shared (one loss, one backward), actor = --critic separate"""
     value_clip: Annotated[Optional[float], alias("--cliprange-value")] = 0.5
     """clip the new value to old value +- value_clip (verl cliprange_value; None: off)"""
-    huber_delta: Optional[float] = None
-    """Huber loss with this delta instead of 0.5 * squared error (RLinf)"""
+    huber_delta: Optional[float] = None  # Huber loss with this delta instead of 0.5 * squared error (RLinf)
     vf_coef: float = 0.5
     """value loss coefficient of --critic shared (one loss on one trunk); a separate critic's loss is its own"""
     critic_loss_agg_mode: Annotated[Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                                      "seq-mean-token-sum-norm"]],
                                     alias("--critic.loss-agg-mode")] = None
     """how the value loss's token losses become one number (verl critic.loss_agg_mode; None: --loss-agg-mode)"""
-    critic_warmup: Count = 0
-    """first N iterations update only the critic"""
+    critic_warmup: Count = 0  # first N iterations update only the critic
 
     # Optimisation: epochs, minibatches of prompt groups, micro-batch accumulation, AdamW
-    ppo_epochs: Annotated[Count, alias("--num-ppo-epochs")] = 1
-    """epochs over each rollout"""
-    ppo_mini_batch_size: Count = 8
-    """prompts per minibatch (each brings its n responses), as in verl"""
+    ppo_epochs: Annotated[Count, alias("--num-ppo-epochs")] = 1  # epochs over each rollout
+    ppo_mini_batch_size: Count = 8  # prompts per minibatch (each brings its n responses), as in verl
     micro_batch_size: Annotated[Count, alias("--ppo-micro-batch-size-per-gpu")] = 16
     """responses per forward/backward, accumulated; unless given, the largest size <= 16 that divides a minibatch"""
     lr: Annotated[float, alias("--learning-rate")] = 5e-5
@@ -181,20 +158,16 @@ class Args:
     """critic learning rate (AdamW; value head of the shared critic too; the built-in 2M model's, verl's is 1e-5)"""
     lr_warmup_steps: Annotated[Count, alias("--warmup-steps")] = 5
     """linear learning-rate warm-up over this many optimizer steps"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: Annotated[float, alias("--grad-clip")] = 1.0
-    """gradient norm clip of actor and critic"""
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: Annotated[float, alias("--grad-clip")] = 1.0  # gradient norm clip of actor and critic
 
     # Task and models: policy, reward model, data, supervised warm start
     model_name_or_path: Optional[str] = None
     """local Hugging Face causal LM + tokenizer directory (None: a tiny Llama built here)"""
     tiny_hidden_size: Count = 256
     """hidden size of the tiny Llama built without --model-name-or-path (4 attention heads, MLP 2x wider)"""
-    tiny_num_layers: Count = 3
-    """decoder layers of the tiny Llama built without --model-name-or-path"""
-    trust_remote_code: bool = False
-    """allow custom model code from --model-name-or-path / --reward-model-path"""
+    tiny_num_layers: Count = 3  # decoder layers of the tiny Llama built without --model-name-or-path
+    trust_remote_code: bool = False  # allow custom model code from --model-name-or-path / --reward-model-path
     reward_model_path: Optional[str] = None
     """local sequence-classification reward model, num_labels=1; with --reward-fn the score is their sum (as TRL)"""
     dataset: Annotated[Optional[str], alias("--train-files", "--data.train-files")] = None
@@ -209,64 +182,50 @@ class Args:
     """each prompt as a user turn in the tokenizer's chat template (instruct models); off: plain text (+ BOS)"""
     lora_rank: Annotated[Count, alias("--lora-r")] = 0
     """LoRA adapters of this rank on the policy (peft; 0: none). A warm start (--sft-steps) trains every parameter"""
-    lora_alpha: float = 16.0
-    """LoRA scaling alpha (the update is alpha / rank * B A)"""
+    lora_alpha: float = 16.0  # LoRA scaling alpha (the update is alpha / rank * B A)
     lora_target_modules: Annotated[str, alias("--target-modules")] = "all-linear"
     """modules that get adapters: all-linear (every linear layer but the output) or names, comma-separated"""
     critic_lora: bool = False
     """--critic separate: LoRA adapters (and its value head in full) on the critic too (off: a full model)"""
     sft_steps: Optional[Count] = None
     """supervised warm-start steps on the answers (None: 60 on the built-in task, 0 on a user's model or dataset)"""
-    sft_lr: float = 2.5e-4
-    """warm-start learning rate (the default 2M model learns worse, not faster, from 1e-3 and up)"""
-    sft_batch_size: Count = 64
-    """warm-start batch size"""
+    sft_lr: float = 2.5e-4  # warm-start learning rate (the default 2M model learns worse, not faster, from 1e-3 and up)
+    sft_batch_size: Count = 64  # warm-start batch size
 
     # Evaluation
-    eval_prompts: Count = 256
-    """held-out prompts scored greedily and sampled (0: off)"""
+    eval_prompts: Count = 256  # held-out prompts scored greedily and sampled (0: off)
     eval_every: Count = 15
     """evaluate every N iterations and after the last one (and before the first, unless the run is resumed)"""
     eval_n: Count = 0
     """also sample n responses per held-out prompt at --eval-temperature: eval/pass@1 and eval/pass@k (0: off)"""
-    eval_temperature: float = 1.0
-    """sampling temperature of the --eval-n samples (top-p / top-k as the rollout's)"""
+    eval_temperature: float = 1.0  # sampling temperature of the --eval-n samples (top-p / top-k as the rollout's)
 
     # Run: seed, device and precision, speed paths, logging, checkpoints
-    exp_name: str = "ppo_llm"
-    """name of this experiment (part of the run name)"""
-    seed: Count = 1
-    """seed of the experiment (python and torch: tasks, sampling, shuffling, initialisation)"""
-    torch_deterministic: bool = True
-    """deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only)"""
+    exp_name: str = "ppo_llm"  # name of this experiment (part of the run name)
+    seed: Count = 1  # seed of the experiment (python and torch: tasks, sampling, shuffling, initialisation)
+    torch_deterministic: bool = True  # deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only)
     cuda: bool = dataclasses.field(default_factory=lambda: gpu_for_each_process())
     """run on CUDA (bf16 autocast unless --precision fp32): the default where torch sees a GPU for each local process"""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """bf16 autocast with fp32 master weights, or fp32 throughout; auto: bf16 with --cuda, fp32 on the CPU"""
-    compile: bool = False
-    """torch.compile the forward of policy and critic"""
+    compile: bool = False  # torch.compile the forward of policy and critic
     strategy: Literal["fsdp2", "ddp"] = "fsdp2"
     """under torchrun: shard policy, reference and critic with FSDP2 (fully_shard), or replicate them with DDP"""
     gradient_checkpointing: Annotated[bool, alias("--enable-gradient-checkpointing")] = False
     """recompute activations in the backward pass (large models)"""
     torch_threads: Count = 2
     """torch CPU threads (2 suits the default 2M model; 1 is faster for models of a few 100k parameters)"""
-    track: bool = False
-    """log to Weights & Biases (WANDB_MODE=offline works without network)"""
-    wandb_project_name: str = "ppo-reference"
-    """wandb project name"""
-    wandb_entity: Optional[str] = None
-    """wandb entity (team)"""
+    track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works without network)
+    wandb_project_name: str = "ppo-reference"  # wandb project name
+    wandb_entity: Optional[str] = None  # wandb entity (team)
     save_model: bool = True
     """write checkpoint.pt and the save_pretrained dirs checkpoint-<iteration>/{policy,critic}/, ref/ at the end"""
-    checkpoint_every: Count = 0
-    """also write the checkpoint every N iterations (0: only at the end with --save-model)"""
+    checkpoint_every: Count = 0  # also write the checkpoint every N iterations (0: only at the end with --save-model)
     resume: Optional[str] = None
     """continue from this checkpoint.pt; flags not given on the command line take the checkpoint's values"""
     stop_after: Count = 0
     """stop this process after N iterations with a checkpoint (0: run to the end); --resume continues"""
-    runs_dir: str = "runs"
-    """directory that holds the runs"""
+    runs_dir: str = "runs"  # directory that holds the runs
 
 
 # --- Task and tokenizer: synthetic digit sorting or a JSONL dataset, prompts as token ids ----------------------------
@@ -1732,12 +1691,11 @@ def stopping(message: str, last_checkpoint: Optional[str]) -> Failure:  # the ru
 
 
 # --- torchrun, signals, the run directory, TensorBoard and the progress line -------------------------------------
-def gpu_for_each_process() -> bool:  # --cuda's default: a GPU for each process on this machine (else the CPU)
+def gpu_for_each_process() -> bool:  # --cuda's default
     return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
-    """Rank, world size and device; a process group under torchrun (gloo, or NCCL with one GPU per rank)."""
+def setup_distributed(args: Args) -> tuple[int, int, torch.device]:  # a process group under torchrun (gloo / NCCL)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # (a bar per from_pretrained / save_pretrained buries the progress line)
@@ -1912,9 +1870,7 @@ def close_run(writer, args: Args, world: int) -> None:  # the events flushed; no
 
 
 # --- Checkpoints: save_pretrained for policy, reference and critic + trainer state in checkpoint.pt; exact resume ---
-def full_state(state):
-    """A state dict (nested) with FSDP2's sharded DTensors gathered into full CPU tensors: a collective under FSDP2,
-    every rank calls it in the same order."""
+def full_state(state):  # FSDP2's sharded DTensors gathered into full CPU tensors (a collective: every rank calls it)
     from torch.distributed.tensor import DTensor
 
     if isinstance(state, dict):
@@ -2046,8 +2002,8 @@ def first_line(e: BaseException) -> str:  # [SHARED]
 
 def restore_trainer_state(ckpt: dict, args: Args, optimizers, schedulers, gen, gen_dev, kl_ctrl, running, rank: int,
                           world: int):
-    """Optimizers and schedulers (--lr, --critic-lr, --weight-decay as given now, at the saved warm-up position),
-    generators, KL coefficient, running reward statistics. Returns (next iteration, global step, tracker)."""
+    """(next iteration, global step, tracker), and optimizers, schedulers (--lr, --critic-lr, --weight-decay as given
+    now, at the saved warm-up position), generators, KL coefficient, running reward statistics as saved."""
     if ckpt is None:
         return 1, 0, {"curve": []}
     with checkpoint_fits(args.resume):
@@ -2128,8 +2084,7 @@ def evaluate(policy, tok, rows: list[dict], args: Args, rule, stops, gen, device
 
 
 def evaluate_and_log(policy, tok, rows, args: Args, rule, stops, device, rank: int, world: int, all_done, stop,
-                     writer, iteration: int, step: int, tracker: dict, last_checkpoint) -> bool:
-    """evaluate, its accuracies logged, printed and kept in tracker["curve"]; True: a signal stopped it."""
+                     writer, iteration: int, step: int, tracker: dict, last_checkpoint) -> bool:  # True: stopped
     if not rows:
         return False
     gen = torch.Generator(device).manual_seed(args.seed + 1 + rank)
@@ -2147,16 +2102,14 @@ def evaluate_and_log(policy, tok, rows, args: Args, rule, stops, device, rank: i
 
 
 # --- Reward functions: --reward-fn FILE.py:NAME, imported once -----------------------------------------------------
-def load_reward_fn(spec: Optional[str], weights: Optional[list[float]] = None):
-    """--reward-fn's functions, several (comma-separated) as their weighted sum (weighted_sum; weights: 1 each)."""
+def load_reward_fn(spec: Optional[str], weights: Optional[list[float]] = None):  # several: their weighted sum
     specs = (spec or "exact").split(",")  # (as many weights: validate)
     return weighted_sum([load_one_reward_fn(s.strip()) for s in specs], weights or [1.0] * len(specs))
 
 
 def load_one_reward_fn(spec: Optional[str]):
-    """The rule of --reward-fn: exact (the default), math, or the function NAME(prompt, response, answer) -> float of
-    FILE.py (verl's custom_reward_function.path / .name, TRL's reward_funcs). A file that does not import or has no
-    such function is one line, exit 2 (main asks before anything is written)."""
+    """exact (the default), math, or NAME(prompt, response, answer, **columns) -> float of FILE.py (verl's
+    custom_reward_function.path / .name, TRL's reward_funcs)."""
     spec = spec or "exact"
     if spec in REWARD_RULES:
         return REWARD_RULES[spec]
@@ -2179,9 +2132,8 @@ DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # ext
 
 
 def read_rows(path: str, flag: str) -> list[dict]:
-    """Every row of a local data file, read by Hugging Face datasets (offline; its cache in a
-    temporary directory, removed: nothing is left in ~/.cache). A UTF-8 byte-order mark is allowed; a file it cannot
-    read is one line, exit 2."""
+    """Every row of a local data file through Hugging Face datasets, offline, its cache removed (nothing is left in
+    ~/.cache); a UTF-8 byte-order mark is allowed."""
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
         os.environ.setdefault(var, "1")
     import datasets
@@ -2205,10 +2157,8 @@ def read_rows(path: str, flag: str) -> list[dict]:
 
 def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: str = "--dataset",
                  prompt_key: str = "prompt", answer_key: str = "answer") -> list[dict]:
-    """Rows {"prompt", "answer"} of a data file: the prompt (text, or a list of chat messages {"role", "content"}
-    for the tokenizer's chat template) from column prompt_key, the answer (as text: answer_text; None where missing)
-    from answer_key, a dotted path reaching into nested columns (reward_model.ground_truth). Prompts longer than
-    prompt_length tokens are dropped with a note."""
+    """Rows {"prompt" (text or chat messages), "answer" (text or None), "columns" (the others)}; a key may be a dotted
+    path into nested columns (reward_model.ground_truth). Prompts longer than prompt_length are dropped with a note."""
     def column(row, key):
         if key in row:
             return row[key]
@@ -2251,23 +2201,20 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
     return kept
 
 
-def column_names(row: dict, prefix: str = "") -> list[str]:
-    """A row's columns, nested ones by their dotted path (reward_model.ground_truth), as --answer-key reaches them."""
+def column_names(row: dict, prefix: str = "") -> list[str]:  # nested ones by their dotted path, as keys reach them
     return [name for key, value in row.items() for name in (column_names(value, f"{prefix}{key}.")
                                                             if isinstance(value, dict) and value else [prefix + key])]
 
 
 def answer_text(value) -> Optional[str]:
-    """An answer as text: text as the file has it; a number as the file writes it, but for floats that are whole
-    numbers, written as integers (datasets reads the 72 of a JSON column that also holds 2.5 as 72.0); None as None."""
+    """Text as it is; a number as text, whole floats as integers (datasets reads 72 in a column with 2.5 as 72.0)."""
     if value is None or isinstance(value, str):
         return value
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
 # --- Local models: loaded, with the checks that turn a model that cannot work here into one line (exit 2) ----------
-def load_pretrained(what: str, path: str, from_pretrained, trust_remote_code: bool, **kwargs):
-    """from_pretrained(path): a model or tokenizer directory that does not load is one line saying why, exit 2."""
+def load_pretrained(what: str, path: str, from_pretrained, trust_remote_code: bool, **kwargs):  # or one line
     try:
         return from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     except Exception as e:  # noqa: BLE001 - any loader failure is bad input here
@@ -2287,9 +2234,8 @@ def load_tokenizer(path: str, trust_remote_code: bool):
 
 
 def check_positions(model, length: int, source: str) -> None:
-    """A model with learned absolute position embeddings (GPT-2, OPT, ...) has no position past its table, so a
-    prompt plus response longer than it would fail deep inside a forward: exit 2 with the sizes. A rotary or ALiBi
-    model runs past max_position_embeddings (on positions it was not trained on): a note."""
+    """Learned absolute positions (GPT-2, OPT, ...) end at their table: a longer prompt + response is one line, exit 2.
+    A rotary or ALiBi model runs past max_position_embeddings (untrained positions): a note."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if not isinstance(limit, int) or length <= limit:
         return
@@ -2303,9 +2249,8 @@ def check_positions(model, length: int, source: str) -> None:
 
 
 def check_models(args: Args, policy, ckpt: Optional[dict]) -> None:
-    """Before anything is written, and before the warm start: what build_critic and reference_policy will make of
-    the policy, made now of skeletons on the meta device (no memory, no weights): a separate critic of its class, and
-    LoRA adapters, new on --lora-target-modules or the checkpoint's, loaded. What fails is one line, exit 2."""
+    """What build_critic and reference_policy will make of the policy, built now on the meta device (no memory), so
+    that what fails does so before anything is written: a separate critic of its class, LoRA adapters (new or saved)."""
     check_lora_targets(args, policy)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*non-meta parameter")  # (saved adapter weights go nowhere here)
@@ -2316,8 +2261,7 @@ def check_models(args: Args, policy, ckpt: Optional[dict]) -> None:
             with_lora(critic, args, "TOKEN_CLS", saved_model_dir(args, ckpt, "critic"))
 
 
-def check_lora_targets(args: Args, model) -> None:
-    """Before anything is written: each name of --lora-target-modules ends the name of one of the model's modules."""
+def check_lora_targets(args: Args, model) -> None:  # each name of --lora-target-modules ends a module's name
     targets = lora_targets(args)
     if not args.lora_rank or targets == "all-linear":
         return
@@ -2330,9 +2274,8 @@ def check_lora_targets(args: Args, model) -> None:
 
 
 def load_reward_model(args: Args, tok, device):
-    """--reward-model-path, checked before anything is written: a trained score head in its weights (Hugging Face
-    gives a causal LM a random one), num_labels 1, embeddings for every token of the tokenizer it reads (its own,
-    else the policy's), positions for prompt + response. Returns (model, tokenizer); (None, None) without it."""
+    """(model, tokenizer) of --reward-model-path, checked: a trained score head (Hugging Face gives a causal LM a random
+    one), num_labels 1, embeddings for its tokenizer's tokens (its own, else the policy's), positions for the text."""
     if args.reward_model_path is None:
         return None, None
     from transformers import AutoModelForSequenceClassification
@@ -2381,13 +2324,11 @@ Count = Annotated[int, tyro.constructors.PrimitiveConstructorSpec(
     is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)])]
 
 
-def alias(*names: str):
-    """Other spellings of a flag: the option names of the verl / ROLL / RLinf docs (README: option mapping)."""
+def alias(*names: str):  # other spellings of a flag: the option names of the verl / ROLL / RLinf / TRL docs
     return tyro.conf.arg(aliases=names)
 
 
-def given_fields(argv: list[str]) -> set[str]:
-    """The Args fields set on this command line, under any spelling (--name, an alias, --no-name, --a_b)."""
+def given_fields(argv: list[str]) -> set[str]:  # the Args fields set on it, by any spelling (an alias, --no-x, --a_b)
     hints, spelling = typing.get_type_hints(Args, include_extras=True), {}
     for f in dataclasses.fields(Args):
         metadata = getattr(hints[f.name], "__metadata__", ())
