@@ -245,9 +245,8 @@ def build_char_tokenizer():
 
 def make_problems(count: int, gen: torch.Generator, exclude=frozenset(), distinct: bool = False,
                   fits=None) -> list[dict]:
-    """Sort five digits: prompt "31415=", answer "11345". A prompt in `exclude` (the held-out set, for training rows)
-    is drawn again, and so is one drawn before when `distinct` (to build the held-out set), and one for which
-    `fits(prompt)` is false (a prompt too long for --prompt-length)."""
+    """Sort five digits: prompt "31415=", answer "11345". A prompt in `exclude`, one drawn before when `distinct`, or
+    one that does not `fits(prompt)` is drawn again."""
     def prompt(digits):
         return "".join(map(str, digits)) + "="
     taken, rows = set(exclude), []
@@ -261,10 +260,8 @@ def make_problems(count: int, gen: torch.Generator, exclude=frozenset(), distinc
 
 
 def prompt_token_ids(tok, prompt, chat: bool = False) -> list[int]:
-    """A prompt's token ids with the tokenizer's own special tokens (BOS where its model expects one; a trailing EOS
-    some tokenizers add is dropped: the response follows). A prompt that is a list of chat messages (verl's data),
-    or any prompt with chat (--apply-chat-template, as one user message), goes through the tokenizer's chat
-    template, ending with the assistant's turn."""
+    """A prompt's ids with the tokenizer's special tokens (BOS where its model wants one; a trailing EOS dropped). Chat
+    messages (verl's data), or any prompt with --apply-chat-template, go through the chat template."""
     if chat or not isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -274,14 +271,14 @@ def prompt_token_ids(tok, prompt, chat: bool = False) -> list[int]:
 
 
 def encode_batch(tok, rows: list[dict], prompt_length: int, chat: bool = False):
-    """Prompts left-padded to the longest of these rows (at most prompt_length tokens: load_dataset drops longer
-    ones, as verl's filter_overlong_prompts; the last prompt_length tokens are kept otherwise)."""
+    """Prompts left-padded to the longest of these rows (longer than prompt_length: its last tokens; load_dataset drops
+    them first, as verl's filter_overlong_prompts)."""
     return left_pad([prompt_token_ids(tok, r["prompt"], chat)[-prompt_length:] for r in rows], tok.pad_token_id)
 
 
 def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
-    """(sample_rows(k): k training rows drawn with gen, held-out rows with answers (a whole share for every rank),
-    whether every training row has an answer): --dataset / --eval-dataset, or the synthetic task."""
+    """(sample_rows(k), held-out rows with answers (a whole share per rank), whether every training row has an answer):
+    --dataset / --eval-dataset, or the synthetic task."""
     def n_tokens(prompt):
         return len(prompt_token_ids(tok, prompt, args.apply_chat_template))
     keys = {"prompt_key": args.prompt_key, "answer_key": args.answer_key}
@@ -346,9 +343,8 @@ def build_tiny_model(tok, seed: int, hidden_size: int, num_layers: int, max_posi
 
 
 def stop_token_ids(tok, model) -> list[int]:
-    """The ids that end a response, as Hugging Face's generate stops: the tokenizer's EOS and those of the model's
-    generation config (a chat model's end of turn, e.g. Qwen2.5's <|im_end|> beside the tokenizer's <|endoftext|>,
-    or Llama 3 Instruct's <|eot_id|>). The tokenizer's EOS comes first."""
+    """The ids that end a response, as Hugging Face's generate stops: the tokenizer's EOS first, then those of the
+    model's generation config (a chat model's end of turn: Qwen2.5's <|im_end|>, Llama 3 Instruct's <|eot_id|>)."""
     ids = [tok.eos_token_id]
     extra = getattr(getattr(getattr(model, "module", model), "generation_config", None), "eos_token_id", None)
     for i in [extra] if isinstance(extra, int) else list(extra or []):
@@ -370,9 +366,8 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 
 
 def build_policy(args: Args, ckpt: Optional[dict], device):
-    """Tokenizer, policy, its stop tokens and (on resume) the frozen reference: from the checkpoint's directories,
-    --model-name-or-path, or the tiny Llama built here. With --lora-rank the policy is the base model alone (the
-    reference; on resume the checkpoint's ref/), its adapters come in reference_policy."""
+    """Tokenizer, policy, stop tokens and (on resume) the frozen reference: the checkpoint's, --model-name-or-path's
+    or the tiny Llama's. With --lora-rank the policy is the base model; its adapters come in reference_policy."""
     from transformers import AutoModelForCausalLM
 
     def causal_lm(path):
@@ -432,8 +427,7 @@ def make_critic(policy):
 
 
 def build_critic(args: Args, policy, ckpt: Optional[dict], device):
-    """The value model: a separate critic (its own trunk), or a value head on the policy's trunk (shared); on resume
-    the checkpoint's. Returns (critic, value_head), None where the choice has none."""
+    """(critic, value_head): a separate critic (its own trunk) or a value head on the policy's trunk."""
     from transformers import AutoModelForTokenClassification
 
     critic, value_head, saved = None, None, saved_model_dir(args, ckpt, "critic")
@@ -453,16 +447,13 @@ def build_critic(args: Args, policy, ckpt: Optional[dict], device):
     return critic, value_head
 
 
-def kl_reads_reference(args: Args) -> bool:
-    """Whether a KL term (in the reward, or as a loss) reads the reference policy: without one it is not built."""
+def kl_reads_reference(args: Args) -> bool:  # whether a KL term reads the reference (else it is not built)
     return args.use_kl_in_reward or args.use_kl_loss
 
 
 def reference_policy(args: Args, policy, ref, ckpt: Optional[dict], device):
-    """(policy, frozen reference or None where no KL term reads it). Without --lora-rank: the reference is a copy of
-    the policy as PPO starts (on resume the checkpoint's ref/). With it: LoRA adapters go on the policy (new, or the
-    checkpoint's) and the reference is the policy with them off (AdaptersOff). Frozen weights (the reference, the
-    LoRA base) are stored in bf16 in a bf16 run."""
+    """(policy, frozen reference, None where no KL term reads it): a copy of the policy as PPO starts (on resume ref/);
+    with --lora-rank the policy gets its adapters and the reference is it with them off (AdaptersOff)."""
     if not args.lora_rank:
         if not kl_reads_reference(args):
             return policy, None
@@ -476,8 +467,7 @@ def reference_policy(args: Args, policy, ref, ckpt: Optional[dict], device):
 
 
 def frozen_in_bf16(model, args: Args):
-    """A bf16 run (--precision): the parameters that are not trained (requires_grad False) stored in bf16, as
-    autocast would cast them at every forward; trained ones stay float32 (master weights). fp32 runs: unchanged."""
+    """A bf16 run: the parameters not trained stored in bf16, as autocast would cast them at every forward."""
     if use_bf16(args):
         for p in model.parameters():
             if not p.requires_grad:
@@ -486,8 +476,7 @@ def frozen_in_bf16(model, args: Args):
 
 
 class AdaptersOff(nn.Module):
-    """--lora-rank's reference policy: each forward is the policy's with its LoRA adapters switched off, i.e. its base
-    model. It holds no parameters of its own (the policy is not a submodule): no second copy in memory."""
+    """--lora-rank's reference: the policy's forward with its adapters off; no parameters of its own, no second copy."""
 
     def __init__(self, policy):
         super().__init__()
@@ -499,9 +488,8 @@ class AdaptersOff(nn.Module):
 
 
 def with_lora(model, args: Args, task_type: str, saved: Optional[str] = None):
-    """peft LoRA adapters on model (rank, alpha, target modules; dropout 0): new ones (B = 0, so the model computes
-    what it did), or those saved in the directory `saved`, trainable. A critic (TOKEN_CLS) trains its value head in
-    full (peft's modules_to_save) and keeps it out of the adapters' targets."""
+    """peft LoRA adapters on model (dropout 0): new (B = 0: the model computes what it did) or saved in `saved`. A
+    critic (TOKEN_CLS) trains its value head in full (modules_to_save), outside the adapters' targets."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     head = ["classifier", "score"] if task_type == "TOKEN_CLS" else None
@@ -529,12 +517,10 @@ def lora_targets(args: Args):
 def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id, pad_id: int, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False, all_done=None, bf16: bool = False,
              check_every: Optional[int] = None):
-    """Batched sampling with KV cache; stops when every row has produced EOS (eos_id: one id or a list of stop ids).
-    Returns (B, L) tokens, pad after EOS, L <= max_new_tokens: up to the step where the last row ended. Only the last
-    position's logits are computed (logits_to_keep). Whether all rows are done is asked every check_every tokens (a
-    host sync on a GPU; default 8 there, 1 on the CPU); the steps after the last EOS are cut off. all_done(done) ->
-    bool: whether every rank is done (FSDP2: each forward is a collective, so all ranks take the same number of
-    steps). bf16: under bf16 autocast (--precision)."""
+    """Batched sampling with KV cache (eos_id: one stop id or a list) until every row has stopped: (B, L) tokens, pad
+    after the stop, L <= max_new_tokens. Only the last position's logits are computed. Whether all rows are done is
+    asked every check_every tokens (a host sync on a GPU: 8 there, 1 on the CPU); all_done(done): whether every rank is
+    (FSDP2: each forward is a collective, so all ranks take the same steps). bf16: under bf16 autocast."""
     B, device = prompt_ids.shape[0], prompt_ids.device
     check_every = check_every or (1 if device.type == "cpu" else 8)
     stop_ids = torch.as_tensor(eos_id, device=device)  # (on the device once, not once a token)
@@ -586,9 +572,8 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: 
 
 
 def sample_categorical(probs: torch.Tensor, gen=None) -> torch.Tensor:
-    """One index per row drawn with probability probs (B, V), by inverting the cumulative sum at one uniform number
-    per row: torch.multinomial's distribution without its cost over 10^5 tokens (one random number per row, not per
-    token, on the CPU). A token of probability 0 is never drawn."""
+    """One index per row drawn with probability probs (B, V) by inverting the cumulative sum at one uniform number per
+    row: torch.multinomial's distribution without its cost over 10^5 tokens. A token of probability 0 is never drawn."""
     cdf = probs.double().cumsum(-1)
     u = torch.rand(cdf.shape[:-1] + (1,), generator=gen, device=probs.device, dtype=torch.float64) * cdf[..., -1:]
     last = torch.searchsorted(cdf, cdf[..., -1:].contiguous())  # (the last token of probability > 0)
@@ -607,8 +592,7 @@ def response_mask_from(responses: torch.Tensor, stops) -> torch.Tensor:
 
 
 def decode_responses(tok, responses: torch.Tensor, stops=None) -> list[str]:
-    """Text of each response before its first stop token (default: the tokenizer's EOS). Special tokens sampled
-    inside it (pad, BOS, ...) stay in the text, so that "1<pad>2" is not scored as "12"."""
+    """Text before the first stop token; special tokens inside stay ("1<pad>2" is not scored as "12")."""
     stops = tok.eos_token_id if stops is None else stops
     keep = response_mask_from(responses, stops).bool() & ~is_stop(responses, stops)
     return [tok.decode(r[k].tolist(), skip_special_tokens=False) for r, k in zip(responses, keep)]
@@ -631,10 +615,8 @@ def position_ids_from(mask: torch.Tensor) -> torch.Tensor:
 
 
 def sample_responses(policy, tok, rows: list[dict], args: Args, stops, gen, device, all_done=None, world: int = 1):
-    """The rollout's responses to rows' prompts, generated in chunks of --rollout-micro-batch-size (every rank runs
-    the same number of chunks). Returns responses (B, R) on the CPU and [prompt | response] ids and attention mask
-    (B, Lp + R) on the device: Lp the longest prompt of the batch, R the longest response (of all ranks under
-    torchrun), not the limits. The policy is left in eval mode, for scoring."""
+    """The rollout's responses, in chunks of --rollout-micro-batch-size (as many on every rank): responses (B, R) on
+    the CPU, [prompt | response] ids and mask on the device, padded to the longest prompt and response."""
     policy.eval()
     p_ids, p_mask = encode_batch(tok, rows, args.prompt_length, args.apply_chat_template)
     size = args.rollout_micro_batch_size or p_ids.shape[0]
@@ -650,10 +632,9 @@ def sample_responses(policy, tok, rows: list[dict], args: Args, stops, gen, devi
 
 def model_forward(model, input_ids, attention_mask, resp_len: int, temperature: float, shared_value_head=None,
                   full: bool = False, entropy: bool = False, entropy_grad: bool = False):
-    """One forward over [prompt | response]: per response token the log-prob (logits / temperature), optionally
-    entropy (with gradients only if entropy_grad), the full log-distribution (kl type 'full') and the shared-trunk
-    value. Logit at t predicts token t+1. Logits are computed for the response positions alone (logits_to_keep),
-    and no float32 (B, R, V) is made beyond what the backward needs (token_logprobs)."""
+    """One forward over [prompt | response]: per response token the log-prob (logits / temperature), optionally the
+    entropy (with gradients if entropy_grad), the log-distribution (--kl-penalty full) and the shared-trunk value.
+    Logits only at response positions (logit t predicts token t+1); no float32 (B, R, V) the backward does not need."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
                 use_cache=False, output_hidden_states=shared_value_head is not None, logits_to_keep=resp_len + 1)
     logits = out.logits[:, :-1]
@@ -671,9 +652,8 @@ def model_forward(model, input_ids, attention_mask, resp_len: int, temperature: 
 
 
 def in_row_chunks(fn, logits: torch.Tensor, *more, elements: int = 1 << 25):
-    """fn(logits[rows], *more[rows]) over chunks of rows of at most `elements` logits each, concatenated: without
-    gradients the float32 temporaries then take (chunk, R, V), not (B, R, V). With gradients, one call (autograd
-    keeps what the backward needs anyway)."""
+    """fn(logits[rows], *more[rows]) over chunks of at most `elements` logits, concatenated: without gradients the
+    float32 temporaries take (chunk, R, V), not (B, R, V). With gradients, one call."""
     if torch.is_grad_enabled() and logits.requires_grad:
         return fn(logits, *more)
     rows = max(1, elements // max(1, logits[0].numel()))
@@ -681,8 +661,7 @@ def in_row_chunks(fn, logits: torch.Tensor, *more, elements: int = 1 << 25):
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[token] in float32, as logit - logsumexp: no float32 log-distribution (B, R, V) is made
-    (in bf16 the float32 copy of the logits is the one the logsumexp's backward keeps)."""
+    """log softmax(logits)[token] in float32 as logit - logsumexp: no float32 (B, R, V) log-distribution."""
     def f(x, t):
         return x.gather(-1, t[..., None]).squeeze(-1).float() - torch.logsumexp(x.float(), -1)
     return in_row_chunks(f, logits, tokens)
@@ -702,11 +681,9 @@ def critic_values(critic, input_ids, attention_mask, resp_len: int):
 
 @torch.no_grad()
 def score_responses(policy, ref, critic, value_head, ids, attn, R: int, args: Args, autocast=contextlib.nullcontext):
-    """Per response token: old log-probs (the policy that sampled), reference log-probs (None without a reference:
-    no KL term reads it), values (critic or shared head; None without) and, with --kl-penalty full, the exact KL over
-    the vocabulary; on the CPU. ids: [prompt | response], R = the responses' width. Forwards of
-    --logprob-forward-micro-batch-size responses (default --micro-batch-size: the update's, so the first ratio is
-    exactly 1)."""
+    """Per response token, on the CPU: old log-probs, reference log-probs (None without a reference), values (None
+    without a critic), the exact KL with --kl-penalty full. Forwards of --logprob-forward-micro-batch-size responses
+    (default --micro-batch-size, the update's: the first ratio is exactly 1)."""
     R, full, size = R, args.kl_penalty == "full" and ref is not None, (args.logprob_forward_micro_batch_size
                                                                       or args.micro_batch_size)
     old_logp, ref_logp, values, kl_full = [], [], [], []
@@ -734,8 +711,7 @@ def rule_reward(response: str, answer: Optional[str]) -> float:
 
 
 def boxed_content(text: str) -> Optional[str]:
-    r"""The content of the last \boxed{...} in text, its braces balanced (\boxed{\frac{1}{2}} -> \frac{1}{2}); None
-    without one or when it is not closed."""
+    """The content of the last \boxed{...}, braces balanced; None without one or when it is not closed."""
     start = text.rfind("\\boxed{")
     end = None if start < 0 else closing_brace(text, start + len("\\boxed{"))
     return None if end is None else text[start + len("\\boxed{"):end]
@@ -768,9 +744,8 @@ THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:,|\{,\}|\\,)\d{3})+(?!\d)")  # 1
 
 
 def math_number(text: str) -> Optional[fractions.Fraction]:
-    r"""A final answer as an exact number: "1,234" "$5" "-3.50" "42." "7/8" "\frac{1}{2}" "-\dfrac{3}{4}" (a plain
-    number over a plain number) "50%" "{5}" "−3" (a Unicode minus); None for anything else ("x+1", "\sqrt{2}", "1e5",
-    "1,2", "2 3")."""
+    """A final answer as an exact number: "1,234" "$5" "-3.50" "42." "7/8" "\frac{1}{2}" "50%" "{5}" "−3"; None for
+    anything else ("x+1", "\sqrt{2}", "1e5", "1,2")."""
     s = THOUSANDS.sub(lambda m: re.sub(r"\D", "", m[0]), unbraced(text.replace("\u2212", "-")))
     for junk in ("\\$", "$", "\\%", "%"):  # currency, percent
         s = s.replace(junk, "")
@@ -790,11 +765,9 @@ def math_number(text: str) -> Optional[fractions.Fraction]:
 
 
 def math_reward(response: str, answer: Optional[str]) -> float:
-    r"""GSM8K / MATH rule: 1 if the response's final answer equals the reference's, else 0. The reference is the text
-    after the last "####" (GSM8K), else the content of its last \boxed{} (a MATH solution), else all of it; the
-    response's answer is the content of its last \boxed{}, else its last number (NUMBER). Without the braces around
-    all of them, they are equal as exact numbers (math_number: "1,234" = "1234.0", "\frac{1}{2}" = "0.5", "50\%" =
-    "50") where both are numbers, else as stripped strings."""
+    """GSM8K / MATH rule: 1 if the final answers are equal, else 0. The reference's: after the last "####", else its
+    last \boxed{}, else all of it; the response's: its last \boxed{}, else its last number. Equal as exact numbers
+    ("1,234" = "1234.0", "\frac{1}{2}" = "0.5") where both are numbers, else as stripped strings."""
     if answer is None:
         return 0.0
     response, answer = response.replace("\u2212", "-"), answer.replace("\u2212", "-")  # (a Unicode minus: "−3")
@@ -815,8 +788,7 @@ REWARD_RULES = {"exact": lambda prompt, response, answer, **columns: rule_reward
 
 
 def weighted_sum(fns: list, weights: list[float]):
-    """One reward function: the weighted sum of fns' scores (TRL's reward_funcs and reward_weights), each given the
-    columns its signature takes (all with **kwargs, as TRL passes a dataset's columns)."""
+    """The weighted sum of fns' scores (TRL's reward_funcs / reward_weights), each given the columns it takes."""
     def takes(fn):
         try:
             params = inspect.signature(fn).parameters.values()
@@ -840,9 +812,8 @@ def weighted_sum(fns: list, weights: list[float]):
 
 
 def rule_scores(fn, rows: list[dict], texts: list[str], name: str) -> tuple[torch.Tensor, Optional[str]]:
-    """fn(prompt, response, answer) of each response (rows[i] holds the prompt and answer of texts[i]). A function
-    that raises (SystemExit too), or returns anything but a finite number, gives (zeros, why, naming the prompt): the
-    run stops."""
+    """fn(prompt, response, answer) of each response. A function that raises (SystemExit too) or returns no finite
+    number gives (zeros, why, naming the prompt): the run stops."""
     scores = []
     for row, text in zip(rows, texts):
         try:
@@ -869,18 +840,15 @@ def finite_number(value) -> Optional[float]:
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k of the Codex paper (Chen et al. 2021): of n samples c are correct; the chance that k drawn
-    without replacement hold a correct one, 1 - C(n-c, k) / C(n, k), as the product 1 - prod_{i=n-c+1}^{n} (1 - k/i)
-    (no binomial of a large n is formed)."""
+    """The unbiased pass@k (Chen et al. 2021) of n samples, c correct: 1 - C(n-c, k) / C(n, k), as a product."""
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 def reward_model_inputs(rm_tok, prompts: list, responses: list[str], chat: bool = False) -> dict:
-    """Prompt + response for the reward model, right-padded (it scores the last real token): as a user / assistant
-    exchange in its chat template with --apply-chat-template or chat-message prompts when it has one, else the plain
-    text (a chat prompt's message contents, one a line) with its own special tokens."""
+    """Prompt + response for the reward model, right-padded: a user / assistant exchange in its chat template (with
+    --apply-chat-template or chat prompts, if it has one), else plain text with its own special tokens."""
     def messages(p):
         return [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
     templated = bool((chat or any(not isinstance(p, str) for p in prompts)) and rm_tok.chat_template)
@@ -895,11 +863,9 @@ def reward_model_inputs(rm_tok, prompts: list, responses: list[str], chat: bool 
 @torch.no_grad()
 def reward_model_scores(rm, rm_tok, prompts: list[str], responses: list[str], chat: bool = False, device="cpu",
                         autocast=contextlib.nullcontext) -> torch.Tensor:
-    """The reward model's score of each prompt + response, read at its last real token as the attention mask says.
-    (Hugging Face's classifiers look for config.pad_token_id instead; where that is not the pad their tokenizer
-    writes they read padding, and a row's score depends on the rows batched with it.) A decoder classifier's head,
-    `score` (a Linear or any module), scores every position: its output is taken from the head itself. Encoder
-    classifiers, which pool their first token, are called as they are."""
+    """Each prompt + response's score, read at its last real token as the mask says (Hugging Face's classifiers look for
+    config.pad_token_id: where that is not the pad written, a row's score depends on its batch). A decoder's head is
+    called on every position; encoder classifiers, which pool their first token, are called as they are."""
     enc = reward_model_inputs(rm_tok, prompts, responses, chat)
     ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     head, per_position = getattr(rm, "score", None), []
@@ -919,8 +885,7 @@ def reward_model_scores(rm, rm_tok, prompts: list[str], responses: list[str], ch
 
 def sequence_scores(rule: torch.Tensor, rm, rm_tok, rows: list[dict], texts: list[str], args: Args, device="cpu",
                     autocast=contextlib.nullcontext) -> tuple[torch.Tensor, dict]:
-    """Each response's score: the rule's (rule_scores); the reward model's; or, with --reward-fn given beside
-    --reward-model-path, their sum (TRL's convention). Returns (scores, the parts of a sum by name, to log)."""
+    """(scores, their parts by name): the rule's, the reward model's, or both summed (TRL's convention)."""
     if rm is None:
         return rule, {}
     rm_scores = reward_model_scores(rm, rm_tok, [r["prompt"] for r in rows], texts, args.apply_chat_template, device,
@@ -931,8 +896,7 @@ def sequence_scores(rule: torch.Tensor, rm, rm_tok, rows: list[dict], texts: lis
 
 
 class RunningMoments:
-    """Running mean/std over all scores seen (reward_norm running), as ROLL's: the variance over the whole stream,
-    the std with Bessel's correction (n - 1)."""
+    """Running mean / std over all scores seen (--reward-norm running), as ROLL's: std with Bessel's correction."""
 
     def __init__(self):
         self.mean, self.var, self.count = 0.0, 1.0, 1e-24  # (a prior of no weight)
@@ -963,9 +927,8 @@ def group_stats(scores, group_ids):
 
 def normalize_scores(scores, group_ids, norm: str, shift: bool, scale: bool, clip: Optional[float],
                      running: Optional[RunningMoments] = None, eps: float = 1e-6):
-    """ROLL reward_norm: (s - mean) / (std + eps) over the batch or the group (the sample std, as ROLL's torch.std)
-    or running stats (ROLL: + float32's eps instead); shift alone: only - mean; scale alone: only / std. Then
-    reward_clip."""
+    """ROLL reward_norm: (s - mean) / (std + eps) over the batch, the group (sample std) or running stats; shift
+    alone: - mean; scale alone: / std. Then reward_clip."""
     if norm != "none":
         if norm == "batch":
             mean, std = scores.mean(), scores.std()
@@ -995,9 +958,8 @@ def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> tor
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """verl core_algos.kl_penalty, per token. 'full' takes log-distributions (..., V) and sums over the vocabulary.
-    k1 / k2 / k3 are verl's names of kl / mse / low_var_kl; a trailing + is verl's straight-through form: the value
-    of the estimator, the gradient of k2."""
+    """verl core_algos.kl_penalty, per token ('full': over the vocabulary). k1 / k2 / k3 are kl / mse / low_var_kl;
+    a trailing + is the straight-through form: the estimator's value, k2's gradient."""
     if kind.endswith("+"):
         k2 = 0.5 * (logp - ref_logp).square()
         return k2 - k2.detach() + kl_penalty(logp, ref_logp, kind[:-1]).detach()
@@ -1037,8 +999,7 @@ class AdaptiveKLController:
 
 # --- Advantages and returns: GAE, or critic-free group / REINFORCE++ estimators; whitening ---------------------------
 def group_all_equal(scores: torch.Tensor, n: int) -> torch.Tensor:
-    """Per prompt group of n responses (consecutive), whether all their scores are equal (a group-relative advantage
-    is then 0 for all of them)."""
+    """Per group of n consecutive responses: all scores equal (a group-relative advantage of 0 for all)."""
     groups = scores.view(-1, n)
     return groups.max(-1).values == groups.min(-1).values
 
@@ -1143,13 +1104,10 @@ def compute_advantages(estimator: str, token_rewards, mask, group_ids, values=No
 
 def rewards_and_advantages(raw, maskf, values, kld, args: Args, kl_ctrl, running: RunningMoments,
                            rank: int = 0, world: int = 1):
-    """Reward (normalise, score on the last token, KL penalty) and advantages of one rollout.
-
-    raw: (B,) scores with the missing-EOS penalty; maskf, values, kld: (B, R) response mask, critic values and
-    per-token KL to the reference. Under torchrun each rank passes its own B rows (whole groups of n responses) and
-    they are gathered first, so reward normalisation, group statistics (grpo, rloo), whitening and the KL controller
-    see the global batch exactly as one process would; each rank gets its own rows back.
-    Returns advantages, returns (B, R, this rank's rows) and the global scores (world*B,) and mean sequence KL."""
+    """Reward (normalised, on the last token, minus the KL penalty) and advantages of one rollout. raw: (B,) scores;
+    maskf, values, kld: (B, R). Under torchrun the ranks' rows (whole groups) are gathered first, so normalisation,
+    group statistics, whitening and the KL controller see the global batch; each rank gets its rows back. Returns
+    advantages, returns (B, R), the global scores and the mean sequence KL."""
     B = raw.shape[0]
     raw, maskf, values, kld = (all_gather_cat(x, world) for x in (raw, maskf, values, kld))
     group_ids = torch.arange(raw.shape[0] // args.n).repeat_interleave(args.n)  # response i answers prompt i // n
@@ -1171,8 +1129,8 @@ def rewards_and_advantages(raw, maskf, values, kld, args: Args, kl_ctrl, running
 
 # --- Losses: verl agg_loss, clipped / dual-clip policy loss, clipped / Huber value loss ------------------------------
 def agg_loss(loss_mat, mask, mode: str, n_tokens=None, n_seqs=None, norm_len=None):
-    """Token losses -> one number. n_tokens / n_seqs default to this batch; pass the minibatch's totals to sum
-    micro-batch losses into exactly the minibatch loss (accumulation that does not change the result)."""
+    """Token losses -> one number. Pass the minibatch's n_tokens / n_seqs to sum micro-batch losses into exactly the
+    minibatch loss."""
     mask = mask.float()
     n_tokens = mask.sum().clamp(min=1) if n_tokens is None else n_tokens
     n_seqs = mask.shape[0] if n_seqs is None else n_seqs
@@ -1229,9 +1187,8 @@ def value_loss(vpreds, old_values, returns, mask, value_clip=None, huber_delta=N
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - Var(returns - values) / Var(returns) over the response tokens; NaN where the returns do not vary. That is
-    judged with a tolerance: the returns of all-zero rewards are the values' float rounding (a variance of ~1e-18,
-    which would make this ~ -1e15)."""
+    """1 - Var(returns - values) / Var(returns) over response tokens; NaN where the returns do not vary (within a
+    tolerance: all-zero rewards give returns of the values' rounding, a variance of ~1e-18)."""
     var_r = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
     err = returns - values
     var_e = masked_mean((err - masked_mean(err, mask)) ** 2, mask)
@@ -1242,11 +1199,9 @@ def explained_variance(values, returns, mask) -> float:
 # --- Update: E epochs of shuffled minibatches, each accumulated over micro-batches; the optimisers -------------------
 def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_actor: bool = True,
                        autocast=contextlib.nullcontext, world: int = 1, ref=None):
-    """Forward/backward of one minibatch in micro-batches of args.micro_batch_size; the loss of each micro-batch is
-    normalised by the minibatch's token / sequence count, so the summed gradients equal one big batch's. Under
-    torchrun `mb` is this rank's share of the global minibatch and gradients are averaged over ranks: token-mean
-    then divides by the global token count / world, so the result is the global minibatch's token mean. ref: the
-    reference policy, for --kl-loss-type full (its distributions are recomputed per micro-batch, never stored)."""
+    """Forward/backward of one minibatch in micro-batches, each loss normalised by the minibatch's totals: the summed
+    gradients are one big batch's. Under torchrun token-mean divides by the global count / world (DDP / FSDP2 average).
+    ref: the reference, for --kl-loss-type full (recomputed per micro-batch, never stored)."""
     R = mb["response_mask"].shape[1]
     n_tokens = all_ranks_sum(mb["response_mask"].sum(), world).clamp(min=1).float() / world
     agg = {"n_tokens": n_tokens, "n_seqs": mb["response_mask"].shape[0], "norm_len": args.response_length}
@@ -1305,9 +1260,8 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
 
 def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, args: Args, gen,
                update_actor: bool = True, autocast=contextlib.nullcontext, world: int = 1, ref=None):
-    """ppo_epochs x shuffled minibatches of ppo_mini_batch_size prompts (n responses each; under torchrun this rank's
-    share, ppo_mini_batch_size / world prompts); returns this rank's mean stats and the first minibatch's (ratio
-    exactly 1 there: approx_kl 0, clipfrac 0)."""
+    """ppo_epochs x shuffled minibatches (this rank's share); this rank's mean stats and the first minibatch's (ratio
+    exactly 1: approx_kl 0, clipfrac 0)."""
     N = batch["input_ids"].shape[0]
     mb_size = args.ppo_mini_batch_size // world * args.n
     all_stats, first = [], None
@@ -1340,8 +1294,7 @@ def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, 
 
 
 def build_optimizers(args: Args, policy, critic, value_head):
-    """AdamW for the actor and one for the critic (the separate model, or the shared value head); the learning rate
-    rises linearly over --lr-warmup-steps optimizer steps, then stays."""
+    """AdamW for the actor and one for the critic (or the shared head); lr rises over --lr-warmup-steps, then stays."""
     def trained(m):  # (with LoRA the adapters, and a LoRA critic's value head)
         return [p for p in m.parameters() if p.requires_grad]
     optimizers = [torch.optim.AdamW(trained(policy), lr=args.lr, weight_decay=args.weight_decay)]
@@ -1361,9 +1314,8 @@ def sft_steps(args: Args) -> int:
 
 
 def warm_start(policy, tok, sample_rows, args: Args, device, autocast=contextlib.nullcontext, stop=None) -> None:
-    """Supervised fine-tuning on answers + EOS (a short phase: the model ends partly right), in the run's precision,
-    with a progress line every ~5 s. stop() -> bool: a signal came (asked every 10 steps: a collective under
-    torchrun; the run then ends)."""
+    """Supervised fine-tuning on answers + EOS in the run's precision, a progress line every ~5 s; stop() (a signal,
+    asked every 10 steps) ends it."""
     opt = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr)
     policy.train()
     steps, t0, last = sft_steps(args), time.time(), time.time()
@@ -1421,8 +1373,7 @@ def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Every rank's x (same shape on all ranks) concatenated in rank order along dim 0, on x's device; x itself with
-    one process."""
+    """Every rank's x concatenated in rank order along dim 0 (x itself with one process)."""
     if world == 1:
         return x
     import torch.distributed as dist
@@ -1434,10 +1385,9 @@ def all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, trainable: bool = True):
-    """FSDP2: each transformer block (the model's _no_split_modules), then the whole model, becomes a fully_shard unit:
-    parameters are sharded across ranks and gathered block by block for each forward; the module is changed in place
-    and returned. DDP: returns a DistributedDataParallel replica for the update (generation and scoring use the bare
-    module, which holds the same parameters). Either way gradients are averaged over ranks."""
+    """FSDP2: each transformer block (_no_split_modules), then the model, becomes a fully_shard unit, in place. DDP: a
+    DistributedDataParallel replica for the update (generation and scoring use the bare module). Either way gradients
+    are averaged over ranks."""
     if model is None:
         return None
     import torch.distributed as dist
@@ -1465,10 +1415,8 @@ def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, 
 
 
 def prepare_models(args: Args, policy, critic, value_head, ref, device, world: int):
-    """The paths to speed and scale, none of which changes what is computed: gradient checkpointing, torch.compile,
-    and under torchrun FSDP2 / DDP (after the warm-start, which every rank ran alike, and before the optimizers take
-    the parameters). Returns the modules the update calls and generation's all_done (FSDP2: every forward is a
-    collective, so the ranks stop generating together)."""
+    """Gradient checkpointing, torch.compile and under torchrun FSDP2 / DDP: none changes what is computed. Returns
+    the modules the update calls and generation's all_done (FSDP2: the ranks stop generating together)."""
     if args.gradient_checkpointing:
         for m in (policy, critic):
             if m is not None:
@@ -1488,9 +1436,8 @@ def prepare_models(args: Args, policy, critic, value_head, ref, device, world: i
 
 
 def compile_forward(model, backend: str = "inductor"):
-    """--compile: the model's forward through torch.compile, with dynamic shapes (prompt, response and KV-cache
-    lengths vary), so generation, scoring and the update all run the compiled graphs; the weights stay shared.
-    (backend: the tests trace with "aot_eager", which skips inductor's minutes of kernel compilation on a CPU.)"""
+    """--compile: the forward through torch.compile with dynamic shapes, for generation, scoring and the update (the
+    tests use backend "aot_eager": no inductor kernels to compile on a CPU)."""
     model.forward = torch.compile(model.forward, dynamic=True, backend=backend)
     return model
 
@@ -1654,8 +1601,6 @@ def main(args: Args) -> dict:
     close_run(writer, args, world)
     print(f"done in {time.time() - clock['start']:.1f}s; run directory {run_dir}")
     return {"run_dir": run_dir, "curve": tracker["curve"], "stats": stats, "checkpoint": written, "metrics": metrics}
-
-
 
 
 # =========================================================================================================
