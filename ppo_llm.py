@@ -2469,7 +2469,8 @@ if __name__ == "__main__":  # the one error boundary
     except KeyboardInterrupt:  # Ctrl-C before main's handlers (in main, the run stops where nothing is half-written)
         code = 130
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # skip the interpreter's teardown, where gloo's threads now and
-        atexit._run_exitfuncs()  # then abort a finished run ("terminate called without an active exception")
+        if code:  # then abort a finished run ("terminate called without an active exception"); a failed run's
+            atexit._run_exitfuncs()  # last TensorBoard scalars are written first
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
