@@ -20,11 +20,12 @@ evaluation, reward files, data files (datasets), local models and their checks, 
 from __future__ import annotations
 
 import contextlib
+import atexit
 import copy
 import dataclasses
 import fractions
+import functools
 import inspect
-import io
 import itertools
 import json
 import math
@@ -56,8 +57,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 @dataclass
 class Args:
     # Rollout: prompts, responses per prompt, sampling (verl actor_rollout_ref.rollout, ROLL, RLinf rollout)
-    num_iterations: Count = 150
-    """PPO iterations (rollout + update)"""
+    num_iterations: Count = 150  # PPO iterations (rollout + update)
     rollout_batch_size: Annotated[Count, alias("--train-batch-size", "--data.train-batch-size")] = 32
     """prompts per iteration (verl data.train_batch_size, ROLL rollout_batch_size)"""
     n: Annotated[Count, alias("--group-size", "--num-return-sequences-in-group", "--num-generations")] = 4
@@ -66,12 +66,9 @@ class Args:
     """maximum prompt tokens (longer dataset prompts are dropped and counted); a batch is padded to its longest"""
     response_length: Annotated[Count, alias("--max-response-length", "--max-completion-length")] = 8
     """maximum response tokens (8: the built-in task's five digits + EOS; a real task needs its own, e.g. 512)"""
-    temperature: float = 1.0
-    """sampling temperature; log-probs for training are computed with the same temperature"""
-    top_p: float = 1.0
-    """nucleus sampling threshold (1: off)"""
-    top_k: Count = 0
-    """sample among the k most likely tokens (0: off)"""
+    temperature: float = 1.0  # sampling temperature; log-probs for training are computed with the same temperature
+    top_p: float = 1.0  # nucleus sampling threshold (1: off)
+    top_k: Count = 0  # sample among the k most likely tokens (0: off)
     rollout_micro_batch_size: Optional[Count] = None
     """generate at most this many responses at a time (RLinf; memory only; None: the whole batch at once)"""
     logprob_forward_micro_batch_size: Annotated[Optional[Count], alias("--log-prob-micro-batch-size-per-gpu")] = None
@@ -85,29 +82,22 @@ class Args:
     """weights of the --reward-fn functions in their sum (TRL reward_weights; None: 1 each)"""
     reward_norm: Literal["none", "batch", "group", "running", "null"] = "none"
     """normalise scores over the batch, the prompt's group, or running statistics (ROLL; null: none)"""
-    reward_shift: bool = False
-    """reward_norm subtracts the mean (given alone: without dividing by the std)"""
-    reward_scale: bool = False
-    """reward_norm divides by the std (given alone: without subtracting the mean)"""
+    reward_shift: bool = False  # reward_norm subtracts the mean (given alone: without dividing by the std)
+    reward_scale: bool = False  # reward_norm divides by the std (given alone: without subtracting the mean)
     reward_clip: Optional[float] = None
     """clip scores to [-c, c] after normalisation, and token rewards after the KL penalty (ROLL)"""
-    missing_eos_penalty: float = 0.0
-    """subtracted from the score of a response that hits response_length without EOS"""
+    missing_eos_penalty: float = 0.0  # subtracted from the score of a response that hits response_length without EOS
 
     # Advantages (verl algorithm.adv_estimator, ROLL adv_estimator, RLinf adv_type)
     adv_estimator: Annotated[Literal["gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus",
                                      "reinforce_plus_plus_baseline"], alias("--adv-type")] = "gae"
     """advantage estimator"""
-    gamma: float = 1.0
-    """discount factor over response tokens"""
-    lam: Annotated[float, alias("--lambd", "--gae-lambda")] = 1.0
-    """GAE lambda"""
-    norm_adv_by_std_in_grpo: bool = True
-    """grpo: divide by the group's std (off: Dr. GRPO)"""
+    gamma: float = 1.0  # discount factor over response tokens
+    lam: Annotated[float, alias("--lambd", "--gae-lambda")] = 1.0  # GAE lambda
+    norm_adv_by_std_in_grpo: bool = True  # grpo: divide by the group's std (off: Dr. GRPO)
     whiten_advantages: Annotated[bool, alias("--normalize-advantages")] = True
     """whiten (A - mean)/std over the batch's response tokens (gae, reinforce; grpo/rloo only when given, as ROLL)"""
-    advantage_clip: Optional[float] = None
-    """clip advantages to [-c, c]"""
+    advantage_clip: Optional[float] = None  # clip advantages to [-c, c]
 
     # KL to the reference policy: a penalty in the reward (fixed or adaptive coefficient) and / or a loss
     use_kl_in_reward: Annotated[bool, alias("--add-token-level-kl")] = True
@@ -120,12 +110,9 @@ class Args:
     """(initial) in-reward KL coefficient (verl kl_ctrl.kl_coef)"""
     target_kl: Annotated[Optional[float], alias("--kl-ctrl.target-kl")] = 0.1
     """adaptive controller's target sequence KL; a number given alone selects adaptive, None (ROLL's ~) fixed"""
-    kl_horizon: Annotated[Count, alias("--kl-ctrl.horizon")] = 10000
-    """adaptive controller: horizon in samples"""
-    use_kl_loss: bool = False
-    """add kl_loss_coef * kl(logp, ref_logp) to the actor loss (GRPO style)"""
-    kl_loss_coef: float = 0.001
-    """coefficient of the KL loss"""
+    kl_horizon: Annotated[Count, alias("--kl-ctrl.horizon")] = 10000  # adaptive controller: horizon in samples
+    use_kl_loss: bool = False  # add kl_loss_coef * kl(logp, ref_logp) to the actor loss (GRPO style)
+    kl_loss_coef: float = 0.001  # coefficient of the KL loss
     kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl", "full", "k1", "k2", "k3", "k1+", "k2+", "k3+"] = \
         "low_var_kl"
     """KL estimator of the KL loss (k3+: the value of k3 with the gradient of k2, whose expected gradient is KL's)"""
@@ -133,19 +120,14 @@ class Args:
     # Policy loss (verl compute_policy_loss, agg_loss)
     clip_ratio: Annotated[Optional[float], alias("--pg-clip", "--epsilon", "--cliprange")] = None
     """sets clip_ratio_low and clip_ratio_high where those are not given (verl clip_ratio, ROLL pg_clip)"""
-    clip_ratio_low: float = 0.2
-    """ratio lower clip: 1 - clip_ratio_low"""
-    clip_ratio_high: Annotated[float, alias("--epsilon-high")] = 0.2
-    """ratio upper clip: 1 + clip_ratio_high"""
-    dual_clip_loss: bool = True
-    """dual-clip PPO: for A < 0 the loss is at most -A * clip_ratio_c"""
-    clip_ratio_c: float = 3.0
-    """dual-clip bound (> 1)"""
+    clip_ratio_low: float = 0.2  # ratio lower clip: 1 - clip_ratio_low
+    clip_ratio_high: Annotated[float, alias("--epsilon-high")] = 0.2  # ratio upper clip: 1 + clip_ratio_high
+    dual_clip_loss: bool = True  # dual-clip PPO: for A < 0 the loss is at most -A * clip_ratio_c
+    clip_ratio_c: float = 3.0  # dual-clip bound (> 1)
     loss_agg_mode: Annotated[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                      "seq-mean-token-sum-norm"], alias("--loss-agg-func")] = "token-mean"
     """how token losses become one number (verl agg_loss)"""
-    entropy_coeff: Annotated[float, alias("--entropy-bonus")] = 0.0
-    """entropy bonus coefficient"""
+    entropy_coeff: Annotated[float, alias("--entropy-bonus")] = 0.0  # entropy bonus coefficient
 
     # Value model and value loss (verl critic, verl compute_value_loss, RLinf critic.use_critic_model / loss_type)
     critic: Literal["separate", "shared", "none"] = "separate"
@@ -156,22 +138,18 @@ class Args:
     """RLinf loss_type: actor_critic = --critic shared (one loss, one backward), actor = --critic separate"""
     value_clip: Annotated[Optional[float], alias("--cliprange-value")] = 0.5
     """clip the new value to old value +- value_clip (verl cliprange_value; None: off)"""
-    huber_delta: Optional[float] = None
-    """Huber loss with this delta instead of 0.5 * squared error (RLinf)"""
+    huber_delta: Optional[float] = None  # Huber loss with this delta instead of 0.5 * squared error (RLinf)
     vf_coef: float = 0.5
     """value loss coefficient of --critic shared (one loss on one trunk); a separate critic's loss is its own"""
     critic_loss_agg_mode: Annotated[Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                                      "seq-mean-token-sum-norm"]],
                                     alias("--critic.loss-agg-mode")] = None
     """how the value loss's token losses become one number (verl critic.loss_agg_mode; None: --loss-agg-mode)"""
-    critic_warmup: Count = 0
-    """first N iterations update only the critic"""
+    critic_warmup: Count = 0  # first N iterations update only the critic
 
     # Optimisation: epochs, minibatches of prompt groups, micro-batch accumulation, AdamW
-    ppo_epochs: Annotated[Count, alias("--num-ppo-epochs")] = 1
-    """epochs over each rollout"""
-    ppo_mini_batch_size: Count = 8
-    """prompts per minibatch (each brings its n responses), as in verl"""
+    ppo_epochs: Annotated[Count, alias("--num-ppo-epochs")] = 1  # epochs over each rollout
+    ppo_mini_batch_size: Count = 8  # prompts per minibatch (each brings its n responses), as in verl
     micro_batch_size: Annotated[Count, alias("--ppo-micro-batch-size-per-gpu")] = 16
     """responses per forward/backward, accumulated; unless given, the largest size <= 16 that divides a minibatch"""
     lr: Annotated[float, alias("--learning-rate")] = 5e-5
@@ -180,20 +158,16 @@ class Args:
     """critic learning rate (AdamW; value head of the shared critic too; the built-in 2M model's, verl's is 1e-5)"""
     lr_warmup_steps: Annotated[Count, alias("--warmup-steps")] = 5
     """linear learning-rate warm-up over this many optimizer steps"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: Annotated[float, alias("--grad-clip")] = 1.0
-    """gradient norm clip of actor and critic"""
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: Annotated[float, alias("--grad-clip")] = 1.0  # gradient norm clip of actor and critic
 
     # Task and models: policy, reward model, data, supervised warm start
     model_name_or_path: Optional[str] = None
     """local Hugging Face causal LM + tokenizer directory (None: a tiny Llama built here)"""
     tiny_hidden_size: Count = 256
     """hidden size of the tiny Llama built without --model-name-or-path (4 attention heads, MLP 2x wider)"""
-    tiny_num_layers: Count = 3
-    """decoder layers of the tiny Llama built without --model-name-or-path"""
-    trust_remote_code: bool = False
-    """allow custom model code from --model-name-or-path / --reward-model-path"""
+    tiny_num_layers: Count = 3  # decoder layers of the tiny Llama built without --model-name-or-path
+    trust_remote_code: bool = False  # allow custom model code from --model-name-or-path / --reward-model-path
     reward_model_path: Optional[str] = None
     """local sequence-classification reward model, num_labels=1; with --reward-fn the score is their sum (as TRL)"""
     dataset: Annotated[Optional[str], alias("--train-files", "--data.train-files")] = None
@@ -208,64 +182,50 @@ class Args:
     """each prompt as a user turn in the tokenizer's chat template (instruct models); off: plain text (+ BOS)"""
     lora_rank: Annotated[Count, alias("--lora-r")] = 0
     """LoRA adapters of this rank on the policy (peft; 0: none). A warm start (--sft-steps) trains every parameter"""
-    lora_alpha: float = 16.0
-    """LoRA scaling alpha (the update is alpha / rank * B A)"""
+    lora_alpha: float = 16.0  # LoRA scaling alpha (the update is alpha / rank * B A)
     lora_target_modules: Annotated[str, alias("--target-modules")] = "all-linear"
     """modules that get adapters: all-linear (every linear layer but the output) or names, comma-separated"""
     critic_lora: bool = False
     """--critic separate: LoRA adapters (and its value head in full) on the critic too (off: a full model)"""
     sft_steps: Optional[Count] = None
     """supervised warm-start steps on the answers (None: 60 on the built-in task, 0 on a user's model or dataset)"""
-    sft_lr: float = 2.5e-4
-    """warm-start learning rate (the default 2M model learns worse, not faster, from 1e-3 and up)"""
-    sft_batch_size: Count = 64
-    """warm-start batch size"""
+    sft_lr: float = 2.5e-4  # warm-start learning rate (the default 2M model learns worse, not faster, from 1e-3 and up)
+    sft_batch_size: Count = 64  # warm-start batch size
 
     # Evaluation
-    eval_prompts: Count = 256
-    """held-out prompts scored greedily and sampled (0: off)"""
+    eval_prompts: Count = 256  # held-out prompts scored greedily and sampled (0: off)
     eval_every: Count = 15
     """evaluate every N iterations and after the last one (and before the first, unless the run is resumed)"""
     eval_n: Count = 0
     """also sample n responses per held-out prompt at --eval-temperature: eval/pass@1 and eval/pass@k (0: off)"""
-    eval_temperature: float = 1.0
-    """sampling temperature of the --eval-n samples (top-p / top-k as the rollout's)"""
+    eval_temperature: float = 1.0  # sampling temperature of the --eval-n samples (top-p / top-k as the rollout's)
 
     # Run: seed, device and precision, speed paths, logging, checkpoints
-    exp_name: str = "ppo_llm"
-    """name of this experiment (part of the run name)"""
-    seed: Count = 1
-    """seed of the experiment (python and torch: tasks, sampling, shuffling, initialisation)"""
-    torch_deterministic: bool = True
-    """deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only)"""
+    exp_name: str = "ppo_llm"  # name of this experiment (part of the run name)
+    seed: Count = 1  # seed of the experiment (python and torch: tasks, sampling, shuffling, initialisation)
+    torch_deterministic: bool = True  # deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only)
     cuda: bool = dataclasses.field(default_factory=lambda: gpu_for_each_process())
     """run on CUDA (bf16 autocast unless --precision fp32): the default where torch sees a GPU for each local process"""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """bf16 autocast with fp32 master weights, or fp32 throughout; auto: bf16 with --cuda, fp32 on the CPU"""
-    compile: bool = False
-    """torch.compile the forward of policy and critic"""
+    compile: bool = False  # torch.compile the forward of policy and critic
     strategy: Literal["fsdp2", "ddp"] = "fsdp2"
     """under torchrun: shard policy, reference and critic with FSDP2 (fully_shard), or replicate them with DDP"""
     gradient_checkpointing: Annotated[bool, alias("--enable-gradient-checkpointing")] = False
     """recompute activations in the backward pass (large models)"""
     torch_threads: Count = 2
     """torch CPU threads (2 suits the default 2M model; 1 is faster for models of a few 100k parameters)"""
-    track: bool = False
-    """log to Weights & Biases (WANDB_MODE=offline works without network)"""
-    wandb_project_name: str = "ppo-reference"
-    """wandb project name"""
-    wandb_entity: Optional[str] = None
-    """wandb entity (team)"""
+    track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works without network)
+    wandb_project_name: str = "ppo-reference"  # wandb project name
+    wandb_entity: Optional[str] = None  # wandb entity (team)
     save_model: bool = True
     """write checkpoint.pt and the save_pretrained dirs checkpoint-<iteration>/{policy,critic}/, ref/ at the end"""
-    checkpoint_every: Count = 0
-    """also write the checkpoint every N iterations (0: only at the end with --save-model)"""
+    checkpoint_every: Count = 0  # also write the checkpoint every N iterations (0: only at the end with --save-model)
     resume: Optional[str] = None
     """continue from this checkpoint.pt; flags not given on the command line take the checkpoint's values"""
     stop_after: Count = 0
     """stop this process after N iterations with a checkpoint (0: run to the end); --resume continues"""
-    runs_dir: str = "runs"
-    """directory that holds the runs"""
+    runs_dir: str = "runs"  # directory that holds the runs
 
 
 # --- Task and tokenizer: synthetic digit sorting or a JSONL dataset, prompts as token ids ----------------------------
@@ -285,9 +245,8 @@ def build_char_tokenizer():
 
 def make_problems(count: int, gen: torch.Generator, exclude=frozenset(), distinct: bool = False,
                   fits=None) -> list[dict]:
-    """Sort five digits: prompt "31415=", answer "11345". A prompt in `exclude` (the held-out set, for training rows)
-    is drawn again, and so is one drawn before when `distinct` (to build the held-out set), and one for which
-    `fits(prompt)` is false (a prompt too long for --prompt-length)."""
+    """Sort five digits: prompt "31415=", answer "11345". A prompt in `exclude`, one drawn before when `distinct`, or
+    one that does not `fits(prompt)` is drawn again."""
     def prompt(digits):
         return "".join(map(str, digits)) + "="
     taken, rows = set(exclude), []
@@ -301,10 +260,8 @@ def make_problems(count: int, gen: torch.Generator, exclude=frozenset(), distinc
 
 
 def prompt_token_ids(tok, prompt, chat: bool = False) -> list[int]:
-    """A prompt's token ids with the tokenizer's own special tokens (BOS where its model expects one; a trailing EOS
-    some tokenizers add is dropped: the response follows). A prompt that is a list of chat messages (verl's data),
-    or any prompt with chat (--apply-chat-template, as one user message), goes through the tokenizer's chat
-    template, ending with the assistant's turn."""
+    """A prompt's ids with the tokenizer's special tokens (BOS where its model wants one; a trailing EOS dropped). Chat
+    messages (verl's data), or any prompt with --apply-chat-template, go through the chat template."""
     if chat or not isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -314,14 +271,14 @@ def prompt_token_ids(tok, prompt, chat: bool = False) -> list[int]:
 
 
 def encode_batch(tok, rows: list[dict], prompt_length: int, chat: bool = False):
-    """Prompts left-padded to the longest of these rows (at most prompt_length tokens: load_dataset drops longer
-    ones, as verl's filter_overlong_prompts; the last prompt_length tokens are kept otherwise)."""
+    """Prompts left-padded to the longest of these rows (longer than prompt_length: its last tokens; load_dataset drops
+    them first, as verl's filter_overlong_prompts)."""
     return left_pad([prompt_token_ids(tok, r["prompt"], chat)[-prompt_length:] for r in rows], tok.pad_token_id)
 
 
 def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
-    """(sample_rows(k): k training rows drawn with gen, held-out rows with answers (a whole share for every rank),
-    whether every training row has an answer): --dataset / --eval-dataset, or the synthetic task."""
+    """(sample_rows(k), held-out rows with answers (a whole share per rank), whether every training row has an answer):
+    --dataset / --eval-dataset, or the synthetic task."""
     def n_tokens(prompt):
         return len(prompt_token_ids(tok, prompt, args.apply_chat_template))
     keys = {"prompt_key": args.prompt_key, "answer_key": args.answer_key}
@@ -333,11 +290,11 @@ def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
         eval_rows = [r for r in data if r["answer"] is not None][:args.eval_prompts]
         has_answers = all(r["answer"] is not None for r in data)
         if args.reward_fn in REWARD_RULES and not any(r["answer"] is not None for r in data):  # (given by name)
-            die(f"--reward-fn {args.reward_fn} scores responses against answers: no row of --dataset {args.dataset} "
-                f"has {args.answer_key!r} (--answer-key)")
+            raise Failure(f"--reward-fn {args.reward_fn} scores responses against answers: no row of --dataset "
+                          f"{args.dataset} has {args.answer_key!r} (--answer-key)")
         if args.reward_model_path is None and not has_answers and (args.reward_fn or "exact") in REWARD_RULES:
-            die(f"--dataset {args.dataset}: rows without {args.answer_key!r} need --reward-model-path (or a "
-                "--reward-fn FILE.py:NAME that needs no answer)")
+            raise Failure(f"--dataset {args.dataset}: rows without {args.answer_key!r} need --reward-model-path (or a "
+                          "--reward-fn FILE.py:NAME that needs no answer)")
     else:
         eval_rows = make_problems(args.eval_prompts, torch.Generator().manual_seed(10_000 + args.seed), distinct=True)
         held_out = frozenset(r["prompt"] for r in eval_rows)
@@ -350,9 +307,9 @@ def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
         answer = max(answers, key=lambda a: len(tok.encode(a, add_special_tokens=False)))
         need = (n_tokens(prompt), len(tok.encode(answer, add_special_tokens=False)))
         if need[0] > args.prompt_length or need[1] + 1 > args.response_length:
-            die(f"the synthetic task's prompts take up to {need[0]} tokens ({prompt!r}) and its answers up to "
-                f"{need[1]} ({answer!r}) plus EOS: --prompt-length {args.prompt_length} / --response-length "
-                f"{args.response_length} cut them")
+            raise Failure(f"the synthetic task's prompts take up to {need[0]} tokens ({prompt!r}) and its answers "
+                          f"up to {need[1]} ({answer!r}) plus EOS: --prompt-length {args.prompt_length} / "
+                          f"--response-length {args.response_length} cut them")
 
         def sample_rows(k):
             return make_problems(k, gen, exclude=held_out, fits=lambda p: n_tokens(p) <= args.prompt_length)
@@ -361,8 +318,8 @@ def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
         eval_rows = load_dataset(args.eval_dataset, tok, args.prompt_length, args.apply_chat_template,
                                  "--eval-dataset", **keys)
         if any(r["answer"] is None for r in eval_rows):
-            die(f"--eval-dataset {args.eval_dataset}: every row needs {args.answer_key!r} (accuracy is the "
-                "--reward-fn rule's)")
+            raise Failure(f"--eval-dataset {args.eval_dataset}: every row needs {args.answer_key!r} (accuracy is the "
+                          "--reward-fn rule's)")
         eval_rows = eval_rows[:args.eval_prompts]
     elif args.dataset is not None and args.eval_prompts:
         print("note: evaluating on the first --eval-prompts rows of --dataset, which training also samples; "
@@ -386,9 +343,8 @@ def build_tiny_model(tok, seed: int, hidden_size: int, num_layers: int, max_posi
 
 
 def stop_token_ids(tok, model) -> list[int]:
-    """The ids that end a response, as Hugging Face's generate stops: the tokenizer's EOS and those of the model's
-    generation config (a chat model's end of turn, e.g. Qwen2.5's <|im_end|> beside the tokenizer's <|endoftext|>,
-    or Llama 3 Instruct's <|eot_id|>). The tokenizer's EOS comes first."""
+    """The ids that end a response, as Hugging Face's generate stops: the tokenizer's EOS first, then those of the
+    model's generation config (a chat model's end of turn: Qwen2.5's <|im_end|>, Llama 3 Instruct's <|eot_id|>)."""
     ids = [tok.eos_token_id]
     extra = getattr(getattr(getattr(model, "module", model), "generation_config", None), "eos_token_id", None)
     for i in [extra] if isinstance(extra, int) else list(extra or []):
@@ -410,9 +366,8 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 
 
 def build_policy(args: Args, ckpt: Optional[dict], device):
-    """Tokenizer, policy, its stop tokens and (on resume) the frozen reference: from the checkpoint's directories,
-    --model-name-or-path, or the tiny Llama built here. With --lora-rank the policy is the base model alone (the
-    reference; on resume the checkpoint's ref/), its adapters come in reference_policy."""
+    """Tokenizer, policy, stop tokens and (on resume) the frozen reference: the checkpoint's, --model-name-or-path's
+    or the tiny Llama's. With --lora-rank the policy is the base model; its adapters come in reference_policy."""
     from transformers import AutoModelForCausalLM
 
     def causal_lm(path):
@@ -422,7 +377,7 @@ def build_policy(args: Args, ckpt: Optional[dict], device):
     if ckpt is not None:
         tok = load_tokenizer(saved_model_dir(args, ckpt, "policy"), args.trust_remote_code)
         if kl_reads_reference(args) and not args.lora_rank and not ckpt["model"]["ref"]:
-            die(f"--resume {args.resume}: the run had no KL term, so its checkpoint holds no reference model")
+            raise Failure(f"--resume {args.resume}: the run had no KL term, so its checkpoint holds no reference model")
         policy = causal_lm(saved_model_dir(args, ckpt, "ref" if args.lora_rank else "policy"))
         if kl_reads_reference(args) and not args.lora_rank:
             ref = causal_lm(saved_model_dir(args, ckpt, "ref"))
@@ -439,8 +394,8 @@ def build_policy(args: Args, ckpt: Optional[dict], device):
         print(f"note: responses end at the tokenizer's EOS {tok.eos_token!r} and at "
               f"{tok.convert_ids_to_tokens(stops[1:])} (the model's generation config)")
     if args.apply_chat_template and not tok.chat_template:
-        die(f"--apply-chat-template: the tokenizer of {args.model_name_or_path or 'the built-in model'} has no chat "
-            "template")
+        raise Failure(f"--apply-chat-template: the tokenizer of {args.model_name_or_path or 'the built-in model'} has "
+                      "no chat template")
     check_models(args, policy, ckpt)  # (what build_critic and reference_policy will make of it: before anything)
     policy = disable_dropout(policy).to(device)
     print(f"policy: {type(policy).__name__}, {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters")
@@ -456,8 +411,8 @@ def value_model(config):
     try:
         return AutoModelForTokenClassification.from_config(cfg)
     except ValueError as e:
-        die(f"--critic separate: no token-classification class for {cfg.model_type} ({reason(e)}); use --critic "
-            "shared")
+        raise Failure(f"--critic separate: no token-classification class for {cfg.model_type} ({reason(e)}); use "
+                      "--critic shared")
 
 
 def make_critic(policy):
@@ -472,8 +427,7 @@ def make_critic(policy):
 
 
 def build_critic(args: Args, policy, ckpt: Optional[dict], device):
-    """The value model: a separate critic (its own trunk), or a value head on the policy's trunk (shared); on resume
-    the checkpoint's. Returns (critic, value_head), None where the choice has none."""
+    """(critic, value_head): a separate critic (its own trunk) or a value head on the policy's trunk."""
     from transformers import AutoModelForTokenClassification
 
     critic, value_head, saved = None, None, saved_model_dir(args, ckpt, "critic")
@@ -493,16 +447,13 @@ def build_critic(args: Args, policy, ckpt: Optional[dict], device):
     return critic, value_head
 
 
-def kl_reads_reference(args: Args) -> bool:
-    """Whether a KL term (in the reward, or as a loss) reads the reference policy: without one it is not built."""
+def kl_reads_reference(args: Args) -> bool:  # whether a KL term reads the reference (else it is not built)
     return args.use_kl_in_reward or args.use_kl_loss
 
 
 def reference_policy(args: Args, policy, ref, ckpt: Optional[dict], device):
-    """(policy, frozen reference or None where no KL term reads it). Without --lora-rank: the reference is a copy of
-    the policy as PPO starts (on resume the checkpoint's ref/). With it: LoRA adapters go on the policy (new, or the
-    checkpoint's) and the reference is the policy with them off (AdaptersOff). Frozen weights (the reference, the
-    LoRA base) are stored in bf16 in a bf16 run."""
+    """(policy, frozen reference, None where no KL term reads it): a copy of the policy as PPO starts (on resume ref/);
+    with --lora-rank the policy gets its adapters and the reference is it with them off (AdaptersOff)."""
     if not args.lora_rank:
         if not kl_reads_reference(args):
             return policy, None
@@ -516,8 +467,7 @@ def reference_policy(args: Args, policy, ref, ckpt: Optional[dict], device):
 
 
 def frozen_in_bf16(model, args: Args):
-    """A bf16 run (--precision): the parameters that are not trained (requires_grad False) stored in bf16, as
-    autocast would cast them at every forward; trained ones stay float32 (master weights). fp32 runs: unchanged."""
+    """A bf16 run: the parameters not trained stored in bf16, as autocast would cast them at every forward."""
     if use_bf16(args):
         for p in model.parameters():
             if not p.requires_grad:
@@ -526,8 +476,7 @@ def frozen_in_bf16(model, args: Args):
 
 
 class AdaptersOff(nn.Module):
-    """--lora-rank's reference policy: each forward is the policy's with its LoRA adapters switched off, i.e. its base
-    model. It holds no parameters of its own (the policy is not a submodule): no second copy in memory."""
+    """--lora-rank's reference: the policy's forward with its adapters off; no parameters of its own, no second copy."""
 
     def __init__(self, policy):
         super().__init__()
@@ -539,9 +488,8 @@ class AdaptersOff(nn.Module):
 
 
 def with_lora(model, args: Args, task_type: str, saved: Optional[str] = None):
-    """peft LoRA adapters on model (rank, alpha, target modules; dropout 0): new ones (B = 0, so the model computes
-    what it did), or those saved in the directory `saved`, trainable. A critic (TOKEN_CLS) trains its value head in
-    full (peft's modules_to_save) and keeps it out of the adapters' targets."""
+    """peft LoRA adapters on model (dropout 0): new (B = 0: the model computes what it did) or saved in `saved`. A
+    critic (TOKEN_CLS) trains its value head in full (modules_to_save), outside the adapters' targets."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     head = ["classifier", "score"] if task_type == "TOKEN_CLS" else None
@@ -555,8 +503,8 @@ def with_lora(model, args: Args, task_type: str, saved: Optional[str] = None):
         try:
             return get_peft_model(model, config)
         except Exception as e:  # noqa: BLE001 - modules peft cannot adapt, say: bad input
-            die(f"--lora-target-modules {args.lora_target_modules}: no LoRA adapters on the "
-                f"{'critic' if head else 'policy'} ({reason(e)})")
+            raise Failure(f"--lora-target-modules {args.lora_target_modules}: no LoRA adapters on the "
+                          f"{'critic' if head else 'policy'} ({reason(e)})")
 
 
 def lora_targets(args: Args):
@@ -569,12 +517,10 @@ def lora_targets(args: Args):
 def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id, pad_id: int, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False, all_done=None, bf16: bool = False,
              check_every: Optional[int] = None):
-    """Batched sampling with KV cache; stops when every row has produced EOS (eos_id: one id or a list of stop ids).
-    Returns (B, L) tokens, pad after EOS, L <= max_new_tokens: up to the step where the last row ended. Only the last
-    position's logits are computed (logits_to_keep). Whether all rows are done is asked every check_every tokens (a
-    host sync on a GPU; default 8 there, 1 on the CPU); the steps after the last EOS are cut off. all_done(done) ->
-    bool: whether every rank is done (FSDP2: each forward is a collective, so all ranks take the same number of
-    steps). bf16: under bf16 autocast (--precision)."""
+    """Batched sampling with KV cache (eos_id: one stop id or a list) until every row has stopped: (B, L) tokens, pad
+    after the stop, L <= max_new_tokens. Only the last position's logits are computed. Whether all rows are done is
+    asked every check_every tokens (a host sync on a GPU: 8 there, 1 on the CPU); all_done(done): whether every rank is
+    (FSDP2: each forward is a collective, so all ranks take the same steps). bf16: under bf16 autocast."""
     B, device = prompt_ids.shape[0], prompt_ids.device
     check_every = check_every or (1 if device.type == "cpu" else 8)
     stop_ids = torch.as_tensor(eos_id, device=device)  # (on the device once, not once a token)
@@ -626,9 +572,8 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: 
 
 
 def sample_categorical(probs: torch.Tensor, gen=None) -> torch.Tensor:
-    """One index per row drawn with probability probs (B, V), by inverting the cumulative sum at one uniform number
-    per row: torch.multinomial's distribution without its cost over 10^5 tokens (one random number per row, not per
-    token, on the CPU). A token of probability 0 is never drawn."""
+    """One index per row drawn with probability probs (B, V) by inverting the cumulative sum at one uniform number per
+    row: torch.multinomial's distribution without its cost over 10^5 tokens. A token of probability 0 is never drawn."""
     cdf = probs.double().cumsum(-1)
     u = torch.rand(cdf.shape[:-1] + (1,), generator=gen, device=probs.device, dtype=torch.float64) * cdf[..., -1:]
     last = torch.searchsorted(cdf, cdf[..., -1:].contiguous())  # (the last token of probability > 0)
@@ -647,8 +592,7 @@ def response_mask_from(responses: torch.Tensor, stops) -> torch.Tensor:
 
 
 def decode_responses(tok, responses: torch.Tensor, stops=None) -> list[str]:
-    """Text of each response before its first stop token (default: the tokenizer's EOS). Special tokens sampled
-    inside it (pad, BOS, ...) stay in the text, so that "1<pad>2" is not scored as "12"."""
+    """Text before the first stop token; special tokens inside stay ("1<pad>2" is not scored as "12")."""
     stops = tok.eos_token_id if stops is None else stops
     keep = response_mask_from(responses, stops).bool() & ~is_stop(responses, stops)
     return [tok.decode(r[k].tolist(), skip_special_tokens=False) for r, k in zip(responses, keep)]
@@ -671,10 +615,8 @@ def position_ids_from(mask: torch.Tensor) -> torch.Tensor:
 
 
 def sample_responses(policy, tok, rows: list[dict], args: Args, stops, gen, device, all_done=None, world: int = 1):
-    """The rollout's responses to rows' prompts, generated in chunks of --rollout-micro-batch-size (every rank runs
-    the same number of chunks). Returns responses (B, R) on the CPU and [prompt | response] ids and attention mask
-    (B, Lp + R) on the device: Lp the longest prompt of the batch, R the longest response (of all ranks under
-    torchrun), not the limits. The policy is left in eval mode, for scoring."""
+    """The rollout's responses, in chunks of --rollout-micro-batch-size (as many on every rank): responses (B, R) on
+    the CPU, [prompt | response] ids and mask on the device, padded to the longest prompt and response."""
     policy.eval()
     p_ids, p_mask = encode_batch(tok, rows, args.prompt_length, args.apply_chat_template)
     size = args.rollout_micro_batch_size or p_ids.shape[0]
@@ -690,10 +632,9 @@ def sample_responses(policy, tok, rows: list[dict], args: Args, stops, gen, devi
 
 def model_forward(model, input_ids, attention_mask, resp_len: int, temperature: float, shared_value_head=None,
                   full: bool = False, entropy: bool = False, entropy_grad: bool = False):
-    """One forward over [prompt | response]: per response token the log-prob (logits / temperature), optionally
-    entropy (with gradients only if entropy_grad), the full log-distribution (kl type 'full') and the shared-trunk
-    value. Logit at t predicts token t+1. Logits are computed for the response positions alone (logits_to_keep),
-    and no float32 (B, R, V) is made beyond what the backward needs (token_logprobs)."""
+    """One forward over [prompt | response]: per response token the log-prob (logits / temperature), optionally the
+    entropy (with gradients if entropy_grad), the log-distribution (--kl-penalty full) and the shared-trunk value.
+    Logits only at response positions (logit t predicts token t+1); no float32 (B, R, V) the backward does not need."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
                 use_cache=False, output_hidden_states=shared_value_head is not None, logits_to_keep=resp_len + 1)
     logits = out.logits[:, :-1]
@@ -711,9 +652,8 @@ def model_forward(model, input_ids, attention_mask, resp_len: int, temperature: 
 
 
 def in_row_chunks(fn, logits: torch.Tensor, *more, elements: int = 1 << 25):
-    """fn(logits[rows], *more[rows]) over chunks of rows of at most `elements` logits each, concatenated: without
-    gradients the float32 temporaries then take (chunk, R, V), not (B, R, V). With gradients, one call (autograd
-    keeps what the backward needs anyway)."""
+    """fn(logits[rows], *more[rows]) over chunks of at most `elements` logits, concatenated: without gradients the
+    float32 temporaries take (chunk, R, V), not (B, R, V). With gradients, one call."""
     if torch.is_grad_enabled() and logits.requires_grad:
         return fn(logits, *more)
     rows = max(1, elements // max(1, logits[0].numel()))
@@ -721,8 +661,7 @@ def in_row_chunks(fn, logits: torch.Tensor, *more, elements: int = 1 << 25):
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[token] in float32, as logit - logsumexp: no float32 log-distribution (B, R, V) is made
-    (in bf16 the float32 copy of the logits is the one the logsumexp's backward keeps)."""
+    """log softmax(logits)[token] in float32 as logit - logsumexp: no float32 (B, R, V) log-distribution."""
     def f(x, t):
         return x.gather(-1, t[..., None]).squeeze(-1).float() - torch.logsumexp(x.float(), -1)
     return in_row_chunks(f, logits, tokens)
@@ -742,11 +681,9 @@ def critic_values(critic, input_ids, attention_mask, resp_len: int):
 
 @torch.no_grad()
 def score_responses(policy, ref, critic, value_head, ids, attn, R: int, args: Args, autocast=contextlib.nullcontext):
-    """Per response token: old log-probs (the policy that sampled), reference log-probs (None without a reference:
-    no KL term reads it), values (critic or shared head; None without) and, with --kl-penalty full, the exact KL over
-    the vocabulary; on the CPU. ids: [prompt | response], R = the responses' width. Forwards of
-    --logprob-forward-micro-batch-size responses (default --micro-batch-size: the update's, so the first ratio is
-    exactly 1)."""
+    """Per response token, on the CPU: old log-probs, reference log-probs (None without a reference), values (None
+    without a critic), the exact KL with --kl-penalty full. Forwards of --logprob-forward-micro-batch-size responses
+    (default --micro-batch-size, the update's: the first ratio is exactly 1)."""
     R, full, size = R, args.kl_penalty == "full" and ref is not None, (args.logprob_forward_micro_batch_size
                                                                       or args.micro_batch_size)
     old_logp, ref_logp, values, kl_full = [], [], [], []
@@ -774,8 +711,7 @@ def rule_reward(response: str, answer: Optional[str]) -> float:
 
 
 def boxed_content(text: str) -> Optional[str]:
-    r"""The content of the last \boxed{...} in text, its braces balanced (\boxed{\frac{1}{2}} -> \frac{1}{2}); None
-    without one or when it is not closed."""
+    """The content of the last \boxed{...}, braces balanced; None without one or when it is not closed."""
     start = text.rfind("\\boxed{")
     end = None if start < 0 else closing_brace(text, start + len("\\boxed{"))
     return None if end is None else text[start + len("\\boxed{"):end]
@@ -808,9 +744,8 @@ THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:,|\{,\}|\\,)\d{3})+(?!\d)")  # 1
 
 
 def math_number(text: str) -> Optional[fractions.Fraction]:
-    r"""A final answer as an exact number: "1,234" "$5" "-3.50" "42." "7/8" "\frac{1}{2}" "-\dfrac{3}{4}" (a plain
-    number over a plain number) "50%" "{5}" "−3" (a Unicode minus); None for anything else ("x+1", "\sqrt{2}", "1e5",
-    "1,2", "2 3")."""
+    """A final answer as an exact number: "1,234" "$5" "-3.50" "42." "7/8" "\frac{1}{2}" "50%" "{5}" "−3"; None for
+    anything else ("x+1", "\sqrt{2}", "1e5", "1,2")."""
     s = THOUSANDS.sub(lambda m: re.sub(r"\D", "", m[0]), unbraced(text.replace("\u2212", "-")))
     for junk in ("\\$", "$", "\\%", "%"):  # currency, percent
         s = s.replace(junk, "")
@@ -830,11 +765,9 @@ def math_number(text: str) -> Optional[fractions.Fraction]:
 
 
 def math_reward(response: str, answer: Optional[str]) -> float:
-    r"""GSM8K / MATH rule: 1 if the response's final answer equals the reference's, else 0. The reference is the text
-    after the last "####" (GSM8K), else the content of its last \boxed{} (a MATH solution), else all of it; the
-    response's answer is the content of its last \boxed{}, else its last number (NUMBER). Without the braces around
-    all of them, they are equal as exact numbers (math_number: "1,234" = "1234.0", "\frac{1}{2}" = "0.5", "50\%" =
-    "50") where both are numbers, else as stripped strings."""
+    """GSM8K / MATH rule: 1 if the final answers are equal, else 0. The reference's: after the last "####", else its
+    last \boxed{}, else all of it; the response's: its last \boxed{}, else its last number. Equal as exact numbers
+    ("1,234" = "1234.0", "\frac{1}{2}" = "0.5") where both are numbers, else as stripped strings."""
     if answer is None:
         return 0.0
     response, answer = response.replace("\u2212", "-"), answer.replace("\u2212", "-")  # (a Unicode minus: "−3")
@@ -855,8 +788,7 @@ REWARD_RULES = {"exact": lambda prompt, response, answer, **columns: rule_reward
 
 
 def weighted_sum(fns: list, weights: list[float]):
-    """One reward function: the weighted sum of fns' scores (TRL's reward_funcs and reward_weights), each given the
-    columns its signature takes (all with **kwargs, as TRL passes a dataset's columns)."""
+    """The weighted sum of fns' scores (TRL's reward_funcs / reward_weights), each given the columns it takes."""
     def takes(fn):
         try:
             params = inspect.signature(fn).parameters.values()
@@ -880,9 +812,8 @@ def weighted_sum(fns: list, weights: list[float]):
 
 
 def rule_scores(fn, rows: list[dict], texts: list[str], name: str) -> tuple[torch.Tensor, Optional[str]]:
-    """fn(prompt, response, answer) of each response (rows[i] holds the prompt and answer of texts[i]). A function
-    that raises (SystemExit too), or returns anything but a finite number, gives (zeros, why, naming the prompt): the
-    run stops."""
+    """fn(prompt, response, answer) of each response. A function that raises (SystemExit too) or returns no finite
+    number gives (zeros, why, naming the prompt): the run stops."""
     scores = []
     for row, text in zip(rows, texts):
         try:
@@ -909,18 +840,15 @@ def finite_number(value) -> Optional[float]:
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k of the Codex paper (Chen et al. 2021): of n samples c are correct; the chance that k drawn
-    without replacement hold a correct one, 1 - C(n-c, k) / C(n, k), as the product 1 - prod_{i=n-c+1}^{n} (1 - k/i)
-    (no binomial of a large n is formed)."""
+    """The unbiased pass@k (Chen et al. 2021) of n samples, c correct: 1 - C(n-c, k) / C(n, k), as a product."""
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 def reward_model_inputs(rm_tok, prompts: list, responses: list[str], chat: bool = False) -> dict:
-    """Prompt + response for the reward model, right-padded (it scores the last real token): as a user / assistant
-    exchange in its chat template with --apply-chat-template or chat-message prompts when it has one, else the plain
-    text (a chat prompt's message contents, one a line) with its own special tokens."""
+    """Prompt + response for the reward model, right-padded: a user / assistant exchange in its chat template (with
+    --apply-chat-template or chat prompts, if it has one), else plain text with its own special tokens."""
     def messages(p):
         return [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
     templated = bool((chat or any(not isinstance(p, str) for p in prompts)) and rm_tok.chat_template)
@@ -935,11 +863,9 @@ def reward_model_inputs(rm_tok, prompts: list, responses: list[str], chat: bool 
 @torch.no_grad()
 def reward_model_scores(rm, rm_tok, prompts: list[str], responses: list[str], chat: bool = False, device="cpu",
                         autocast=contextlib.nullcontext) -> torch.Tensor:
-    """The reward model's score of each prompt + response, read at its last real token as the attention mask says.
-    (Hugging Face's classifiers look for config.pad_token_id instead; where that is not the pad their tokenizer
-    writes they read padding, and a row's score depends on the rows batched with it.) A decoder classifier's head,
-    `score` (a Linear or any module), scores every position: its output is taken from the head itself. Encoder
-    classifiers, which pool their first token, are called as they are."""
+    """Each prompt + response's score, read at its last real token as the mask says (Hugging Face's classifiers look for
+    config.pad_token_id: where that is not the pad written, a row's score depends on its batch). A decoder's head is
+    called on every position; encoder classifiers, which pool their first token, are called as they are."""
     enc = reward_model_inputs(rm_tok, prompts, responses, chat)
     ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     head, per_position = getattr(rm, "score", None), []
@@ -959,8 +885,7 @@ def reward_model_scores(rm, rm_tok, prompts: list[str], responses: list[str], ch
 
 def sequence_scores(rule: torch.Tensor, rm, rm_tok, rows: list[dict], texts: list[str], args: Args, device="cpu",
                     autocast=contextlib.nullcontext) -> tuple[torch.Tensor, dict]:
-    """Each response's score: the rule's (rule_scores); the reward model's; or, with --reward-fn given beside
-    --reward-model-path, their sum (TRL's convention). Returns (scores, the parts of a sum by name, to log)."""
+    """(scores, their parts by name): the rule's, the reward model's, or both summed (TRL's convention)."""
     if rm is None:
         return rule, {}
     rm_scores = reward_model_scores(rm, rm_tok, [r["prompt"] for r in rows], texts, args.apply_chat_template, device,
@@ -971,8 +896,7 @@ def sequence_scores(rule: torch.Tensor, rm, rm_tok, rows: list[dict], texts: lis
 
 
 class RunningMoments:
-    """Running mean/std over all scores seen (reward_norm running), as ROLL's: the variance over the whole stream,
-    the std with Bessel's correction (n - 1)."""
+    """Running mean / std over all scores seen (--reward-norm running), as ROLL's: std with Bessel's correction."""
 
     def __init__(self):
         self.mean, self.var, self.count = 0.0, 1.0, 1e-24  # (a prior of no weight)
@@ -1003,9 +927,8 @@ def group_stats(scores, group_ids):
 
 def normalize_scores(scores, group_ids, norm: str, shift: bool, scale: bool, clip: Optional[float],
                      running: Optional[RunningMoments] = None, eps: float = 1e-6):
-    """ROLL reward_norm: (s - mean) / (std + eps) over the batch or the group (the sample std, as ROLL's torch.std)
-    or running stats (ROLL: + float32's eps instead); shift alone: only - mean; scale alone: only / std. Then
-    reward_clip."""
+    """ROLL reward_norm: (s - mean) / (std + eps) over the batch, the group (sample std) or running stats; shift
+    alone: - mean; scale alone: / std. Then reward_clip."""
     if norm != "none":
         if norm == "batch":
             mean, std = scores.mean(), scores.std()
@@ -1035,9 +958,8 @@ def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> tor
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """verl core_algos.kl_penalty, per token. 'full' takes log-distributions (..., V) and sums over the vocabulary.
-    k1 / k2 / k3 are verl's names of kl / mse / low_var_kl; a trailing + is verl's straight-through form: the value
-    of the estimator, the gradient of k2."""
+    """verl core_algos.kl_penalty, per token ('full': over the vocabulary). k1 / k2 / k3 are kl / mse / low_var_kl;
+    a trailing + is the straight-through form: the estimator's value, k2's gradient."""
     if kind.endswith("+"):
         k2 = 0.5 * (logp - ref_logp).square()
         return k2 - k2.detach() + kl_penalty(logp, ref_logp, kind[:-1]).detach()
@@ -1077,8 +999,7 @@ class AdaptiveKLController:
 
 # --- Advantages and returns: GAE, or critic-free group / REINFORCE++ estimators; whitening ---------------------------
 def group_all_equal(scores: torch.Tensor, n: int) -> torch.Tensor:
-    """Per prompt group of n responses (consecutive), whether all their scores are equal (a group-relative advantage
-    is then 0 for all of them)."""
+    """Per group of n consecutive responses: all scores equal (a group-relative advantage of 0 for all)."""
     groups = scores.view(-1, n)
     return groups.max(-1).values == groups.min(-1).values
 
@@ -1183,13 +1104,10 @@ def compute_advantages(estimator: str, token_rewards, mask, group_ids, values=No
 
 def rewards_and_advantages(raw, maskf, values, kld, args: Args, kl_ctrl, running: RunningMoments,
                            rank: int = 0, world: int = 1):
-    """Reward (normalise, score on the last token, KL penalty) and advantages of one rollout.
-
-    raw: (B,) scores with the missing-EOS penalty; maskf, values, kld: (B, R) response mask, critic values and
-    per-token KL to the reference. Under torchrun each rank passes its own B rows (whole groups of n responses) and
-    they are gathered first, so reward normalisation, group statistics (grpo, rloo), whitening and the KL controller
-    see the global batch exactly as one process would; each rank gets its own rows back.
-    Returns advantages, returns (B, R, this rank's rows) and the global scores (world*B,) and mean sequence KL."""
+    """Reward (normalised, on the last token, minus the KL penalty) and advantages of one rollout. raw: (B,) scores;
+    maskf, values, kld: (B, R). Under torchrun the ranks' rows (whole groups) are gathered first, so normalisation,
+    group statistics, whitening and the KL controller see the global batch; each rank gets its rows back. Returns
+    advantages, returns (B, R), the global scores and the mean sequence KL."""
     B = raw.shape[0]
     raw, maskf, values, kld = (all_gather_cat(x, world) for x in (raw, maskf, values, kld))
     group_ids = torch.arange(raw.shape[0] // args.n).repeat_interleave(args.n)  # response i answers prompt i // n
@@ -1211,8 +1129,8 @@ def rewards_and_advantages(raw, maskf, values, kld, args: Args, kl_ctrl, running
 
 # --- Losses: verl agg_loss, clipped / dual-clip policy loss, clipped / Huber value loss ------------------------------
 def agg_loss(loss_mat, mask, mode: str, n_tokens=None, n_seqs=None, norm_len=None):
-    """Token losses -> one number. n_tokens / n_seqs default to this batch; pass the minibatch's totals to sum
-    micro-batch losses into exactly the minibatch loss (accumulation that does not change the result)."""
+    """Token losses -> one number. Pass the minibatch's n_tokens / n_seqs to sum micro-batch losses into exactly the
+    minibatch loss."""
     mask = mask.float()
     n_tokens = mask.sum().clamp(min=1) if n_tokens is None else n_tokens
     n_seqs = mask.shape[0] if n_seqs is None else n_seqs
@@ -1269,9 +1187,8 @@ def value_loss(vpreds, old_values, returns, mask, value_clip=None, huber_delta=N
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - Var(returns - values) / Var(returns) over the response tokens; NaN where the returns do not vary. That is
-    judged with a tolerance: the returns of all-zero rewards are the values' float rounding (a variance of ~1e-18,
-    which would make this ~ -1e15)."""
+    """1 - Var(returns - values) / Var(returns) over response tokens; NaN where the returns do not vary (within a
+    tolerance: all-zero rewards give returns of the values' rounding, a variance of ~1e-18)."""
     var_r = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
     err = returns - values
     var_e = masked_mean((err - masked_mean(err, mask)) ** 2, mask)
@@ -1282,11 +1199,9 @@ def explained_variance(values, returns, mask) -> float:
 # --- Update: E epochs of shuffled minibatches, each accumulated over micro-batches; the optimisers -------------------
 def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_actor: bool = True,
                        autocast=contextlib.nullcontext, world: int = 1, ref=None):
-    """Forward/backward of one minibatch in micro-batches of args.micro_batch_size; the loss of each micro-batch is
-    normalised by the minibatch's token / sequence count, so the summed gradients equal one big batch's. Under
-    torchrun `mb` is this rank's share of the global minibatch and gradients are averaged over ranks: token-mean
-    then divides by the global token count / world, so the result is the global minibatch's token mean. ref: the
-    reference policy, for --kl-loss-type full (its distributions are recomputed per micro-batch, never stored)."""
+    """Forward/backward of one minibatch in micro-batches, each loss normalised by the minibatch's totals: the summed
+    gradients are one big batch's. Under torchrun token-mean divides by the global count / world (DDP / FSDP2 average).
+    ref: the reference, for --kl-loss-type full (recomputed per micro-batch, never stored)."""
     R = mb["response_mask"].shape[1]
     n_tokens = all_ranks_sum(mb["response_mask"].sum(), world).clamp(min=1).float() / world
     agg = {"n_tokens": n_tokens, "n_seqs": mb["response_mask"].shape[0], "norm_len": args.response_length}
@@ -1345,9 +1260,8 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
 
 def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, args: Args, gen,
                update_actor: bool = True, autocast=contextlib.nullcontext, world: int = 1, ref=None):
-    """ppo_epochs x shuffled minibatches of ppo_mini_batch_size prompts (n responses each; under torchrun this rank's
-    share, ppo_mini_batch_size / world prompts); returns this rank's mean stats and the first minibatch's (ratio
-    exactly 1 there: approx_kl 0, clipfrac 0)."""
+    """ppo_epochs x shuffled minibatches (this rank's share); this rank's mean stats and the first minibatch's (ratio
+    exactly 1: approx_kl 0, clipfrac 0)."""
     N = batch["input_ids"].shape[0]
     mb_size = args.ppo_mini_batch_size // world * args.n
     all_stats, first = [], None
@@ -1380,8 +1294,7 @@ def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, 
 
 
 def build_optimizers(args: Args, policy, critic, value_head):
-    """AdamW for the actor and one for the critic (the separate model, or the shared value head); the learning rate
-    rises linearly over --lr-warmup-steps optimizer steps, then stays."""
+    """AdamW for the actor and one for the critic (or the shared head); lr rises over --lr-warmup-steps, then stays."""
     def trained(m):  # (with LoRA the adapters, and a LoRA critic's value head)
         return [p for p in m.parameters() if p.requires_grad]
     optimizers = [torch.optim.AdamW(trained(policy), lr=args.lr, weight_decay=args.weight_decay)]
@@ -1401,9 +1314,8 @@ def sft_steps(args: Args) -> int:
 
 
 def warm_start(policy, tok, sample_rows, args: Args, device, autocast=contextlib.nullcontext, stop=None) -> None:
-    """Supervised fine-tuning on answers + EOS (a short phase: the model ends partly right), in the run's precision,
-    with a progress line every ~5 s. stop() -> bool: a signal came (asked every 10 steps: a collective under
-    torchrun; the run then ends)."""
+    """Supervised fine-tuning on answers + EOS in the run's precision, a progress line every ~5 s; stop() (a signal,
+    asked every 10 steps) ends it."""
     opt = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr)
     policy.train()
     steps, t0, last = sft_steps(args), time.time(), time.time()
@@ -1461,8 +1373,7 @@ def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Every rank's x (same shape on all ranks) concatenated in rank order along dim 0, on x's device; x itself with
-    one process."""
+    """Every rank's x concatenated in rank order along dim 0 (x itself with one process)."""
     if world == 1:
         return x
     import torch.distributed as dist
@@ -1474,10 +1385,9 @@ def all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, trainable: bool = True):
-    """FSDP2: each transformer block (the model's _no_split_modules), then the whole model, becomes a fully_shard unit:
-    parameters are sharded across ranks and gathered block by block for each forward; the module is changed in place
-    and returned. DDP: returns a DistributedDataParallel replica for the update (generation and scoring use the bare
-    module, which holds the same parameters). Either way gradients are averaged over ranks."""
+    """FSDP2: each transformer block (_no_split_modules), then the model, becomes a fully_shard unit, in place. DDP: a
+    DistributedDataParallel replica for the update (generation and scoring use the bare module). Either way gradients
+    are averaged over ranks."""
     if model is None:
         return None
     import torch.distributed as dist
@@ -1505,10 +1415,8 @@ def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, 
 
 
 def prepare_models(args: Args, policy, critic, value_head, ref, device, world: int):
-    """The paths to speed and scale, none of which changes what is computed: gradient checkpointing, torch.compile,
-    and under torchrun FSDP2 / DDP (after the warm-start, which every rank ran alike, and before the optimizers take
-    the parameters). Returns the modules the update calls and generation's all_done (FSDP2: every forward is a
-    collective, so the ranks stop generating together)."""
+    """Gradient checkpointing, torch.compile and under torchrun FSDP2 / DDP: none changes what is computed. Returns
+    the modules the update calls and generation's all_done (FSDP2: the ranks stop generating together)."""
     if args.gradient_checkpointing:
         for m in (policy, critic):
             if m is not None:
@@ -1528,16 +1436,17 @@ def prepare_models(args: Args, policy, critic, value_head, ref, device, world: i
 
 
 def compile_forward(model, backend: str = "inductor"):
-    """--compile: the model's forward through torch.compile, with dynamic shapes (prompt, response and KV-cache
-    lengths vary), so generation, scoring and the update all run the compiled graphs; the weights stay shared.
-    (backend: the tests trace with "aot_eager", which skips inductor's minutes of kernel compilation on a CPU.)"""
+    """--compile: the forward through torch.compile with dynamic shapes, for generation, scoring and the update (the
+    tests use backend "aot_eager": no inductor kernels to compile on a CPU)."""
     model.forward = torch.compile(model.forward, dynamic=True, backend=backend)
     return model
 
 
 def main(args: Args) -> dict:
-    with Run(args) as run:  # signals, torchrun, run directory, logging, one-line errors (plumbing)
-        rank, world, device, ckpt = run.rank, run.world, run.device, run.ckpt
+    with StopSignals() as signals:  # SIGTERM / SIGINT are noted, then honoured where nothing is half-written
+        rank, world, device = setup_distributed(args)  # torchrun: one process per rank (gloo, or NCCL per GPU)
+        ckpt = load_checkpoint(args.resume) if args.resume else None
+        stop = functools.partial(stop_requested, signals, world)  # a signal came to any rank (a collective)
         random.seed(args.seed)
         torch.manual_seed(args.seed)
         torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
@@ -1549,21 +1458,16 @@ def main(args: Args) -> dict:
         autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16(args)
                     else contextlib.nullcontext)
 
-        # The reward rule, the models and the task, all checked before anything is written or trained (bad input
-        # leaves no run directory)
+        # The reward rule, the models and the task, all checked before anything is written (bad input: no run dir)
         reward_fn = load_reward_fn(args.reward_fn, args.reward_weights)  # exact, math or FILE.py:NAME, imported once
         tok, policy, ref, stops = build_policy(args, ckpt, device)
         sample_rows, eval_rows, has_answers = build_task(args, tok, gen, world)
         rm, rm_tok = load_reward_model(args, tok, device)
-        run.check_stop()
-        run.open_dir()
         # The built-in task's supervised warm start (a user's model gets one only with --sft-steps)
         if ckpt is None and sft_steps(args) > 0 and has_answers:
-            warm_start(policy, tok, sample_rows, args, device, autocast, run.stop_requested)
-            run.check_stop()
+            warm_start(policy, tok, sample_rows, args, device, autocast, stop)
         critic, value_head = build_critic(args, policy, ckpt, device)
-        # the frozen KL reference: a copy of the policy as PPO starts, or (--lora-rank) the policy's base model, with
-        # the LoRA adapters that are trained put on the policy here
+        # the frozen KL reference: a copy of the policy, or (--lora-rank) its base model, the adapters put on here
         policy, ref = reference_policy(args, policy, ref, ckpt, device)
         train_policy, train_critic, train_value_head, all_done = prepare_models(args, policy, critic, value_head, ref,
                                                                                 device, world)
@@ -1573,26 +1477,30 @@ def main(args: Args) -> dict:
         kl_ctrl = (AdaptiveKLController(args.init_kl_coef, args.target_kl, args.kl_horizon)
                    if args.kl_ctrl_type == "adaptive" else FixedKLController(args.init_kl_coef))
         running = RunningMoments()
-        start_iteration, global_step, tracker = 1, 0, {"curve": []}
-        if ckpt is not None:
-            start_iteration, global_step, tracker = restore_trainer_state(ckpt, args, optimizers, schedulers, gen,
-                                                                          gen_dev, kl_ctrl, running, rank, world)
+        start_iteration, global_step, tracker = restore_trainer_state(ckpt, args, optimizers, schedulers, gen, gen_dev,
+                                                                      kl_ctrl, running, rank, world)
         finished = ckpt is not None and start_iteration > args.num_iterations
         if finished:  # nothing left to train: evaluate the checkpoint (a larger --num-iterations trains on)
             print(f"the checkpoint is at iteration {ckpt['iteration']} of --num-iterations {args.num_iterations}: "
                   "evaluating it")
-        if ckpt is None or finished:
-            run.evaluate(policy, tok, eval_rows, reward_fn, stops, start_iteration - 1, global_step, tracker, all_done)
-        run.check_stop()
+        if stop():  # (nothing written yet)
+            return stopped_before_training(args, signals, world)
+        run_dir = make_run_dir(args, rank, world)
+        writer = open_logs(args, run_dir, rank, resumed=ckpt is not None)  # TensorBoard; wandb with --track
+        stats, metrics, eval_stopped, written = {}, {}, False, None  # written: the last checkpoint this process wrote
+
+        def evaluation(iteration: int) -> bool:  # held-out accuracy, logged and printed; True: a signal stopped it
+            return evaluate_and_log(policy, tok, eval_rows, args, reward_fn, stops, device, rank, world, all_done,
+                                    stop, writer, iteration, global_step, tracker, written or args.resume)
 
         def save(iteration: int) -> str:  # every rank calls it at the same iteration; rank 0 writes
-            run.checkpoint = run.written = save_checkpoint(run.dir, policy, ref, critic, value_head, tok, optimizers,
-                                                           schedulers, args, global_step, iteration, gen, kl_ctrl,
-                                                           running, tracker, gen_dev, rank, world)
-            return run.written
+            return save_checkpoint(run_dir, policy, ref, critic, value_head, tok, optimizers, schedulers, args,
+                                   global_step, iteration, gen, kl_ctrl, running, tracker, gen_dev, rank, world)
 
-        run.start_training(global_step)
-        stats, metrics = {}, {}
+        # the model as training starts (or the finished checkpoint) evaluated, then a signal so far stops the run
+        if (ckpt is None or finished) and evaluation(start_iteration - 1) or stop():
+            return stopped_before_training(args, signals, world, run_dir, writer)
+        clock = {"start": time.time(), "steps": global_step, "first": start_iteration, "printed": 0.0, "warned": 0}
         for iteration in range(start_iteration, args.num_iterations + 1):
             # 1. Collect rollout: rollout_batch_size prompts x n responses (response i answers prompt i // n),
             #    sampled and scored by the policy (old log-probs), the frozen reference and the critic; under
@@ -1613,7 +1521,8 @@ def main(args: Args) -> dict:
             texts = decode_responses(tok, resp, stops)
             eos = is_stop(resp, stops).any(-1)
             rule, problem = rule_scores(reward_fn, rows, texts, args.reward_fn or "exact")
-            run.fail(problem, alone=True)  # (the user's function raised or gave no number: one line naming the prompt)
+            if problem:  # (the user's function raised or gave no number: one line naming the prompt)
+                raise stopping(problem, written or args.resume)
             raw, parts = sequence_scores(rule, rm, rm_tok, rows, texts, args, device, autocast)
             raw, correct = raw - args.missing_eos_penalty * (~eos).float(), (rule >= 1).float()
             kld = (kl_full if kl_full is not None else kl_penalty(old_logp, ref_logp, args.kl_penalty)) * maskf
@@ -1639,13 +1548,13 @@ def main(args: Args) -> dict:
             # 5. Update reference policy: theta_old <- theta, nothing to copy: the next rollout is sampled and scored
             #    by the updated policy (the KL reference stays the initial model)
             # Statistics averaged over ranks; in the same all-reduce, whether any rank got a stop signal
-            *means, signals = all_ranks_sum(torch.tensor([*stats.values(), len(run.signals)], dtype=torch.float64),
-                                            world).tolist()
+            *means, signalled = all_ranks_sum(torch.tensor([*stats.values(), len(signals.received)],
+                                                           dtype=torch.float64), world).tolist()
             stats = {k: v / world for k, v in zip(stats, means)}
             raw, correct, eos, maskf = (all_gather_cat(x, world) for x in (raw, correct, eos.float(), maskf))
             bad = [k for k, v in stats.items() if not math.isfinite(v)]
             if bad:  # stop before logging or saving: the last checkpoint written stays the last good one
-                run.fail(f"non-finite {', '.join(bad)} at iteration {iteration}")
+                raise stopping(f"non-finite {', '.join(bad)} at iteration {iteration}", written or args.resume)
             global_step += ids.shape[0] * world
             n_tok, lengths = maskf.sum().item(), maskf.sum(-1)  # all ranks' response tokens
             metrics = {
@@ -1670,62 +1579,46 @@ def main(args: Args) -> dict:
                 tracker.setdefault("rollout", []).append([iteration, metrics["rollout/accuracy"]])
             samples = [{"iteration": iteration, "prompt": r["prompt"], "response": t, "reward": float(x)}
                        for r, t, x in zip(rows[::args.n][:4], texts[::args.n][:4], raw[::args.n][:4])]
-            run.log_iteration(iteration, global_step, metrics, samples)  # TensorBoard, samples, the progress line
+            log_iteration(writer, args, iteration, global_step, metrics, samples, clock)  # + the progress line
             if iteration % args.eval_every == 0 or iteration == args.num_iterations:
-                run.evaluate(policy, tok, eval_rows, reward_fn, stops, iteration, global_step, tracker, all_done)
-            stop = args.stop_after and iteration - start_iteration + 1 >= args.stop_after
-            if (stop or signals or run.eval_stopped) and iteration < args.num_iterations:  # (all ranks alike)
-                save(iteration)
-                run.stopped(iteration, signals)
+                eval_stopped = evaluation(iteration)
+            stop_now = args.stop_after and iteration - start_iteration + 1 >= args.stop_after
+            if (stop_now or signalled or eval_stopped) and iteration < args.num_iterations:  # (all ranks alike)
+                written = save(iteration)
+                print_stopped(args, iteration, signals if signalled or eval_stopped else None, written, world)
                 break
             if args.checkpoint_every and iteration % args.checkpoint_every == 0:
-                save(iteration)
+                written = save(iteration)
         else:
             saved_now = args.checkpoint_every and args.num_iterations % args.checkpoint_every == 0  # just above
             checkpointed = ckpt is not None or args.checkpoint_every or args.stop_after  # a checkpoint along the way
-            if not finished and not saved_now and (args.save_model or checkpointed or run.eval_stopped):
-                print(f"checkpoint written to {save(args.num_iterations)}")
-            if run.eval_stopped:  # (a signal in the last evaluation: the trained model is saved above)
-                print(f"evaluation stopped ({run.why}); evaluate the trained model with: {run.launcher} {SCRIPT} "
-                      f"--resume {run.checkpoint}")
-        print(f"done in {time.time() - run.start:.1f}s; run directory {run.dir}")
-        return {"run_dir": run.dir, "curve": tracker["curve"], "stats": stats, "checkpoint": run.written,
-                "metrics": metrics}
-    return {"run_dir": None, "curve": [], "stats": {}, "checkpoint": None, "metrics": {}}  # (stopped before training)
+            if not finished and not saved_now and (args.save_model or checkpointed or eval_stopped):
+                written = save(args.num_iterations)
+                print(f"checkpoint written to {written}")
+            if eval_stopped:  # (a signal in the last evaluation: the trained model is saved above)
+                print(f"evaluation stopped ({signal_name(signals)}); evaluate the trained model with: "
+                      f"{launcher(world)} --resume {written or args.resume}")
+    close_run(writer, args, world)
+    print(f"done in {time.time() - clock['start']:.1f}s; run directory {run_dir}")
+    return {"run_dir": run_dir, "curve": tracker["curve"], "stats": stats, "checkpoint": written, "metrics": metrics}
 
 
 # =========================================================================================================
-# Plumbing: nothing below this line changes what PPO computes. Run context (torchrun, logging, signals, ...),
-# checkpoints and exact resume, evaluation, --reward-fn files, data files (datasets), local models and the checks of
-# what they will become, command line.
+# Plumbing: nothing below this line changes what PPO computes. torchrun, signals, the run directory and logging,
+# checkpoints and exact resume, evaluation, --reward-fn files, data files, local models and their checks, the command
+# line and its one error boundary.
 # =========================================================================================================
-def die(msg: str) -> None:
-    """Bad input: one line on stderr (under torchrun from rank 0 alone, as every rank finds the same), exit code 2, no
-    traceback."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
+class Failure(Exception):  # [SHARED] one line from __main__: exit 2 bad input / a checkpoint that does not fit, else 1
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
 
 
-def reason(e: BaseException) -> str:
-    """An exception as the reason in a one-line error: its type and the first line of its message."""
+def reason(e: BaseException) -> str:  # an exception in a one-line error: its type and its message's first line
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0]}" if str(e).strip() else type(e).__name__
 
 
-class Stop(Exception):
-    """A signal before training: the run ends there, with nothing half-written."""
-
-
-class WriteError(Exception):
-    """A write the file system refused (disk full, quota, read-only): one line naming the file and why, exit 1."""
-
-    def __init__(self, what: str, why: str, checkpoint: bool = False):
-        super().__init__(what, why, checkpoint)
-        self.what, self.why, self.checkpoint = what, why, checkpoint
-
-
-def exception_chain(error: Optional[BaseException]) -> list[BaseException]:
-    """error, then each exception it was raised from or while handling (__cause__, else __context__), at most 20."""
+def exception_chain(error: Optional[BaseException]) -> list[BaseException]:  # error, then its causes / contexts
     chain = []
     while error is not None and len(chain) < 20:
         chain.append(error)
@@ -1733,228 +1626,24 @@ def exception_chain(error: Optional[BaseException]) -> list[BaseException]:
     return chain
 
 
-def write_failure(error: BaseException) -> str:
-    """Why a write failed: the OSError's reason if there is one in the exception's chain (torch.save into a file
-    raises RuntimeError "unexpected pos" from it), else the exception itself (safetensors' words, say)."""
+def write_failure(error: BaseException) -> str:  # the OSError's reason (torch.save raises RuntimeError from it)
     return next((e.strerror or str(e) for e in exception_chain(error) if isinstance(e, OSError)), reason(error))
 
 
-class Run:
-    """main()'s run context, from its first line to its last: signal handlers (SIGTERM / SIGINT are recorded, then
-    honoured where nothing is half-written: before training, after an iteration, in an evaluation), the process
-    group, the run directory, TensorBoard / wandb and the progress line, and the one-line ends: bad
-    input (exit 2), a refused write (exit 1), a signal before training (exit 0; a new run directory is removed). Its
-    end puts back the handlers it found (__main__'s SIG_IGN: a signal at exit cannot make a clean stop exit 143)."""
-
-    def __init__(self, args: Args):
-        self.args, self.signals, self.ckpt, self.dir, self.writer = args, [], None, None, None
-        self.created = self.training = self.eval_stopped = False  # made the run dir; the loop began; eval stopped
-        self.warned_clip = False  # (said once: many responses hit --response-length)
-        self.checkpoint, self.written = args.resume, None  # the last checkpoint; the last one this process wrote
-        self.rank, self.world, self.start, self.stack = 0, 1, time.time(), contextlib.ExitStack()
-
-    def __enter__(self) -> Run:
-        self.handlers = {s: signal.signal(s, lambda signum, frame: self.signals.append(signum))  # first of all
-                         for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()  # (a bar per save_pretrained / from_pretrained buries the progress)
-            self.rank, self.world, self.device = setup_distributed(self.args)
-            if self.rank > 0:  # under torchrun rank 0 alone prints
-                self.stack.enter_context(contextlib.redirect_stdout(self.stack.enter_context(open(os.devnull, "w"))))
-            self.ckpt = load_checkpoint(self.args.resume) if self.args.resume else None
-            _READ.clear()  # (taken: the states loaded from it are not the file's any more)
-        except BaseException:
-            self.__exit__(*sys.exc_info())
-            raise
-        return self
-
-    def __exit__(self, kind, error, tb) -> bool:
-        if isinstance(error, Stop):
-            print(f"stopped before training ({self.why}); nothing written" + ("" if self.ckpt is None else
-                  f"; continue with: {self.launcher} {SCRIPT} --resume {self.args.resume}"), flush=True)
-        try:
-            self._close_writer(failed=kind is not None and kind is not Stop)
-        except WriteError as e:
-            kind, error = WriteError, e
-        if isinstance(error, WriteError) and self.rank == 0:
-            kept = ("" if not error.checkpoint else " (the previous checkpoint is kept)" if self.checkpoint
-                    else " (no checkpoint was written)")
-            print(f"error: cannot write {error.what}: {error.why}{kept}", file=sys.stderr)
-        if self.created and not self.training and kind is not None:  # a run directory with nothing of value
-            shutil.rmtree(self.dir, ignore_errors=True)
-        if self.world > 1:
-            import torch.distributed as dist
-
-            if kind is None:  # (a failed rank just exits: torchrun ends the others)
-                dist.barrier()  # no rank leaves while another still works (rank 0 may still be writing)
-                dist.destroy_process_group()
-        for sig, handler in self.handlers.items():
-            signal.signal(sig, handler)
-        self.stack.close()
-        if isinstance(error, WriteError):
-            raise SystemExit(1) from None
-        return isinstance(error, Stop)
-
-    @property
-    def why(self) -> str:
-        return signal.Signals(self.signals[0]).name if self.signals else "a signal to another rank"
-
-    @property
-    def launcher(self) -> str:
-        return f"torchrun --nproc-per-node {self.world}" if self.world > 1 else "python"
-
-    def stop_requested(self) -> bool:
-        """Whether a signal came to any rank (a collective under torchrun: all ranks ask at the same points)."""
-        return all_ranks_sum(torch.tensor([float(len(self.signals))]), self.world).item() > 0
-
-    def check_stop(self) -> None:
-        if self.stop_requested():
-            raise Stop
-
-    def open_dir(self) -> None:
-        """The run directory: a resumed run's own, or a new one that rank 0 makes under a name no other run has
-        (<task>__<exp>__<seed>__<time>, then -2, -3, ...)."""
-        args, path = self.args, os.path.dirname(os.path.abspath(self.args.resume or "."))
-        task = "sort" if args.dataset is None else os.path.splitext(os.path.basename(args.dataset))[0]
-        base = os.path.join(args.runs_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
-        for n in itertools.count(1) if self.ckpt is None and self.rank == 0 else ():
-            path = base if n == 1 else f"{base}-{n}"
-            try:
-                os.makedirs(path)
-                self.created = True
-                break
-            except FileExistsError:
-                continue
-            except OSError as e:  # (rank 0's exit ends a torchrun job)
-                die(f"cannot create run directory {path}: {e.strerror}")
-        self.dir = gather_objects(path, self.world)[0]
-
-    def log(self, scalars: dict, step: int) -> None:
-        """Scalars to TensorBoard (and wandb with --track) from rank 0; the writer is made on first use."""
-        if self.rank != 0:
-            return
-        try:
-            if self.writer is None:
-                from torch.utils.tensorboard import SummaryWriter
-
-                if self.args.track:
-                    import wandb
-
-                    name = os.path.basename(self.dir)
-                    wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, name=name, id=name,
-                               sync_tensorboard=True, config=vars(self.args), dir=self.dir, resume="allow")
-                self.writer = SummaryWriter(self.dir)
-                if self.ckpt is None:
-                    self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
-                                         "\n".join(f"|{k}|{v}|" for k, v in vars(self.args).items()))
-            for k, v in scalars.items():
-                self.writer.add_scalar(k, v, step)
-        except OSError as e:  # (tensorboard's writer thread failed)
-            raise WriteError(f"the TensorBoard events in {self.dir}", e.strerror or str(e)) from None
-
-    def _close_writer(self, failed: bool) -> None:
-        try:
-            if self.writer is not None:
-                self.writer.close()
-        except OSError as e:
-            if not failed:
-                raise WriteError(f"the TensorBoard events in {self.dir}", e.strerror or str(e)) from None
-        finally:
-            if self.args.track and self.writer is not None:
-                import wandb
-
-                wandb.finish(exit_code=int(failed))
-
-    def start_training(self, global_step: int) -> None:
-        self.training, self.start, self.steps_at_start, self.first, self.last_print = (True, time.time(), global_step,
-                                                                                       None, 0.0)
-
-    def log_iteration(self, iteration: int, global_step: int, m: dict, samples: list = ()) -> None:
-        """An iteration's scalars, with charts/SPS (this process's steps per second); its sample completions
-        (prompt, response, reward) to TensorBoard text samples/completions and to samples.jsonl in the run
-        directory; every ~5 s (and on the first and the last iteration) the progress line, which ends with the time
-        left at the current speed."""
-        now, nan, self.first = time.time(), float("nan"), self.first or iteration
-        m["charts/SPS"] = (global_step - self.steps_at_start) / max(now - self.start, 1e-9)
-        self.log(m, global_step)
-        if self.rank == 0 and samples:
-            path = os.path.join(self.dir, "samples.jsonl")
-            try:
-                with open(path, "a", encoding="utf-8") as f:
-                    f.write("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in samples))
-            except OSError as e:
-                raise WriteError(path, e.strerror or str(e)) from None
-            cell = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-            if self.writer is not None:  # (made by self.log)
-                self.writer.add_text("samples/completions", "|prompt|response|reward|\n|-|-|-|\n" + "\n".join(
-                    f"|{cell(x['prompt'])}|{cell(x['response'])}|{x['reward']:g}|" for x in samples), global_step)
-        if m["response/clip_ratio"] > 0.5 and not self.warned_clip:
-            self.warned_clip = True
-            print(f"warning: {m['response/clip_ratio']:.0%} of the responses hit --response-length "
-                  f"{self.args.response_length} without EOS (cut off, scored as they are): a longer limit may suit "
-                  "this task", flush=True)
-        if now - self.last_print >= 5.0 or iteration in (self.first, self.args.num_iterations):
-            self.last_print = now
-            per_iteration = (now - self.start) / (iteration - self.first + 1)  # (evaluations included)
-            accuracy = f"acc={m['rollout/accuracy']:.3f}  " if "rollout/accuracy" in m else ""
-            print(f"iter {iteration}/{self.args.num_iterations}  reward={m['rollout/reward_mean']:.3f}  {accuracy}"
-                  f"kl={m.get('kl/kl_mean', nan):.4f}  entropy={m.get('losses/entropy', nan):.3f}  "
-                  f"len={m['response/length_mean']:.2f}  clipfrac={m.get('losses/clipfrac', 0.0):.3f}  "
-                  f"vloss={m.get('losses/value_loss', nan):.4f}  gen_tok/s={m['perf/gen_tokens_per_s']:.0f}  "
-                  f"train_tok/s={m['perf/train_tokens_per_s']:.0f}  "
-                  f"eta={eta_text(per_iteration * (self.args.num_iterations - iteration))}", flush=True)
-
-    def evaluate(self, policy, tok, rows: list, rule, stops, iteration: int, step: int, tracker: dict,
-                 all_done=None) -> None:
-        """Held-out accuracy, greedy and sampled: logged, printed, kept in tracker["curve"]; a signal stops it."""
-        if rows:
-            gen = torch.Generator(self.device).manual_seed(self.args.seed + 1 + self.rank)
-            ev = evaluate(policy, tok, rows, self.args, rule, stops, gen, self.device, self.rank, self.world, all_done,
-                          stop=self.stop_requested)
-            self.eval_stopped = ev is None
-            if ev is not None:
-                self.fail(ev.pop("problem"), alone=True)
-                self.log({f"eval/{k}": v for k, v in ev.items()}, step)
-                tracker["curve"].append([iteration, ev["accuracy_greedy"], ev["accuracy_sampled"]])
-                print(f"eval iter {iteration}: accuracy greedy {ev['accuracy_greedy']:.3f}  sampled "
-                      f"{ev['accuracy_sampled']:.3f}" + "".join(f"  {k} {v:.3f}" for k, v in ev.items()
-                                                                 if k.startswith("pass@")))
-
-    def stopped(self, iteration: int, signalled) -> None:
-        why = self.why if signalled or self.eval_stopped else f"--stop-after {self.args.stop_after}"
-        print(f"stopped at iteration {iteration} ({why}); continue with: {self.launcher} {SCRIPT} --resume "
-              f"{self.written}" + (f" (which stops again after {self.args.stop_after} iterations, the checkpoint's "
-              "--stop-after; add --stop-after 0 to run to the end)" if self.args.stop_after else ""), flush=True)
-
-    def fail(self, message: Optional[str], alone: bool = False) -> None:
-        """The run cannot go on (message None: it can): one line that names the last checkpoint if there is one, exit
-        1. alone: what this rank alone found (the reward function on its rows; under torchrun its exit ends the job)."""
-        kept = f"last checkpoint kept: {self.checkpoint}" if self.checkpoint else "no checkpoint was written"
-        if message is not None and (alone or self.rank == 0):
-            print(f"error: {message}; stopping ({kept})", file=sys.stderr)
-        if message is not None:
-            raise SystemExit(1)
+def stopping(message: str, last_checkpoint: Optional[str]) -> Failure:  # the run cannot go on: exit 1
+    kept = f"last checkpoint kept: {last_checkpoint}" if last_checkpoint else "no checkpoint was written"
+    return Failure(f"{message}; stopping ({kept})", code=1)
 
 
-def eta_text(seconds: float) -> str:
-    """Time left for the progress line: 2h05m, 13m20s or 45s ("?" before the speed is known)."""
-    if not math.isfinite(seconds) or seconds < 0:
-        return "?"
-    s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
-# --- torchrun: the process group and the device ----------------------------------------------------------------
-def gpu_for_each_process() -> bool:
-    """--cuda's default: whether torch sees a GPU for each process on this machine (torchrun's LOCAL_WORLD_SIZE; one
-    without torchrun). With fewer GPUs than processes the default is the CPU."""
+# --- torchrun, signals, the run directory, TensorBoard and the progress line -------------------------------------
+def gpu_for_each_process() -> bool:  # --cuda's default
     return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
-    """Rank, world size and device. Without torchrun (or with one process) no process group is created."""
+def setup_distributed(args: Args) -> tuple[int, int, torch.device]:  # a process group under torchrun (gloo / NCCL)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # (a bar per from_pretrained / save_pretrained buries the progress line)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.cuda and args.torch_deterministic:  # (deterministic cuBLAS: set before its first call)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -1962,42 +1651,181 @@ def setup_distributed(args: Args) -> tuple[int, int, torch.device]:
         return 0, 1, torch.device("cuda" if args.cuda else "cpu")
     import torch.distributed as dist
 
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device("cpu")
-    if args.cuda:  # one GPU per rank
-        device = torch.device("cuda", local_rank)
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.cuda else torch.device("cpu")
+    if args.cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if args.cuda else "gloo")
     return dist.get_rank(), world, device
 
 
-def gather_objects(obj, world: int) -> list:
-    """[obj of rank 0, obj of rank 1, ...] on every rank."""
-    if world == 1:
-        return [obj]
-    import torch.distributed as dist
-
-    out = [None] * world
-    dist.all_gather_object(out, obj)
+def gather_objects(obj, world: int) -> list:  # [obj of rank 0, obj of rank 1, ...] on every rank
+    out = [obj] * world
+    if world > 1:
+        torch.distributed.all_gather_object(out, obj)
     return out
 
 
-def full_state(state):
-    """A state dict (model or optimizer, nested) with FSDP2's sharded DTensors gathered into full CPU tensors. Every
-    rank must call it, in the same order (it is a collective under FSDP2); plain tensors come back unchanged."""
+class StopSignals:  # [SHARED] while active, SIGTERM / SIGINT are noted (main stops at the end of the iteration)
+    def __enter__(self):
+        self.received: list[int] = []
+        self.previous = {s: signal.signal(s, lambda signum, _: self.received.append(signum))
+                         for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def stop_requested(signals: StopSignals, world: int) -> bool:  # a signal came to any rank (all ranks ask alike)
+    return all_ranks_sum(torch.tensor([float(len(signals.received))]), world).item() > 0
+
+
+def signal_name(signals: StopSignals) -> str:
+    return signal.Signals(signals.received[0]).name if signals.received else "a signal to another rank"
+
+
+def launcher(world: int) -> str:
+    return f"{f'torchrun --nproc-per-node {world}' if world > 1 else 'python'} {SCRIPT}"
+
+
+def stopped_before_training(args: Args, signals: StopSignals, world: int, run_dir=None, writer=None) -> dict:
+    if writer is not None:
+        writer.close()
+    if run_dir is not None and not args.resume:  # a new run directory holds nothing of value
+        shutil.rmtree(run_dir, ignore_errors=True)
+    print(f"stopped before training ({signal_name(signals)}); nothing written" + (
+        f"; continue with: {launcher(world)} --resume {args.resume}" if args.resume else ""), flush=True)
+    return {"run_dir": None, "curve": [], "stats": {}, "checkpoint": None, "metrics": {}}
+
+
+def print_stopped(args: Args, iteration: int, signals: Optional[StopSignals], path: str, world: int) -> None:
+    why = signal_name(signals) if signals is not None else f"--stop-after {args.stop_after}"
+    print(f"stopped at iteration {iteration} ({why}); continue with: {launcher(world)} --resume {path}" + (
+        f" (which stops again after {args.stop_after} iterations, the checkpoint's --stop-after; add --stop-after 0 "
+        "to run to the end)" if args.stop_after else ""), flush=True)
+
+
+def make_run_dir(args: Args, rank: int, world: int) -> str:  # the resumed run's, or a new one that rank 0 makes
+    if args.resume:
+        return os.path.dirname(os.path.abspath(args.resume))
+    task = "sort" if args.dataset is None else os.path.splitext(os.path.basename(args.dataset))[0]
+    base = os.path.join(args.runs_dir, f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+    run_dir, n = base, 1
+    while rank == 0:
+        try:
+            os.makedirs(run_dir)
+            break
+        except FileExistsError:  # another run started in the same second
+            n, run_dir = n + 1, f"{base}-{n + 1}"
+        except OSError as e:
+            raise Failure(f"cannot create the run directory {run_dir}: {e.strerror or e}", code=1) from None
+    return gather_objects(run_dir, world)[0]
+
+
+@contextlib.contextmanager
+def tensorboard_writes(run_dir: str):  # a refused write of the events (in tensorboard's writer thread): exit 1
+    try:
+        yield
+    except OSError as e:
+        raise Failure(f"cannot write the TensorBoard events in {run_dir}: {e.strerror or e}", code=1) from None
+
+
+def open_logs(args: Args, run_dir: str, rank: int, resumed: bool):  # TensorBoard (wandb with --track), rank 0
+    if rank != 0:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    if args.track:
+        import wandb
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
+                   name=os.path.basename(run_dir), id=os.path.basename(run_dir), resume="allow", dir=run_dir)
+    with tensorboard_writes(run_dir):
+        writer = SummaryWriter(run_dir)
+        atexit.register(close_quietly, writer)  # a run that ends on a Failure still writes its last scalars
+        if not resumed:
+            table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+            writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    return writer
+
+
+def close_quietly(writer) -> None:
+    with contextlib.suppress(OSError):
+        writer.close()
+
+
+def log_scalars(writer, scalars: dict, step: int) -> None:
+    for k, v in scalars.items() if writer is not None else ():
+        with tensorboard_writes(writer.log_dir):
+            writer.add_scalar(k, v, step)
+
+
+def log_iteration(writer, args: Args, iteration: int, global_step: int, m: dict, samples: list, clock: dict) -> None:
+    """An iteration's scalars and charts/SPS; its sample completions to TensorBoard text and samples.jsonl; every
+    ~5 s (and at the first and the last iteration) the progress line, which ends with the time left."""
+    now, nan = time.time(), float("nan")
+    m["charts/SPS"] = (global_step - clock["steps"]) / max(now - clock["start"], 1e-9)  # this process's steps/s
+    log_scalars(writer, m, global_step)
+    if writer is not None and samples:
+        path = os.path.join(writer.log_dir, "samples.jsonl")
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in samples))
+        except OSError as e:
+            raise Failure(f"cannot write {path}: {e.strerror or e}", code=1) from None
+        cell = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        with tensorboard_writes(writer.log_dir):
+            writer.add_text("samples/completions", "|prompt|response|reward|\n|-|-|-|\n" + "\n".join(
+                f"|{cell(x['prompt'])}|{cell(x['response'])}|{x['reward']:g}|" for x in samples), global_step)
+    if m["response/clip_ratio"] > 0.5 and not clock["warned"]:
+        clock["warned"] = 1
+        print(f"warning: {m['response/clip_ratio']:.0%} of the responses hit --response-length "
+              f"{args.response_length} without EOS (cut off, scored as they are): a longer limit may suit this task",
+              flush=True)
+    if now - clock["printed"] >= 5.0 or iteration in (clock["first"], args.num_iterations):
+        clock["printed"] = now
+        per_iteration = (now - clock["start"]) / (iteration - clock["first"] + 1)  # (evaluations included)
+        accuracy = f"acc={m['rollout/accuracy']:.3f}  " if "rollout/accuracy" in m else ""
+        print(f"iter {iteration}/{args.num_iterations}  reward={m['rollout/reward_mean']:.3f}  {accuracy}"
+              f"kl={m.get('kl/kl_mean', nan):.4f}  entropy={m.get('losses/entropy', nan):.3f}  "
+              f"len={m['response/length_mean']:.2f}  clipfrac={m.get('losses/clipfrac', 0.0):.3f}  "
+              f"vloss={m.get('losses/value_loss', nan):.4f}  gen_tok/s={m['perf/gen_tokens_per_s']:.0f}  "
+              f"train_tok/s={m['perf/train_tokens_per_s']:.0f}  "
+              f"eta={eta_text(per_iteration * (args.num_iterations - iteration))}", flush=True)
+
+
+def eta_text(seconds: float) -> str:  # [SHARED] 2h05m, 13m20s or 45s ("?" before the speed is known)
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def close_run(writer, args: Args, world: int) -> None:  # the events flushed; no rank leaves while another works
+    if writer is not None:
+        with tensorboard_writes(writer.log_dir):
+            writer.close()
+    if writer is not None and args.track:
+        import wandb
+
+        wandb.finish()
+    if world > 1:
+        torch.distributed.barrier()  # (rank 0 may still be writing)
+        torch.distributed.destroy_process_group()
+
+
+# --- Checkpoints: save_pretrained for policy, reference and critic + trainer state in checkpoint.pt; exact resume ---
+def full_state(state):  # FSDP2's sharded DTensors gathered into full CPU tensors (a collective: every rank calls it)
     from torch.distributed.tensor import DTensor
 
     if isinstance(state, dict):
         return {k: full_state(v) for k, v in state.items()}
     if isinstance(state, list):
         return [full_state(v) for v in state]
-    if isinstance(state, DTensor):
-        return state.full_tensor().cpu()
-    return state
+    return state.full_tensor().cpu() if isinstance(state, DTensor) else state
 
 
-def shard_optimizer_state(opt) -> None:
-    """After load_state_dict of a full optimizer state: each moment back to its FSDP2 parameter's sharding."""
+def shard_optimizer_state(opt) -> None:  # after load_state_dict of a full state: moments sharded as their parameters
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     for p, st in opt.state.items():
@@ -2007,18 +1835,14 @@ def shard_optimizer_state(opt) -> None:
                     st[k] = distribute_tensor(v.to(p.device_mesh.device_type), p.device_mesh, p.placements)
 
 
-# --- Checkpoints: save_pretrained for policy, reference and critic + trainer state in checkpoint.pt; exact resume ---
-
-
 def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimizers, schedulers, args: Args,
                     global_step: int, iteration: int, gen, kl_ctrl, running: RunningMoments, tracker: dict,
                     gen_dev=None, rank: int = 0, world: int = 1) -> str:
-    """Atomic: the models go to a new checkpoint-<iteration>/ directory, then checkpoint.pt, which names that
-    directory, is replaced in one rename (the commit point); older checkpoint-* directories are removed after.
-    A kill at any moment leaves a checkpoint.pt whose models are complete; a failed write removes what this save
-    wrote and raises WriteError (rank 0's exit ends a torchrun job). Under torchrun every rank calls it (FSDP2
-    shards are gathered into full tensors) and rank 0 writes. With LoRA (ref is AdaptersOff) policy/ (and a LoRA critic/)
-    holds the adapters (peft's save_pretrained) and ref/ the base model they go on."""
+    """Atomic: the models go to a new checkpoint-<iteration>/ directory, then checkpoint.pt, which names it, is
+    replaced in one rename (the commit point); older checkpoint-* directories are removed after. A kill at any moment
+    leaves a checkpoint.pt whose models are complete; a failed write removes what this save wrote (Failure, exit 1).
+    Every rank calls it (FSDP2 shards are gathered), rank 0 writes. With LoRA policy/ (and a LoRA critic/) holds the
+    adapters and ref/ the base model they go on."""
     sub, path = f"checkpoint-{iteration}", os.path.join(run_dir, "checkpoint.pt")
     lora, has_ref = bool(args.lora_rank), bool(args.lora_rank) or ref is not None  # (no KL term: no reference)
     write_ref = has_ref and gather_objects(not os.path.isdir(os.path.join(run_dir, "ref")), world)[0]  # written once
@@ -2072,60 +1896,61 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
                 if d.startswith("checkpoint-") and d != sub:
                     shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
     if failed is not None:  # (under torchrun rank 0's exit ends the job)
-        raise WriteError(*failed, checkpoint=True)
+        kept = "the previous checkpoint is kept" if os.path.exists(path) else "no checkpoint was written"
+        raise Failure(f"cannot write {failed[0]}: {failed[1]} ({kept})", code=1)
     return path
 
 
-def base_weights(policy) -> dict:
-    """The state dict of a LoRA policy's base model, as the model had it before peft put the adapters in (what
-    save_pretrained writes to ref/, loadable without peft)."""
+def base_weights(policy) -> dict:  # a LoRA policy's base model as it was before peft (ref/, loadable without peft)
     return {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v
             for k, v in policy.state_dict().items() if "lora_" not in k}
 
 
-def saved_model_dir(args: Args, ckpt: Optional[dict], name: str) -> Optional[str]:
-    """The save_pretrained directory of the checkpoint's model `name` (policy, ref, critic); None without one."""
+def saved_model_dir(args: Args, ckpt: Optional[dict], name: str) -> Optional[str]:  # policy, ref or critic
     if ckpt is None:
         return None
     with checkpoint_fits(args.resume):
         return os.path.join(os.path.dirname(os.path.abspath(args.resume)), ckpt["model"][name])
 
 
-_READ: dict = {}  # the last checkpoint read: parse_args reads it for the saved arguments, main() gets the same dict
+_READ: dict = {}  # parse_args' read of --resume, which main() takes: a checkpoint is read once per process
 
 
-def load_checkpoint(path: str) -> dict:
-    """checkpoint.pt, read once per process (parse_args reads the saved arguments, main() gets the same dict). One that
-    does not load or is another script's is one line, exit 2; what does not fit is checkpoint_fits'."""
+def load_checkpoint(path: str, keep: bool = False) -> dict:
     if not os.path.isfile(path):
-        die(f"--resume: no such file {path}")
-    key = (os.path.abspath(path), os.stat(path).st_mtime_ns, os.stat(path).st_size)
-    if _READ.get("key") != key:
-        try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001
-            die(f"cannot read checkpoint {path}: {reason(e)}")
-        if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
-            die(f"{path} is not a {SCRIPT} checkpoint "
-                f"(script={ckpt.get('script') if isinstance(ckpt, dict) else None})")
-        _READ.update(key=key, ckpt=ckpt)
-    return _READ["ckpt"]
+        raise Failure(f"--resume: no such file {path}")
+    key = (os.path.abspath(path), os.stat(path).st_mtime_ns)
+    try:
+        ckpt = _READ.pop(key, None) or torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise Failure(f"cannot read checkpoint {path}: {reason(e)}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
+        raise Failure(f"{path} is not a {SCRIPT} checkpoint")
+    if keep:
+        _READ[key] = ckpt
+    return ckpt
 
 
 @contextlib.contextmanager
-def checkpoint_fits(path: str):
-    """What reading a checkpoint's states raises (an entry missing, another model, another number of optimizers, a
-    generator state of another size) is one line, exit 2."""
+def checkpoint_fits(path: str):  # [SHARED] what torch or the envs raise on a checkpoint that does not fit: one line
     try:
         yield
-    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        die(f"checkpoint {path} does not fit this run: {reason(e)}")
+    except Failure:
+        raise
+    except Exception as e:
+        raise Failure(f"checkpoint {path} does not fit this run: {type(e).__name__}: {first_line(e)}") from None
+
+
+def first_line(e: BaseException) -> str:  # [SHARED]
+    return (str(e).splitlines() or [""])[0]
 
 
 def restore_trainer_state(ckpt: dict, args: Args, optimizers, schedulers, gen, gen_dev, kl_ctrl, running, rank: int,
                           world: int):
-    """Optimizers and schedulers (--lr, --critic-lr, --weight-decay as given now, at the saved warm-up position),
-    generators, KL coefficient, running reward statistics. Returns (next iteration, global step, tracker)."""
+    """(next iteration, global step, tracker), and optimizers, schedulers (--lr, --critic-lr, --weight-decay as given
+    now, at the saved warm-up position), generators, KL coefficient, running reward statistics as saved."""
+    if ckpt is None:
+        return 1, 0, {"curve": []}
     with checkpoint_fits(args.resume):
         if len(ckpt["optimizer"]) != len(optimizers):
             raise ValueError(f"{len(ckpt['optimizer'])} optimizers saved, {len(optimizers)} here")
@@ -2161,12 +1986,10 @@ def restore_trainer_state(ckpt: dict, args: Args, optimizers, schedulers, gen, g
 @torch.no_grad()
 def evaluate(policy, tok, rows: list[dict], args: Args, rule, stops, gen, device, rank: int = 0, world: int = 1,
              all_done=None, stop=None) -> Optional[dict]:
-    """Accuracy on held-out prompts: greedy, and sampled once with the rollout's temperature / top-p / top-k; with
-    --eval-n n, n samples per prompt at --eval-temperature give pass@1 (their mean) and pass@k for k = 2, 4, ..., n
-    (pass_at_k). A response is correct when the --reward-fn rule (rule, as load_reward_fn gives it) scores it 1 or
-    more; stops: the stop tokens (stop_token_ids). Under torchrun each rank scores
-    an equal share of the rows (len(rows) // world each) and the sums are added. stop() -> bool is asked before each
-    chunk of prompts (a signal came: None). "problem": why the rule failed (the user's function), else None."""
+    """Accuracy on held-out prompts: greedy, and sampled once as the rollout samples; with --eval-n n, n samples per
+    prompt at --eval-temperature give pass@1 and pass@k for k = 2, 4, ..., n. Correct: the --reward-fn rule scores it
+    1 or more. Under torchrun each rank scores an equal share and the sums are added. stop() is asked before each
+    micro-batch (a signal came: None). "problem": why the rule failed (the user's function), else None."""
     per_rank = len(rows) // world
     mine = rows[rank * per_rank:(rank + 1) * per_rank]
     # micro-batches of the rollout's size (--rollout-micro-batch-size, else a rank's share of a rollout)
@@ -2205,17 +2028,33 @@ def evaluate(policy, tok, rows: list[dict], args: Args, rule, stops, gen, device
             "problem": next((p for p in problems if p is not None), None)}
 
 
+def evaluate_and_log(policy, tok, rows, args: Args, rule, stops, device, rank: int, world: int, all_done, stop,
+                     writer, iteration: int, step: int, tracker: dict, last_checkpoint) -> bool:  # True: stopped
+    if not rows:
+        return False
+    gen = torch.Generator(device).manual_seed(args.seed + 1 + rank)
+    ev = evaluate(policy, tok, rows, args, rule, stops, gen, device, rank, world, all_done, stop=stop)
+    if ev is None:
+        return True
+    if ev["problem"]:
+        raise stopping(ev["problem"], last_checkpoint)
+    del ev["problem"]
+    log_scalars(writer, {f"eval/{k}": v for k, v in ev.items()}, step)
+    tracker["curve"].append([iteration, ev["accuracy_greedy"], ev["accuracy_sampled"]])
+    print(f"eval iter {iteration}: accuracy greedy {ev['accuracy_greedy']:.3f}  sampled {ev['accuracy_sampled']:.3f}"
+          + "".join(f"  {k} {v:.3f}" for k, v in ev.items() if k.startswith("pass@")))
+    return False
+
+
 # --- Reward functions: --reward-fn FILE.py:NAME, imported once -----------------------------------------------------
-def load_reward_fn(spec: Optional[str], weights: Optional[list[float]] = None):
-    """--reward-fn's functions, several (comma-separated) as their weighted sum (weighted_sum; weights: 1 each)."""
+def load_reward_fn(spec: Optional[str], weights: Optional[list[float]] = None):  # several: their weighted sum
     specs = (spec or "exact").split(",")  # (as many weights: validate)
     return weighted_sum([load_one_reward_fn(s.strip()) for s in specs], weights or [1.0] * len(specs))
 
 
 def load_one_reward_fn(spec: Optional[str]):
-    """The rule of --reward-fn: exact (the default), math, or the function NAME(prompt, response, answer) -> float of
-    FILE.py (verl's custom_reward_function.path / .name, TRL's reward_funcs). A file that does not import or has no
-    such function is one line, exit 2 (main asks before anything is written)."""
+    """exact (the default), math, or NAME(prompt, response, answer, **columns) -> float of FILE.py (verl's
+    custom_reward_function.path / .name, TRL's reward_funcs)."""
     spec = spec or "exact"
     if spec in REWARD_RULES:
         return REWARD_RULES[spec]
@@ -2227,9 +2066,9 @@ def load_one_reward_fn(spec: Optional[str]):
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - the user's file: whatever stops it from importing is bad input
-        die(f"--reward-fn {spec}: cannot import {path}: {reason(e)}")
+        raise Failure(f"--reward-fn {spec}: cannot import {path}: {reason(e)}")
     if not callable(getattr(module, name, None)):
-        die(f"--reward-fn {spec}: {path} has no function {name!r}")
+        raise Failure(f"--reward-fn {spec}: {path} has no function {name!r}")
     return getattr(module, name)
 
 
@@ -2238,9 +2077,8 @@ DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # ext
 
 
 def read_rows(path: str, flag: str) -> list[dict]:
-    """Every row of a local data file, read by Hugging Face datasets (offline; its cache in a
-    temporary directory, removed: nothing is left in ~/.cache). A UTF-8 byte-order mark is allowed; a file it cannot
-    read is one line, exit 2."""
+    """Every row of a local data file through Hugging Face datasets, offline, its cache removed (nothing is left in
+    ~/.cache); a UTF-8 byte-order mark is allowed."""
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
         os.environ.setdefault(var, "1")
     import datasets
@@ -2256,18 +2094,16 @@ def read_rows(path: str, flag: str) -> list[dict]:
     except Exception as e:  # noqa: BLE001 - whatever the reader raises, the file is bad input
         with open(path, "rb") as f:
             if kind == "json" and not f.read().removeprefix(b"\xef\xbb\xbf").strip():
-                die(f"{flag} {path}: empty (no rows)")
-        die(f"{flag} {path}: cannot read it as {kind} ({reason(exception_chain(e)[-1])})")
+                raise Failure(f"{flag} {path}: empty (no rows)")
+        raise Failure(f"{flag} {path}: cannot read it as {kind} ({reason(exception_chain(e)[-1])})")
     finally:
         datasets.logging.set_verbosity(verbosity)
 
 
 def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: str = "--dataset",
                  prompt_key: str = "prompt", answer_key: str = "answer") -> list[dict]:
-    """Rows {"prompt", "answer"} of a data file: the prompt (text, or a list of chat messages {"role", "content"}
-    for the tokenizer's chat template) from column prompt_key, the answer (as text: answer_text; None where missing)
-    from answer_key, a dotted path reaching into nested columns (reward_model.ground_truth). Prompts longer than
-    prompt_length tokens are dropped with a note."""
+    """Rows {"prompt" (text or chat messages), "answer" (text or None), "columns" (the others)}; a key may be a dotted
+    path into nested columns (reward_model.ground_truth). Prompts longer than prompt_length are dropped with a note."""
     def column(row, key):
         if key in row:
             return row[key]
@@ -2283,52 +2119,51 @@ def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: s
     table, rows = read_rows(path, flag), []
     for key, name, default in ((prompt_key, "--prompt-key", None), (answer_key, "--answer-key", Args.answer_key)):
         if table and key != default and all(column(r, key) is None for r in table):  # (a mistyped key, say)
-            die(f"{flag} {path}: no column {key!r} ({name}); its columns: {', '.join(column_names(table[0]))}")
+            raise Failure(f"{flag} {path}: no column {key!r} ({name}); its columns: "
+                          f"{', '.join(column_names(table[0]))}")
     for i, row in enumerate(table):
         prompt, answer = column(row, prompt_key), column(row, answer_key)
         if isinstance(prompt, list) and prompt and all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in prompt):
             if not tok.chat_template:
-                die(f"{flag} {path}: its prompts are chat messages, but the policy's tokenizer has no chat template")
+                raise Failure(f"{flag} {path}: its prompts are chat messages, but the policy's tokenizer has no chat "
+                              "template")
         elif not isinstance(prompt, str):
-            die(f"{flag} {path} {where(i)}: {prompt_key!r} is {prompt!r:.40}, neither text nor a list of chat "
-                "messages {'role', 'content'}")
+            raise Failure(f"{flag} {path} {where(i)}: {prompt_key!r} is {prompt!r:.40}, neither text nor a list of "
+                          "chat messages {'role', 'content'}")
         elif not prompt:
-            die(f"{flag} {path} {where(i)}: empty prompt")
+            raise Failure(f"{flag} {path} {where(i)}: empty prompt")
         columns = {k: v for k, v in row.items() if k not in (prompt_key, answer_key, "prompt", "response", "answer")}
         rows.append({"prompt": prompt, "answer": answer_text(answer), "columns": columns})
     if not rows:
-        die(f"{flag} {path}: empty (no rows)")
+        raise Failure(f"{flag} {path}: empty (no rows)")
     kept = [r for r in rows if len(prompt_token_ids(tok, r["prompt"], chat)) <= prompt_length]
     if len(kept) < len(rows):
         print(f"note: dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than --prompt-length {prompt_length}")
     if not kept:
-        die(f"{flag} {path}: no prompt fits --prompt-length {prompt_length}")
+        raise Failure(f"{flag} {path}: no prompt fits --prompt-length {prompt_length}")
     return kept
 
 
-def column_names(row: dict, prefix: str = "") -> list[str]:
-    """A row's columns, nested ones by their dotted path (reward_model.ground_truth), as --answer-key reaches them."""
+def column_names(row: dict, prefix: str = "") -> list[str]:  # nested ones by their dotted path, as keys reach them
     return [name for key, value in row.items() for name in (column_names(value, f"{prefix}{key}.")
                                                             if isinstance(value, dict) and value else [prefix + key])]
 
 
 def answer_text(value) -> Optional[str]:
-    """An answer as text: text as the file has it; a number as the file writes it, but for floats that are whole
-    numbers, written as integers (datasets reads the 72 of a JSON column that also holds 2.5 as 72.0); None as None."""
+    """Text as it is; a number as text, whole floats as integers (datasets reads 72 in a column with 2.5 as 72.0)."""
     if value is None or isinstance(value, str):
         return value
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
 # --- Local models: loaded, with the checks that turn a model that cannot work here into one line (exit 2) ----------
-def load_pretrained(what: str, path: str, from_pretrained, trust_remote_code: bool, **kwargs):
-    """from_pretrained(path): a model or tokenizer directory that does not load is one line saying why, exit 2."""
+def load_pretrained(what: str, path: str, from_pretrained, trust_remote_code: bool, **kwargs):  # or one line
     try:
         return from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     except Exception as e:  # noqa: BLE001 - any loader failure is bad input here
-        die(f"cannot load {what} from {path}: {reason(e)}")
+        raise Failure(f"cannot load {what} from {path}: {reason(e)}")
 
 
 def load_tokenizer(path: str, trust_remote_code: bool):
@@ -2336,7 +2171,7 @@ def load_tokenizer(path: str, trust_remote_code: bool):
 
     tok = load_pretrained("a tokenizer", path, AutoTokenizer.from_pretrained, trust_remote_code)
     if tok.eos_token_id is None:
-        die(f"tokenizer in {path} has no EOS token: responses could not end")
+        raise Failure(f"tokenizer in {path} has no EOS token: responses could not end")
     if tok.pad_token_id is None:
         print(f"note: tokenizer in {path} has no pad token; using EOS ({tok.eos_token!r}) as pad token")
         tok.pad_token = tok.eos_token
@@ -2344,25 +2179,23 @@ def load_tokenizer(path: str, trust_remote_code: bool):
 
 
 def check_positions(model, length: int, source: str) -> None:
-    """A model with learned absolute position embeddings (GPT-2, OPT, ...) has no position past its table, so a
-    prompt plus response longer than it would fail deep inside a forward: exit 2 with the sizes. A rotary or ALiBi
-    model runs past max_position_embeddings (on positions it was not trained on): a note."""
+    """Learned absolute positions (GPT-2, OPT, ...) end at their table: a longer prompt + response is one line, exit 2.
+    A rotary or ALiBi model runs past max_position_embeddings (untrained positions): a note."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if not isinstance(limit, int) or length <= limit:
         return
     words = model.get_input_embeddings()
     if any(isinstance(m, nn.Embedding) and m is not words and limit <= m.num_embeddings <= limit + 2
            for m in model.modules()):
-        die(f"--prompt-length + --response-length = {length} tokens, more than the {limit} learned positions of "
-            f"{source}")
+        raise Failure(f"--prompt-length + --response-length = {length} tokens, more than the {limit} learned "
+                      f"positions of {source}")
     print(f"note: --prompt-length + --response-length = {length} tokens, more than {source}'s "
           f"max_position_embeddings ({limit})")
 
 
 def check_models(args: Args, policy, ckpt: Optional[dict]) -> None:
-    """Before anything is written, and before the warm start: what build_critic and reference_policy will make of
-    the policy, made now of skeletons on the meta device (no memory, no weights): a separate critic of its class, and
-    LoRA adapters, new on --lora-target-modules or the checkpoint's, loaded. What fails is one line, exit 2."""
+    """What build_critic and reference_policy will make of the policy, built now on the meta device (no memory), so
+    that what fails does so before anything is written: a separate critic of its class, LoRA adapters (new or saved)."""
     check_lora_targets(args, policy)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*non-meta parameter")  # (saved adapter weights go nowhere here)
@@ -2373,8 +2206,7 @@ def check_models(args: Args, policy, ckpt: Optional[dict]) -> None:
             with_lora(critic, args, "TOKEN_CLS", saved_model_dir(args, ckpt, "critic"))
 
 
-def check_lora_targets(args: Args, model) -> None:
-    """Before anything is written: each name of --lora-target-modules ends the name of one of the model's modules."""
+def check_lora_targets(args: Args, model) -> None:  # each name of --lora-target-modules ends a module's name
     targets = lora_targets(args)
     if not args.lora_rank or targets == "all-linear":
         return
@@ -2382,14 +2214,13 @@ def check_lora_targets(args: Args, model) -> None:
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-        die(f"--lora-target-modules: no module {', '.join(missing)} in the policy (its linear layers: "
-            f"{', '.join(linear)})")
+        raise Failure(f"--lora-target-modules: no module {', '.join(missing)} in the policy (its linear layers: "
+                      f"{', '.join(linear)})")
 
 
 def load_reward_model(args: Args, tok, device):
-    """--reward-model-path, checked before anything is written: a trained score head in its weights (Hugging Face
-    gives a causal LM a random one), num_labels 1, embeddings for every token of the tokenizer it reads (its own,
-    else the policy's), positions for prompt + response. Returns (model, tokenizer); (None, None) without it."""
+    """(model, tokenizer) of --reward-model-path, checked: a trained score head (Hugging Face gives a causal LM a random
+    one), num_labels 1, embeddings for its tokenizer's tokens (its own, else the policy's), positions for the text."""
     if args.reward_model_path is None:
         return None, None
     from transformers import AutoModelForSequenceClassification
@@ -2404,18 +2235,21 @@ def load_reward_model(args: Args, tok, device):
         hf_logging.set_verbosity(verbosity)
     missing, heads = sorted(info["missing_keys"]), {n for n, _ in rm.named_children()} - {rm.base_model_prefix}
     if missing and all(k.split(".")[0] in heads for k in missing):
-        die(f"--reward-model-path {path}: its score head ({', '.join(missing[:2])}) is not in its weights: a causal "
-            "LM or a base model, not a trained reward model")
+        raise Failure(f"--reward-model-path {path}: its score head ({', '.join(missing[:2])}) is not in its weights: "
+                      "a causal LM or a base model, not a trained reward model")
     if missing:
-        die(f"--reward-model-path {path}: weights not in its files: {', '.join(missing[:3])}"
-            f"{', ...' if len(missing) > 3 else ''} ({len(missing)} in all; Hugging Face would make them up at random)")
+        raise Failure(f"--reward-model-path {path}: weights not in its files: {', '.join(missing[:3])}"
+                      f"{', ...' if len(missing) > 3 else ''} ({len(missing)} in all; Hugging Face would make them up "
+                      "at random)")
     if rm.config.num_labels != 1:
-        die(f"--reward-model-path {path}: {rm.config.num_labels} labels; a reward model gives one score (num_labels=1)")
+        raise Failure(f"--reward-model-path {path}: {rm.config.num_labels} labels; a reward model gives one score "
+                      "(num_labels=1)")
     own = os.path.isfile(os.path.join(path, "tokenizer_config.json"))
     rm_tok = load_tokenizer(path, args.trust_remote_code) if own else tok
     if len(rm_tok) > rm.get_input_embeddings().num_embeddings:
-        die(f"--reward-model-path {path}: {rm.get_input_embeddings().num_embeddings} token embeddings, fewer than "
-            f"the {len(rm_tok)} tokens of " + ("its tokenizer" if own else "the policy's tokenizer (it has none)"))
+        whose = "its tokenizer" if own else "the policy's tokenizer (it has none)"
+        raise Failure(f"--reward-model-path {path}: {rm.get_input_embeddings().num_embeddings} token embeddings, fewer "
+                      f"than the {len(rm_tok)} tokens of {whose}")
     check_positions(rm, args.prompt_length + args.response_length, f"the reward model {path}")
     if rm.config.pad_token_id is None:  # (read by classifiers that pool the last token themselves)
         rm.config.pad_token_id = rm_tok.pad_token_id
@@ -2435,13 +2269,11 @@ Count = Annotated[int, tyro.constructors.PrimitiveConstructorSpec(
     is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)])]
 
 
-def alias(*names: str):
-    """Other spellings of a flag: the option names of the verl / ROLL / RLinf docs (README: option mapping)."""
+def alias(*names: str):  # other spellings of a flag: the option names of the verl / ROLL / RLinf / TRL docs
     return tyro.conf.arg(aliases=names)
 
 
-def given_fields(argv: list[str]) -> set[str]:
-    """The Args fields set on this command line, under any spelling (--name, an alias, --no-name, --a_b)."""
+def given_fields(argv: list[str]) -> set[str]:  # the Args fields set on it, by any spelling (an alias, --no-x, --a_b)
     hints, spelling = typing.get_type_hints(Args, include_extras=True), {}
     for f in dataclasses.fields(Args):
         metadata = getattr(hints[f.name], "__metadata__", ())
@@ -2451,30 +2283,31 @@ def given_fields(argv: list[str]) -> set[str]:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> Args:
-    """tyro.cli (its own message on a flag it cannot parse, exit 2), then the implied options and validate()."""
+    """tyro.cli (its own message on a flag it cannot parse, exit 2; with --resume the checkpoint's arguments are the
+    defaults), then the implied options and validate()."""
     argv = sys.argv[1:] if argv is None else argv
+    resume = next((a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
+                   if (a == "--resume" and i + 1 < len(argv)) or a.startswith("--resume=")), None)
     default, gpu_gone = None, False
-    resume = resume_path(argv)
-    if resume is not None:  # the checkpoint's arguments become the defaults; flags given now override them
+    if resume is not None:
+        ckpt = load_checkpoint(resume, keep=True)  # (kept for main)
         with checkpoint_fits(resume):
-            saved = load_checkpoint(resume)["args"]
+            saved = ckpt["args"]
             default = Args(**{f.name: saved[f.name] for f in dataclasses.fields(Args) if f.name in saved})
         default.resume = resume
         if default.cuda and not gpu_for_each_process():  # written on a GPU, resumed where there is none (enough)
             default.cuda, gpu_gone = False, True  # (--cuda by name is refused in validate)
     args = tyro.cli(Args, args=argv, default=default)
-    rank = int(os.environ.get("RANK", "0"))  # under torchrun rank 0 alone prints the notes
-    with contextlib.redirect_stdout(io.StringIO()) if rank > 0 else contextlib.nullcontext():
-        resolve_implied(args, given_fields(argv))
-        if gpu_gone and not args.cuda:
-            found = (f"{torch.cuda.device_count()} for {os.environ.get('LOCAL_WORLD_SIZE')} processes"
-                     if torch.cuda.is_available() else "none")
-            print(f"note: {resume} was written on a GPU and torch finds {found} here: the run resumes on the CPU")
+    resolve_implied(args, given_fields(argv))
+    if gpu_gone and not args.cuda:
+        found = (f"{torch.cuda.device_count()} for {os.environ.get('LOCAL_WORLD_SIZE')} processes"
+                 if torch.cuda.is_available() else "none")
+        print(f"note: {resume} was written on a GPU and torch finds {found} here: the run resumes on the CPU")
     for name in ("lora_rank", "lora_alpha", "lora_target_modules", "critic_lora") if resume is not None else ():
         was = saved.get(name, getattr(Args, name))  # (the saved adapters are of that shape)
         if getattr(args, name) != was:
-            die(f"--{name.replace('_', '-')} {getattr(args, name)}: the checkpoint's is {was}; it cannot change on "
-                "resume")
+            raise Failure(f"--{name.replace('_', '-')} {getattr(args, name)}: the checkpoint's is {was}; it cannot "
+                          "change on resume")
     validate(args)
     return args
 
@@ -2523,7 +2356,8 @@ def resolve_implied(args: Args, given: set[str]) -> None:
     if "critic" in given:
         implied["--critic"] = args.critic
     if len(set(implied.values())) > 1:
-        die("contradictory critic choice: " + ", ".join(f"{k} means --critic {v}" for k, v in implied.items()))
+        raise Failure("contradictory critic choice: " + ", ".join(f"{k} means --critic {v}"
+                                                                  for k, v in implied.items()))
     if implied:
         args.critic = next(iter(implied.values()))
     if args.adv_estimator != "gae" and args.critic != "none":
@@ -2531,102 +2365,84 @@ def resolve_implied(args: Args, given: set[str]) -> None:
         args.critic = "none"
 
 
-def resume_path(argv: list[str]) -> Optional[str]:
-    for i, a in enumerate(argv):
-        if a == "--resume" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--resume="):
-            return a.split("=", 1)[1]
-    return None
-
-
-def validate(args: Args) -> None:
-    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
-    for f in dataclasses.fields(Args):  # nan / inf pass the range checks below unnoticed
-        if isinstance(getattr(args, f.name), float) and not math.isfinite(getattr(args, f.name)):
-            die(f"{flag(f.name)} must be a finite number, got {getattr(args, f.name)}")
-    for name in ("num_iterations", "rollout_batch_size", "n", "prompt_length", "response_length", "ppo_epochs",
-                 "ppo_mini_batch_size", "micro_batch_size", "sft_batch_size", "torch_threads", "eval_every",
-                 "tiny_hidden_size", "tiny_num_layers", "lr", "critic_lr", "sft_lr", "max_grad_norm",
-                 "eval_temperature", "lora_alpha"):
-        if not getattr(args, name) > 0:
-            die(f"{flag(name)} must be positive, got {getattr(args, name)}")
-    for name in ("checkpoint_every", "stop_after", "top_k", "critic_warmup", "lr_warmup_steps",
-                 "eval_prompts", "init_kl_coef", "kl_loss_coef", "vf_coef", "weight_decay", "eval_n", "lora_rank"):
-        if getattr(args, name) < 0:
-            die(f"{flag(name)} must be >= 0, got {getattr(args, name)}")
-    for name in ("reward_clip", "advantage_clip", "value_clip", "huber_delta", "rollout_micro_batch_size",
-                 "logprob_forward_micro_batch_size"):  # None: off, or the default
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            die(f"{flag(name)} must be positive (or left unset), got {getattr(args, name)}")
-    if args.sft_steps is not None and args.sft_steps < 0:
-        die(f"--sft-steps must be >= 0, got {args.sft_steps}")
-    if not 0 <= args.seed < 2**31:
-        die(f"--seed must lie in [0, 2**31), got {args.seed}")
-    if args.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and args.n < 2:
-        die(f"--adv-estimator {args.adv_estimator} compares responses within a group: needs --n >= 2, got {args.n}")
-    if args.reward_norm == "group" and args.n < 2:
-        die(f"--reward-norm group normalises within a prompt's responses: needs --n >= 2, got {args.n}")
-    if args.reward_norm in ("batch", "running") and args.rollout_batch_size * args.n < 2:  # (a std of n - 1)
-        die(f"--reward-norm {args.reward_norm} needs at least 2 responses per iteration (--rollout-batch-size x --n)")
-    if args.kl_ctrl_type == "adaptive" and (args.target_kl <= 0 or args.kl_horizon <= 0):
-        die("--kl-ctrl-type adaptive needs --target-kl > 0 and --kl-horizon > 0")
-    if args.critic_warmup and (args.adv_estimator != "gae" or args.critic == "none"):
-        die("--critic-warmup trains the critic alone first: it needs --adv-estimator gae and a critic")
-    if args.adv_estimator == "gae" and args.critic == "none":
-        die("--adv-estimator gae needs a critic: --critic separate or shared (or choose grpo/rloo/reinforce_plus_plus)")
-    if args.rollout_batch_size % args.ppo_mini_batch_size:
-        die(f"--rollout-batch-size {args.rollout_batch_size} is not divisible by --ppo-mini-batch-size "
-            f"{args.ppo_mini_batch_size}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and (args.rollout_batch_size % world or args.ppo_mini_batch_size % world):
-        # batch sizes are global (verl): every rank takes an equal share of whole prompt groups
-        die(f"--rollout-batch-size {args.rollout_batch_size} and --ppo-mini-batch-size {args.ppo_mini_batch_size} "
-            f"must be divisible by the number of processes {world}")
-    if responses_per_minibatch(args) % args.micro_batch_size:
-        die(f"a minibatch's {responses_per_minibatch(args)} responses per process (ppo_mini_batch_size * n / "
-            f"processes) are not divisible by --micro-batch-size {args.micro_batch_size}")
-    if args.clip_ratio_low < 0 or args.clip_ratio_high < 0:
-        die("--clip-ratio-low and --clip-ratio-high must be >= 0")
-    if args.tiny_hidden_size % 8:  # 4 heads of an even size (rotary embeddings)
-        die(f"--tiny-hidden-size must be a multiple of 8, got {args.tiny_hidden_size}")
-    if args.temperature <= 0 or not 0 < args.top_p <= 1:
-        die("--temperature must be > 0 and --top-p in (0, 1]")
-    if args.dual_clip_loss and args.clip_ratio_c <= 1:
-        die(f"--clip-ratio-c must be > 1 for dual clip, got {args.clip_ratio_c}")
-    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
-        die("--gamma and --lam must lie in [0, 1]")
-    for name in ("model_name_or_path", "reward_model_path"):
-        if getattr(args, name) is not None and not os.path.isfile(os.path.join(getattr(args, name), "config.json")):
-            die(f"{flag(name)} {getattr(args, name)}: not a local model directory (no config.json)")
-    for name in ("dataset", "eval_dataset"):
-        if getattr(args, name) is not None and not os.path.isfile(getattr(args, name)):
-            die(f"{flag(name)} {getattr(args, name)}: no such file")
-        if getattr(args, name) is not None and os.path.splitext(getattr(args, name))[1].lower() not in DATA_FORMATS:
-            die(f"{flag(name)} {getattr(args, name)}: not a .jsonl, .json or .parquet file")
-    if args.dataset is None and args.eval_prompts > 10_000:
-        die(f"--eval-prompts {args.eval_prompts}: the synthetic task holds out at most 10000 of its 100000 prompts")
-    if args.cuda and not torch.cuda.is_available():
-        die("--cuda given but torch finds no CUDA device (without the flag the script uses the GPU if there is one)")
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if args.cuda and world > 1 and torch.cuda.device_count() < local_world:
-        die(f"--cuda: {local_world} processes on this machine, {torch.cuda.device_count()} GPU(s): one GPU each "
-            "(--no-cuda runs them on the CPU)")
-    for spec in (args.reward_fn or "exact").split(","):
-        path, _, name = spec.strip().rpartition(":")
-        if spec.strip() not in REWARD_RULES and (not path.endswith(".py") or not name.isidentifier()):
-            die(f"--reward-fn {spec!r}: choose exact, math or FILE.py:NAME (the function NAME(prompt, "
-                "response, answer) -> float in FILE.py)")
-        if spec.strip() not in REWARD_RULES and not os.path.isfile(path):
-            die(f"--reward-fn {spec}: no such file {path}")
-    n_fns = len((args.reward_fn or "exact").split(","))
-    if args.reward_weights is not None and len(args.reward_weights) != n_fns:
-        die(f"--reward-weights: {len(args.reward_weights)} weights for the {n_fns} functions of --reward-fn")
-    if args.critic_lora and (args.critic != "separate" or not args.lora_rank):
-        die("--critic-lora puts LoRA adapters on the separate critic: it needs --critic separate and --lora-rank")
-    if args.lora_rank and world > 1:
-        die("--lora-rank is not supported under torchrun yet (FSDP2 / DDP of a model whose adapters alone train is "
-            "not tested here); run it in one process")
+def validate(args: Args) -> None:  # bad values: one line, exit 2, before anything is loaded or written
+    values = {"--" + k.replace("_", "-"): v for k, v in vars(args).items()}
+    checks = [(isinstance(v, float) and not math.isfinite(v), f"{k} must be a finite number, got {v}")
+              for k, v in values.items()]  # (nan and inf pass the range checks unnoticed)
+    checks += [(not values[k] > 0, f"{k} must be positive, got {values[k]}") for k in (
+        "--num-iterations --rollout-batch-size --n --prompt-length --response-length --ppo-epochs "
+        "--ppo-mini-batch-size --micro-batch-size --sft-batch-size --torch-threads --eval-every --tiny-hidden-size "
+        "--tiny-num-layers --lr --critic-lr --sft-lr --max-grad-norm --eval-temperature --lora-alpha").split()]
+    checks += [(values[k] < 0, f"{k} must be >= 0, got {values[k]}") for k in (
+        "--checkpoint-every --stop-after --top-k --critic-warmup --lr-warmup-steps --eval-prompts --init-kl-coef "
+        "--kl-loss-coef --vf-coef --weight-decay --eval-n --lora-rank").split()]
+    checks += [(values[k] is not None and values[k] <= 0, f"{k} must be positive (or left unset), got {values[k]}")
+               for k in ("--reward-clip --advantage-clip --value-clip --huber-delta --rollout-micro-batch-size "
+                         "--logprob-forward-micro-batch-size").split()]  # (None: off, or the default)
+    for bad, message in checks:
+        if bad:
+            raise Failure(message)
+    world, local_world = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    files = [(k, values[k]) for k in ("--dataset", "--eval-dataset") if values[k] is not None]
+    specs = [s.strip() for s in (args.reward_fn or "exact").split(",")]
+    checks = [
+        ((args.sft_steps or 0) < 0, f"--sft-steps must be >= 0, got {args.sft_steps}"),
+        (not 0 <= args.seed < 2**31, f"--seed must lie in [0, 2**31), got {args.seed}"),
+        (args.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and args.n < 2,
+         f"--adv-estimator {args.adv_estimator} compares responses within a group: needs --n >= 2, got {args.n}"),
+        (args.reward_norm == "group" and args.n < 2,
+         f"--reward-norm group normalises within a prompt's responses: needs --n >= 2, got {args.n}"),
+        (args.reward_norm in ("batch", "running") and args.rollout_batch_size * args.n < 2,  # (a std of n - 1)
+         f"--reward-norm {args.reward_norm} needs at least 2 responses per iteration (--rollout-batch-size x --n)"),
+        (args.kl_ctrl_type == "adaptive" and (args.target_kl <= 0 or args.kl_horizon <= 0),
+         "--kl-ctrl-type adaptive needs --target-kl > 0 and --kl-horizon > 0"),
+        (args.critic_warmup and (args.adv_estimator != "gae" or args.critic == "none"),
+         "--critic-warmup trains the critic alone first: it needs --adv-estimator gae and a critic"),
+        (args.adv_estimator == "gae" and args.critic == "none",
+         "--adv-estimator gae needs a critic: --critic separate or shared (or choose grpo/rloo/reinforce_plus_plus)"),
+        (args.rollout_batch_size % args.ppo_mini_batch_size, f"--rollout-batch-size {args.rollout_batch_size} is not "
+         f"divisible by --ppo-mini-batch-size {args.ppo_mini_batch_size}"),
+        (world > 1 and (args.rollout_batch_size % world or args.ppo_mini_batch_size % world),  # (global sizes, verl)
+         f"--rollout-batch-size {args.rollout_batch_size} and --ppo-mini-batch-size {args.ppo_mini_batch_size} must be "
+         f"divisible by the number of processes {world}"),
+        (responses_per_minibatch(args) % args.micro_batch_size,
+         f"a minibatch's {responses_per_minibatch(args)} responses per process (ppo_mini_batch_size * n / processes) "
+         f"are not divisible by --micro-batch-size {args.micro_batch_size}"),
+        (args.clip_ratio_low < 0 or args.clip_ratio_high < 0, "--clip-ratio-low and --clip-ratio-high must be >= 0"),
+        (args.tiny_hidden_size % 8,  # 4 heads of an even size (rotary embeddings)
+         f"--tiny-hidden-size must be a multiple of 8, got {args.tiny_hidden_size}"),
+        (args.temperature <= 0 or not 0 < args.top_p <= 1, "--temperature must be > 0 and --top-p in (0, 1]"),
+        (args.dual_clip_loss and args.clip_ratio_c <= 1,
+         f"--clip-ratio-c must be > 1 for dual clip, got {args.clip_ratio_c}"),
+        (not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1), "--gamma and --lam must lie in [0, 1]"),
+        *[(v is not None and not os.path.isfile(os.path.join(v, "config.json")),
+           f"{k} {v}: not a local model directory (no config.json)")
+          for k, v in [("--model-name-or-path", args.model_name_or_path),
+                       ("--reward-model-path", args.reward_model_path)]],
+        *[(not os.path.isfile(v), f"{k} {v}: no such file") for k, v in files],
+        *[(os.path.splitext(v)[1].lower() not in DATA_FORMATS, f"{k} {v}: not a .jsonl, .json or .parquet file")
+          for k, v in files],
+        (args.dataset is None and args.eval_prompts > 10_000,
+         f"--eval-prompts {args.eval_prompts}: the synthetic task holds out at most 10000 of its 100000 prompts"),
+        (args.cuda and not torch.cuda.is_available(),
+         "--cuda given but torch finds no CUDA device (without the flag the script uses the GPU if there is one)"),
+        (args.cuda and world > 1 and torch.cuda.device_count() < local_world,
+         f"--cuda: {local_world} processes on this machine, {torch.cuda.device_count()} GPU(s): one GPU each "
+         "(--no-cuda runs them on the CPU)"),
+        *[(s not in REWARD_RULES and not (s.rpartition(":")[0].endswith(".py") and s.rpartition(":")[2].isidentifier()),
+           f"--reward-fn {s!r}: choose exact, math or FILE.py:NAME (the function NAME(prompt, response, answer) -> "
+           "float in FILE.py)") for s in specs],
+        *[(s not in REWARD_RULES and not os.path.isfile(s.rpartition(":")[0]),
+           f"--reward-fn {s}: no such file {s.rpartition(':')[0]}") for s in specs],
+        (args.reward_weights is not None and len(args.reward_weights) != len(specs),
+         f"--reward-weights: {len(args.reward_weights or [])} weights for the {len(specs)} functions of --reward-fn"),
+        (args.critic_lora and (args.critic != "separate" or not args.lora_rank),
+         "--critic-lora puts LoRA adapters on the separate critic: it needs --critic separate and --lora-rank"),
+        (args.lora_rank and world > 1, "--lora-rank is not supported under torchrun yet (FSDP2 / DDP of a model whose "
+         "adapters alone train is not tested here); run it in one process")]
+    for bad, message in checks:
+        if bad:
+            raise Failure(message)
 
 
 def responses_per_minibatch(args: Args) -> int:
@@ -2634,18 +2450,27 @@ def responses_per_minibatch(args: Args) -> int:
     return args.ppo_mini_batch_size // int(os.environ.get("WORLD_SIZE", "1")) * args.n
 
 
-if __name__ == "__main__":
-    args = parse_args()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # main's run context records them from its first line and puts
-        signal.signal(sig, signal.SIG_IGN)  # this back at its end: a signal while the interpreter exits is ignored
+if __name__ == "__main__":  # the one error boundary
+    rank = int(os.environ.get("RANK", "0"))
+    if rank > 0:  # under torchrun rank 0 alone prints
+        sys.stdout = open(os.devnull, "w")
     try:
+        args = parse_args()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # main notes them from its first line and puts this back at its
+            signal.signal(sig, signal.SIG_IGN)  # end: a signal while the interpreter exits is ignored
         main(args)
         code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Everything is written and the process group destroyed. Skip the interpreter's teardown, where gloo's
-        # threads now and then abort a finished run ("terminate called without an active exception", exit -6).
+    except Failure as e:  # every rank finds bad input and rank 0 says it; a failed write is said where it happened
+        if e.code == 1 or rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        else:  # torchrun ends the job when a rank exits: give rank 0 the time to say it
+            time.sleep(5)
+        code = e.code
+    except KeyboardInterrupt:  # Ctrl-C before main's handlers (in main, the run stops where nothing is half-written)
+        code = 130
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # skip the interpreter's teardown, where gloo's threads now and
+        if code:  # then abort a finished run ("terminate called without an active exception"); a failed run's
+            atexit._run_exitfuncs()  # last TensorBoard scalars are written first
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
