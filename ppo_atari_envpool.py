@@ -28,7 +28,7 @@ import random
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Literal, Optional
 
 # Before torch loads OpenMP: spinning OpenMP threads collapse on a shared CPU (Breakout at the default settings,
@@ -44,94 +44,53 @@ import tyro  # noqa: E402
 @dataclass
 class Args:  # Count: an int that also reads 1e7 (defined with the command line, below the banner)
     # The note's hyperparameters
-    num_steps: Count = 128
-    """T: steps per environment in each rollout"""
-    update_epochs: Count = 4
-    """E: epochs over each rollout"""
-    num_minibatches: Count = 4
-    """number of minibatches per epoch (each of M = num_envs * T / num_minibatches samples)"""
-    clip_coef: float = 0.1
-    """epsilon: clip range of the probability ratio (and of the value clip)"""
-    learning_rate: float = 2.5e-4
-    """alpha: Adam learning rate"""
-    gamma: float = 0.99
-    """gamma: discount factor"""
-    gae_lambda: float = 0.95
-    """lambda: GAE parameter"""
-    vf_coef: float = 0.5
-    """c_v: value loss coefficient"""
-    ent_coef: float = 0.01
-    """c_H: entropy bonus coefficient"""
+    num_steps: Count = 128  # T: steps per environment in each rollout
+    update_epochs: Count = 4  # E: epochs over each rollout
+    num_minibatches: Count = 4  # minibatches per epoch (each of M = num_envs * T / num_minibatches samples)
+    clip_coef: float = 0.1  # epsilon: clip range of the probability ratio (and of the value clip)
+    learning_rate: float = 2.5e-4  # alpha: Adam learning rate
+    gamma: float = 0.99  # gamma: discount factor
+    gae_lambda: float = 0.95  # lambda: GAE parameter
+    vf_coef: float = 0.5  # c_v: value loss coefficient
+    ent_coef: float = 0.01  # c_H: entropy bonus coefficient
 
     # Implementation details (CleanRL's) and the note's adaptive-KL-penalty variant
-    anneal_lr: bool = True
-    """anneal the learning rate linearly to 0"""
-    norm_adv: bool = True
-    """standardise the advantages (where: --norm-adv-scope)"""
-    norm_adv_scope: Literal["minibatch", "rollout"] = "minibatch"
-    """minibatch: in each minibatch, (A-mean)/(std+eps) (CleanRL); rollout: once, (A-mean)/sqrt(var+eps) (the note)"""
-    clip_vloss: bool = True
-    """clip the value loss as in the original PPO code"""
-    max_grad_norm: float = 0.5
-    """global gradient norm clip"""
-    target_kl: Optional[float] = None
-    """stop the epochs of an update early once approx_kl exceeds this"""
-    kl_penalty_coef: Optional[float] = None
-    """KL-penalty variant (PPO paper): -r*A + coef*KL(pi_old||pi), no ratio clip; None: clip (1 with a target)"""
-    kl_penalty_target: Optional[float] = None
-    """adaptive KL penalty: the coef (--kl-penalty-coef, else 1) halves when KL < target/1.5, doubles if > 1.5*target"""
+    anneal_lr: bool = True  # anneal the learning rate linearly to 0
+    norm_adv: bool = True  # standardise the advantages (where: --norm-adv-scope)
+    norm_adv_scope: Literal["minibatch", "rollout"] = "minibatch"  # per minibatch (CleanRL) or once per rollout (note)
+    clip_vloss: bool = True  # clip the value loss as in the original PPO code
+    max_grad_norm: float = 0.5  # global gradient norm clip
+    target_kl: Optional[float] = None  # stop the epochs of an update early once approx_kl exceeds this
+    kl_penalty_coef: Optional[float] = None  # KL-penalty variant: -r*A + coef*KL(pi_old||pi), no ratio clip
+    kl_penalty_target: Optional[float] = None  # adapt the coef (else 1): halve if KL < target/1.5, double if > 1.5x
 
     # Environment (envpool)
-    env_id: str = "Breakout-v5"
-    """id of an envpool Atari task (Breakout-v5, Pong-v5, BeamRider-v5, ...)"""
-    total_timesteps: Count = 10_000_000
-    """total environment steps of the run"""
-    num_envs: Count = 8
-    """number of parallel environments (per process under torchrun)"""
-    num_threads: Count = 0
-    """envpool worker threads (0: envpool's default); per process under torchrun"""
-    sticky_actions: bool = False
-    """repeat the previous action with probability 0.25 (Machado et al. 2018); off: 0"""
-    max_episode_steps: Count = 27_000
-    """truncate a game after this many agent steps (27000 = 108000 frames)"""
+    env_id: str = "Breakout-v5"  # id of an envpool Atari task (Breakout-v5, Pong-v5, BeamRider-v5, ...)
+    total_timesteps: Count = 10_000_000  # total environment steps of the run
+    num_envs: Count = 8  # number of parallel environments (per process under torchrun)
+    num_threads: Count = 0  # envpool worker threads (0: envpool's default); per process under torchrun
+    sticky_actions: bool = False  # repeat the previous action with probability 0.25 (Machado et al. 2018); off: 0
+    max_episode_steps: Count = 27_000  # truncate a game after this many agent steps (27000 = 108000 frames)
 
     # Run: seeds, devices, logging, checkpoints, evaluation
-    exp_name: str = "ppo_atari_envpool"
-    """name of this experiment (part of the run name)"""
-    seed: Count = 1
-    """seed of the experiment (python, numpy, torch and the environments)"""
-    torch_deterministic: bool = True
-    """deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only; cuDNN; cuBLAS workspace)"""
-    cuda: bool = dataclasses.field(default_factory=lambda: gpu_for_each_process())
-    """run the networks on CUDA: the default where torch sees a GPU for each local process (as in CleanRL)"""
-    compile: bool = False
-    """torch.compile the action sampling and the update step"""
-    cudagraphs: bool = False
-    """CUDA graphs through torch.compile's reduce-overhead mode; implies compilation (needs --cuda)"""
-    torch_threads: Count = 0
-    """torch CPU threads (0: one per core, shared by this node's torchrun processes; the CNN is what costs on CPU)"""
-    track: bool = False
-    """log to Weights & Biases (WANDB_MODE=offline works without network)"""
-    wandb_project_name: str = "ppo-reference"
-    """wandb project name"""
-    wandb_entity: Optional[str] = None
-    """wandb entity (team)"""
-    capture_video: bool = False
-    """record videos of the evaluation games under runs/<run>/videos"""
-    save_model: bool = False
-    """write runs/<run>/checkpoint.pt at the end of training"""
-    checkpoint_every: Count = 0
-    """also write the checkpoint every N iterations (0: only at the end with --save-model)"""
-    resume: Optional[str] = None
-    """continue from this checkpoint.pt (run dir, steps, lr schedule; games restart); flags not given take its values"""
-    stop_after: Count = 0
-    """stop this process after N iterations with a checkpoint (0: run to the end); --resume continues"""
-    eval_episodes: Count = 0
-    """after training (or right away for a finished --resume checkpoint) evaluate N whole games"""
-    eval_deterministic: bool = False
-    """evaluate with the most likely action (a greedy agent can stall a game until --max-episode-steps)"""
-    runs_dir: str = "runs"
-    """directory that holds the runs"""
+    exp_name: str = "ppo_atari_envpool"  # name of this experiment (part of the run name)
+    seed: Count = 1  # seed of the experiment (python, numpy, torch and the environments)
+    torch_deterministic: bool = True  # deterministic torch algorithms (warn-only), cuDNN and cuBLAS workspace
+    cuda: bool = field(default_factory=lambda: gpu_per_process())  # networks on CUDA (if each process has a GPU)
+    compile: bool = False  # torch.compile the action sampling and the update step
+    cudagraphs: bool = False  # CUDA graphs through torch.compile's reduce-overhead mode; implies compilation
+    torch_threads: Count = 0  # torch CPU threads (0: one per core, shared by this node's torchrun processes)
+    track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works without network)
+    wandb_project_name: str = "ppo-reference"  # wandb project name
+    wandb_entity: Optional[str] = None  # wandb entity (team)
+    capture_video: bool = False  # record videos of the evaluation games under runs/<run>/videos
+    save_model: bool = False  # write runs/<run>/checkpoint.pt at the end of training
+    checkpoint_every: Count = 0  # also write the checkpoint every N iterations (0: only at the end with --save-model)
+    resume: Optional[str] = None  # continue this checkpoint.pt (games restart); flags not given take its values
+    stop_after: Count = 0  # stop this process after N iterations with a checkpoint (0: run to the end)
+    eval_episodes: Count = 0  # after training (or right away for a finished --resume checkpoint) evaluate N whole games
+    eval_deterministic: bool = False  # evaluate with the most likely action (greedy play can stall a game)
+    runs_dir: str = "runs"  # directory that holds the runs
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -968,7 +927,7 @@ def validate(args: Args) -> None:
                                         "the graph)"),
         (args.cuda and not torch.cuda.is_available(), "--cuda given but torch finds no CUDA device (without the flag "
                                                       "the script uses the GPU if there is one)"),
-        (args.cuda and not gpu_for_each_process(), f"--cuda with {os.environ.get('LOCAL_WORLD_SIZE', '1')} processes "
+        (args.cuda and not gpu_per_process(), f"--cuda with {os.environ.get('LOCAL_WORLD_SIZE', '1')} processes "
                                                    f"on this machine but {torch.cuda.device_count()} GPU(s)"),
         (args.env_id not in ids, f"unknown envpool Atari task {args.env_id!r}; " + (
             f"did you mean {', '.join(close)}?" if close else f"e.g. {', '.join(ids[:5])}, ... ({len(ids)} in all)")),
@@ -986,7 +945,7 @@ def atari_env_ids() -> list[str]:
     return sorted(e for e, spec in registry.specs.items() if spec[1] == "AtariEnvSpec")
 
 
-def gpu_for_each_process() -> bool:
+def gpu_per_process() -> bool:
     """--cuda's default: a GPU for each process of this machine (torchrun's LOCAL_WORLD_SIZE), as CleanRL's."""
     return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
