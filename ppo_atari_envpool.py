@@ -6,13 +6,9 @@
     python ppo_atari_envpool.py --resume runs/<run>/checkpoint.pt  # the next 500, same steps and lr schedule
     torchrun --nproc-per-node 2 ppo_atari_envpool.py               # data parallel: --num-envs envs per process
 
-Read from the top: Args -> environments (envpool does all the Atari preprocessing; whole-game statistics) -> Agent
-(Nature CNN) -> the PPO math (compute_gae, the truncation bootstrap, advantage normalisation and ppo_loss over the
-real transitions, the adaptive-KL-penalty variant) -> main(), whose loop is the PPO note's steps
-(docs/reading_guide.md): 1. Collect rollout, 2. Compute advantages and returns (GAE), 3. Advantage normalisation,
-4. Optimise policy & value for E epochs, 5. Update reference policy.
-PPO ends at the banner below main(). What follows it (torchrun, the run directory, logging, checkpoints, evaluation
-and load_policy, compile helpers, the command line and its one error boundary) changes nothing that PPO computes.
+Read from the top: Args, environments (envpool does all the Atari preprocessing), Agent (Nature CNN), the PPO math,
+then main(), whose loop is the note's five steps (docs/reading_guide.md). PPO ends at the banner below main(); the
+flat helpers under it change nothing it computes.
 """
 
 from __future__ import annotations
@@ -31,9 +27,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, Optional
 
-# Before torch loads OpenMP: spinning OpenMP threads collapse on a shared CPU (Breakout at the default settings,
-# alternated runs on 2 loaded cores: 75 vs 12-15 SPS). A user's value wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Run as a script, before torch loads OpenMP: spinning OpenMP threads collapse on a shared CPU (Breakout at the
+# default settings on 2 loaded cores: 75 vs 12-15 SPS; no change without load). A user's value wins.
+if __name__ == "__main__" and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -76,7 +73,7 @@ class Args:  # Count: an int that also reads 1e7 (defined with the command line,
     exp_name: str = "ppo_atari_envpool"  # name of this experiment (part of the run name)
     seed: Count = 1  # seed of the experiment (python, numpy, torch and the environments)
     torch_deterministic: bool = True  # deterministic torch algorithms (warn-only), cuDNN and cuBLAS workspace
-    cuda: bool = field(default_factory=lambda: gpu_per_process())  # networks on CUDA (if each process has a GPU)
+    cuda: bool = field(default_factory=lambda: gpu_for_each_process())  # networks on CUDA (if each process has a GPU)
     compile: bool = False  # torch.compile the action sampling and the update step
     cudagraphs: bool = False  # CUDA graphs through torch.compile's reduce-overhead mode; implies compilation
     torch_threads: Count = 0  # torch CPU threads (0: one per core, shared by this node's torchrun processes)
@@ -93,19 +90,12 @@ class Args:  # Count: an int that also reads 1e7 (defined with the command line,
     runs_dir: str = "runs"  # directory that holds the runs
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Environments: envpool's Atari (all the preprocessing), observations as tensors
-# ---------------------------------------------------------------------------------------------------------
+# --- Environments: envpool's Atari (all the preprocessing), observations as tensors -----------------------
 def make_envs(args: Args, num_envs: int, seed: int, **extra):
-    """envpool's vectorised Atari env with the preprocessing of the 37 details, all done by envpool (env i is seeded
-    with seed + i). What this script relies on, checked with envpool 1.2.5, env_type="gymnasium":
-    - autoreset is "next step": the step() after a done returns the reset observation, reward 0, and ignores the
-      action. With episodic_life a life loss is such a done too (the reset step then continues the same game;
-      info["elapsed_step"] does not advance). Those reset steps carry no real transition: they are stored (static
-      shapes for compile / CUDA graphs) but masked out of the loss.
-    - the returned `terminated` is True on a life loss (episodic life: GAE treats it as terminal); info["terminated"]
-      is True only when the game is over; `truncated` (max_episode_steps, 27000 agent steps = 108000 frames) ends
-      the game as well. info["reward"] is the unclipped reward, from which the whole-game return is summed."""
+    """envpool's Atari, env i seeded with seed + i. Relied on (envpool 1.2.5): next-step autoreset (the step after a
+    done returns the reset observation and reward 0 and ignores the action: stored, then masked out of the loss; a
+    life loss is such a done too); `terminated` is True on a life loss, info["terminated"] only when the game is
+    over; `truncated` (the time limit) ends the game too; info["reward"] is the unclipped reward."""
     import envpool
 
     return envpool.make(
@@ -115,30 +105,20 @@ def make_envs(args: Args, num_envs: int, seed: int, **extra):
         episodic_life=True,  # detail: a life loss ends the training episode (not the game)
         use_fire_reset=True,  # detail: press FIRE on reset where the game needs it
         reward_clip=True,  # detail: sign of the reward for training; info["reward"] keeps the raw one
-        img_height=84, img_width=84, gray_scale=True,  # detail: 84x84 grayscale
-        stack_num=4,  # detail: stack the last 4 frames
-        repeat_action_probability=0.25 if args.sticky_actions else 0.0,
-        max_episode_steps=args.max_episode_steps,
-        **extra,
-    )
+        img_height=84, img_width=84, gray_scale=True, stack_num=4,  # detail: 84x84 grayscale, the last 4 frames
+        repeat_action_probability=0.25 if args.sticky_actions else 0.0, max_episode_steps=args.max_episode_steps,
+        **extra)
 
 
-def obs_tensor(obs, device: torch.device) -> torch.Tensor:
-    """A batch of observations as the Agent takes them: envpool's stacked frames, (N, 4, 84, 84) uint8, on `device`
-    (the Agent scales them)."""
+def obs_tensor(obs, device: torch.device) -> torch.Tensor:  # (N, 4, 84, 84) uint8 on `device` (the Agent scales it)
     x = torch.as_tensor(np.asarray(obs))
-    # for CUDA only: through pinned memory (torch's caching host allocator), a non-blocking copy
-    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x
+    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x  # CUDA: via pinned memory
 
 
 class EpisodeStats:
-    """Whole-game episodic return (unclipped) and length across lives, for N envs in envpool's next-step autoreset.
-
-    update() takes one step's info["reward"] (unclipped), the returned terminated/truncated (a life loss counts as
-    terminated) and info["terminated"] (game over). The step right after any done is envpool's reset step: its
-    action is ignored and it is no agent step, so it adds neither reward nor length. A game ends on game_over or
-    truncated. Returns (env index, return, length in agent steps) for every game that ended at this step.
-    """
+    """Whole-game return (unclipped) and length in agent steps, across lives, in envpool's next-step autoreset: the
+    step after a done adds nothing (its action is ignored). update() returns (env, return, length) of each game that
+    ended at this step (game over or truncated)."""
 
     def __init__(self, num_envs: int):
         self.returns = np.zeros(num_envs, dtype=np.float64)
@@ -157,9 +137,7 @@ class EpisodeStats:
         return finished
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Agent: Nature CNN shared by actor and critic, orthogonal init
-# ---------------------------------------------------------------------------------------------------------
+# --- Agent: Nature CNN shared by actor and critic, orthogonal init ----------------------------------------
 def layer_init(layer: nn.Module, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Module:
     torch.nn.init.orthogonal_(layer.weight, std)  # detail: orthogonal init with scaled gains
     torch.nn.init.constant_(layer.bias, bias_const)
@@ -186,12 +164,11 @@ class Agent(nn.Module):
         return self.critic(self.hidden(x)).squeeze(-1)
 
     def get_action_and_value(self, x: torch.Tensor, action: Optional[torch.Tensor] = None):
-        """Sample (or score) an action. Returns action, log pi(a|s), entropy, V(s)."""
-        return self(x, action)[:4]
+        return self(x, action)[:4]  # action, log pi(a|s), entropy, V(s)
 
     def forward(self, x: torch.Tensor, action: Optional[torch.Tensor] = None):
-        """get_action_and_value, plus log pi(.|s) of every action (the KL-penalty variant's exact KL compares the old
-        and the new ones). The update calls the agent itself, so that DDP can average the gradients."""
+        """get_action_and_value, plus log pi(.|s) of every action (the KL-penalty variant's exact KL); the update
+        calls the agent itself, so that DDP averages the gradients."""
         h = self.hidden(x)
         logits = self.actor(h)
         logp_all = torch.log_softmax(logits, dim=-1)
@@ -202,14 +179,11 @@ class Agent(nn.Module):
         entropy = -(logp_all.exp() * logp_all).sum(-1)
         return action, logprob, entropy, self.critic(h).squeeze(-1), logp_all
 
-    def act(self, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
-        """The action to play (evaluation, load_policy): sampled, or the most likely one."""
+    def act(self, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:  # evaluation, load_policy
         return self.actor(self.hidden(x)).argmax(-1) if deterministic else self.get_action_and_value(x)[0]
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The PPO math: pure functions (the tests check each against a plain loop)
-# ---------------------------------------------------------------------------------------------------------
+# --- The PPO math: pure functions (the tests check each against a plain loop) -----------------------------
 def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, lam: float):
     """GAE by the note's backward recursion, in numpy on the host: the values come over once per rollout (a T-step
     loop of tiny tensors costs ~5x more on the CPU, and ~1,150 kernel launches an iteration on CUDA).
@@ -234,21 +208,16 @@ def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, lam
 
 
 def bootstrap_truncated(rewards, values, next_value, truncated, gamma: float):
-    """Truncation is not termination: r_t += gamma * V(s_{t+1}) where the step t was cut by the time limit.
-
-    In next-step autoreset the final observation of a truncated game is the next stored observation, so its value
-    is values[t + 1] (or next_value after the last step): no extra forward pass. truncated: (T, N), 1 only where
-    truncated and not terminated (numpy arrays, as in compute_gae).
-    """
+    """Truncation is not termination: r_t += gamma * V(s_{t+1}) where the time limit cut step t (truncated: (T, N),
+    1 there). In next-step autoreset the final observation is the next stored one: values[t + 1], or next_value."""
     next_values = np.concatenate([values[1:], next_value[None]], axis=0)
     return rewards + gamma * next_values * truncated
 
 
 def to_bootstrap(terminations: np.ndarray, truncations: np.ndarray, lives_before: np.ndarray,
                  lives_after: np.ndarray, game_over: np.ndarray) -> np.ndarray:
-    """The steps whose next value is bootstrapped: cut by the time limit and not terminal. envpool reports a life
-    lost (or the game over) on the time limit's last step as truncated and not terminated: the drop in lives tells,
-    and info["terminated"] (game_over) in games without lives (Pong's lives stay 0)."""
+    """The steps cut by the time limit and not terminal. envpool reports a life lost (or the game over) on the time
+    limit's step as truncated only: the drop in lives tells, or game_over in games without lives (Pong's stay 0)."""
     return truncations & ~terminations & (game_over == 0) & (lives_after >= lives_before)
 
 
@@ -265,8 +234,7 @@ def normalize_advantages(adv: torch.Tensor, mask: torch.Tensor, eps: float = 1e-
 
 
 def normalize_advantages_rollout(adv: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """The note's advantage normalisation over the whole rollout, of the entries with mask 1: (A - mean) /
-    sqrt(population variance + eps)."""
+    """The note's form, over the rollout's entries with mask 1: (A - mean) / sqrt(population variance + eps)."""
     n = mask.sum().clamp(min=1.0)
     mean = (adv * mask).sum() / n
     return (adv - mean) / torch.sqrt((((adv - mean) ** 2) * mask).sum() / n + eps)
@@ -275,13 +243,9 @@ def normalize_advantages_rollout(adv: torch.Tensor, mask: torch.Tensor, eps: flo
 def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, entropy, mask,
              clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool, kl_coef=None,
              kl=None):
-    """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync).
-    kl_coef (a number or 0-d tensor) selects the KL-penalty policy loss instead: -r*A + kl_coef * kl, with kl the
-    exact KL(pi_old(.|s) || pi(.|s)) of each sample's state (categorical_kl), as in the PPO paper.
-
-    mask (float, 1 = real transition, 0 = envpool reset step) weights every mean, so that the shapes stay static
-    for torch.compile / CUDA graphs; with an all-ones mask this is the plain CleanRL loss.
-    """
+    """Clipped policy loss + c_v * value loss - c_H * entropy, and statistics (tensors, no host sync). With kl_coef,
+    the KL-penalty policy loss -r*A + kl_coef * kl instead (kl: categorical_kl of each sample's state). Every mean
+    is over mask 1 (real transitions; 0: envpool's reset steps), so that the shapes stay static for compilation."""
     if kl_coef is not None and kl is None:
         raise ValueError("ppo_loss: kl_coef needs kl, the KL(pi_old(.|s) || pi(.|s)) of each sample")
     logratio = newlogprob - oldlogprob
@@ -312,8 +276,7 @@ def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, en
 
 
 def categorical_kl(old_logp: torch.Tensor, new_logp: torch.Tensor) -> torch.Tensor:
-    """KL(pi_old(.|s) || pi(.|s)) of each state, exact: the sum over actions of p_old * (log p_old - log p).
-    (..., A) -> (...)."""
+    """Exact KL(pi_old(.|s) || pi(.|s)) of each state: sum over actions of p_old * (log p_old - log p)."""
     return (old_logp.exp() * (old_logp - new_logp)).sum(-1)
 
 
@@ -327,9 +290,8 @@ def adapt_kl_coef(coef: float, kl: float, target: float) -> float:
 
 
 class KLPenalty:
-    """The note's adaptive-KL-penalty variant in one place (PPO paper, sec. 4): each minibatch's policy loss is
-    -r*A + beta * KL(pi_old(.|s) || pi(.|s)) instead of the clipped one (loss_terms); after each update the rollout's
-    KL over its real transitions (rollout_kl) halves or doubles beta with --kl-penalty-target (adapt)."""
+    """The adaptive-KL-penalty variant (PPO paper, sec. 4): the policy loss -r*A + beta * KL(pi_old || pi)
+    (loss_terms); after each update the rollout's KL (rollout_kl) halves or doubles beta (adapt)."""
 
     def __init__(self, args: Args, device: torch.device):
         self.target = args.kl_penalty_target
@@ -337,12 +299,11 @@ class KLPenalty:
         self.coef = torch.tensor(self.beta, device=device)  # in a tensor, which the (compiled) update reads
 
     def loss_terms(self, old_logp_all: torch.Tensor, logp_all: torch.Tensor) -> dict:
-        """ppo_loss's keyword arguments kl_coef and kl for one minibatch."""
-        return dict(kl_coef=self.coef, kl=categorical_kl(old_logp_all, logp_all))
+        return dict(kl_coef=self.coef, kl=categorical_kl(old_logp_all, logp_all))  # ppo_loss's keyword arguments
 
     @torch.no_grad()
     def rollout_kl(self, agent: Agent, b_obs, b_old_logp_all, b_mask, minibatch_size: int) -> torch.Tensor:
-        """KL(pi_old || pi_theta) averaged over the rollout's real transitions after the update: the d of the rule."""
+        """KL(pi_old || pi_theta) over the rollout's real transitions after the update: the d of the rule."""
         total = torch.zeros((), device=b_obs.device)
         for start in range(0, len(b_obs), minibatch_size):
             mb = slice(start, start + minibatch_size)
@@ -354,15 +315,12 @@ class KLPenalty:
         if self.target is not None:
             self.set(adapt_kl_coef(self.beta, kl, self.target))
 
-    def set(self, beta: float) -> None:
-        """The coefficient of the next update (adapt; a resumed run's adapted value)."""
+    def set(self, beta: float) -> None:  # the coefficient of the next update (adapt; a resumed run's value)
         self.beta = beta
         self.coef.fill_(beta)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Training loop
-# ---------------------------------------------------------------------------------------------------------
+# --- Training loop ----------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     with StopSignals() as signals:  # SIGTERM / Ctrl-C from here on: honoured at the end of an iteration
         rank, world, device = setup_distributed(args.cuda)  # torchrun: one process per rank (gloo, or NCCL per GPU)
@@ -927,7 +885,7 @@ def validate(args: Args) -> None:
                                         "the graph)"),
         (args.cuda and not torch.cuda.is_available(), "--cuda given but torch finds no CUDA device (without the flag "
                                                       "the script uses the GPU if there is one)"),
-        (args.cuda and not gpu_per_process(), f"--cuda with {os.environ.get('LOCAL_WORLD_SIZE', '1')} processes "
+        (args.cuda and not gpu_for_each_process(), f"--cuda with {os.environ.get('LOCAL_WORLD_SIZE', '1')} processes "
                                                    f"on this machine but {torch.cuda.device_count()} GPU(s)"),
         (args.env_id not in ids, f"unknown envpool Atari task {args.env_id!r}; " + (
             f"did you mean {', '.join(close)}?" if close else f"e.g. {', '.join(ids[:5])}, ... ({len(ids)} in all)")),
@@ -945,7 +903,7 @@ def atari_env_ids() -> list[str]:
     return sorted(e for e, spec in registry.specs.items() if spec[1] == "AtariEnvSpec")
 
 
-def gpu_per_process() -> bool:
+def gpu_for_each_process() -> bool:
     """--cuda's default: a GPU for each process of this machine (torchrun's LOCAL_WORLD_SIZE), as CleanRL's."""
     return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
