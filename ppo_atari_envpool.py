@@ -73,7 +73,7 @@ class Args:  # Count: an int that also reads 1e7 (defined with the command line,
     exp_name: str = "ppo_atari_envpool"  # name of this experiment (part of the run name)
     seed: Count = 1  # seed of the experiment (python, numpy, torch and the environments)
     torch_deterministic: bool = True  # deterministic torch algorithms (warn-only), cuDNN and cuBLAS workspace
-    cuda: bool = field(default_factory=lambda: gpu_for_each_process())  # networks on CUDA (if each process has a GPU)
+    cuda: bool = field(default_factory=lambda: gpu_for_each_process())  # on CUDA (the default where torch sees a GPU)
     compile: bool = False  # torch.compile the action sampling and the update step
     cudagraphs: bool = False  # CUDA graphs through torch.compile's reduce-overhead mode; implies compilation
     torch_threads: Count = 0  # torch CPU threads (0: one per core, shared by this node's torchrun processes)
@@ -352,8 +352,7 @@ def main(args: Args) -> dict:
         # (CUDA graphs, resume); on the CPU the fused Adam is faster (4 alternated pairs: median +12% SPS, noisy)
         optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
                                      capturable=args.cuda, fused=not args.cuda or None)
-        penalised = (args.kl_penalty_coef, args.kl_penalty_target) != (None, None)  # the KL-penalty variant
-        kl_penalty = KLPenalty(args, device) if penalised else None
+        kl_penalty = KLPenalty(args, device) if (args.kl_penalty_coef, args.kl_penalty_target) != (None, None) else None
         if ckpt is not None:  # exact resume of the learner: networks, Adam, RNG of every rank, the KL coefficient
             with checkpoint_fits(args.resume):
                 agent.load_state_dict(ckpt["model"])
@@ -452,7 +451,7 @@ def main(args: Args) -> dict:
             # 5. Update reference policy: theta_old <- theta, implicitly (the next rollout samples from theta). The
             # KL-penalty variant measures KL(pi_old || pi_theta) over the rollout and adapts its coefficient to it.
             rollout_kl = kl_penalty and kl_penalty.rollout_kl(agent, b_obs, b_old_logp_all, b_mask, minibatch_size)
-            stats = iteration_stats(update_stats, world, signals, rollout_kl)  # the one host sync: all ranks' means, signals
+            stats = iteration_stats(update_stats, world, signals, rollout_kl)  # the one host sync, all ranks' means
             check_finite(stats, iteration, last_checkpoint)  # a non-finite update stops the run (exit 1)
             stats["explained_variance"] = explained_variance(values_h[mask > 0], returns[mask > 0])  # real steps
             sps = int((global_step - start_step) / (time.time() - start_time))
@@ -683,19 +682,18 @@ def cudagraph_skips() -> int:  # [SHARED] how many compiled graphs torch ran wit
 
 
 # --- this script's run helpers: resume checks, logging, checkpoint, evaluation, load_policy --------------
-def check_resume(ckpt: Optional[dict], args: Args, world: int) -> None:
-    """Its env, rollout size and processes are this run's (the iterations and lr schedule hold for them)."""
+def check_resume(ckpt: Optional[dict], args: Args, world: int) -> None:  # its env, processes, rollout: this run's
     if ckpt is None:
         return
     n, saved = ckpt.get("world_size"), ckpt.get("args", {})
-    if ckpt.get("env_id") != args.env_id:
-        raise Failure(f"{args.resume} was trained on {ckpt.get('env_id')}, not {args.env_id}")
-    if n != world:
-        raise Failure(f"{args.resume} was written by {n} process(es); resume it with as many: {launcher(n)} --resume "
-                      f"{args.resume}")
-    if (saved.get("num_envs"), saved.get("num_steps")) != (args.num_envs, args.num_steps):
-        raise Failure(f"{args.resume} was written with --num-envs {saved.get('num_envs')} --num-steps "
-                      f"{saved.get('num_steps')}; its iterations and lr schedule hold for them: resume with the same")
+    for wrong, message in (
+        (ckpt.get("env_id") != args.env_id, f"was trained on {ckpt.get('env_id')}, not {args.env_id}"),
+        (n != world, f"was written by {n} process(es); resume it with as many: {launcher(n)} --resume {args.resume}"),
+        ((saved.get("num_envs"), saved.get("num_steps")) != (args.num_envs, args.num_steps),
+         f"was written with --num-envs {saved.get('num_envs')} --num-steps {saved.get('num_steps')}; its iterations "
+         "and lr schedule hold for them: resume with the same")):
+        if wrong:
+            raise Failure(f"{args.resume} {message}")
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"resumed {args.resume} at iteration {ckpt['iteration']}, global step {ckpt['global_step']} (note: "
               "envpool cannot save its games: they start anew)")
@@ -720,9 +718,8 @@ def iteration_stats(update_stats: list[dict], world: int, signals: StopSignals, 
 
 
 def log_iteration(writer, args: Args, stats: dict, iteration: int, num_iterations: int, global_step: int, sps: int,
-                  lr: float, recent_returns: list, kl_penalty, last_print: float) -> float:
-    """TensorBoard (rank 0) and the progress line every 5 s (returns when it was last printed)."""
-    if writer is None:
+                  lr: float, recent_returns: list, kl_penalty, last_print: float) -> float:  # when last printed
+    if writer is None:  # TensorBoard and the progress line (every 5 s and at the end): rank 0
         return last_print
     scalars = {"charts/learning_rate": lr, "charts/SPS": sps, **{f"losses/{k}": stats[k] for k in (
         "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance")}}
@@ -734,25 +731,22 @@ def log_iteration(writer, args: Args, stats: dict, iteration: int, num_iteration
         print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs says why)")
     if time.time() - last_print < 5.0 and iteration < num_iterations:
         return last_print
-    steps_left = (num_iterations - iteration) * global_step / max(iteration, 1)
+    eta = (num_iterations - iteration) * global_step / max(iteration, 1) / sps if sps > 0 else math.inf
+    kl = f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else ""
     print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={sps}  return(last 20)="
           f"{np.mean(recent_returns[-20:]) if recent_returns else float('nan'):.1f}  approx_kl={stats['approx_kl']:.4f}"
-          + (f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else "")
-          + f"  eta={eta_text(steps_left / sps if sps > 0 else math.inf)}", flush=True)
+          f"{kl}  eta={eta_text(eta)}", flush=True)
     return time.time()
 
 
 def save_state(run_dir: str, args: Args, agent: Agent, optimizer, kl_penalty, iteration: int, global_step: int,
-               rank: int, world: int) -> str:
-    """Every rank calls it, rank 0 writes: the learner and every rank's RNG (not envpool's games). Not kept:
-    --stop-after (the printed command runs to the end), --cuda (a resumed run takes this machine's default)."""
+               rank: int, world: int) -> str:  # every rank calls it, rank 0 writes: the learner, every rank's RNG
     rngs, path = gather_objects(rng_state(), world), os.path.join(run_dir, "checkpoint.pt")
-    if rank == 0:
-        save_checkpoint(path, dict(
-            script=SCRIPT, env_id=args.env_id, args={**{k: v for k, v in vars(args).items() if k != "cuda"},
-                                                     "stop_after": 0},
-            model=agent.state_dict(), optimizer=optimizer.state_dict(), iteration=iteration, global_step=global_step,
-            kl_coef=kl_penalty.beta if kl_penalty else None, world_size=world, rng=rngs))
+    if rank == 0:  # not kept: --stop-after (the printed command runs to the end), --cuda (this machine's default)
+        kept = {k: 0 if k == "stop_after" else v for k, v in vars(args).items() if k != "cuda"}
+        save_checkpoint(path, dict(script=SCRIPT, env_id=args.env_id, args=kept, model=agent.state_dict(),
+                                   optimizer=optimizer.state_dict(), iteration=iteration, global_step=global_step,
+                                   kl_coef=kl_penalty.beta if kl_penalty else None, world_size=world, rng=rngs))
     return path
 
 
@@ -769,9 +763,7 @@ def close_run(envs, writer, args: Args, world: int) -> None:
 
 
 def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "",
-             stop=lambda: False) -> list[float]:
-    """Play `episodes` whole games (all lives) with sampled actions (the most likely with --eval-deterministic);
-    their unclipped scores (fewer once stop() says so). --capture-video: video_dir/game-<k>.mp4 of each game."""
+             stop=lambda: False) -> list[float]:  # whole games' unclipped scores (fewer once stop() says so)
     env = make_envs(args, 1, args.seed + 10_000, **({"render_mode": "rgb_array"} if args.capture_video else {}))
     stats, returns, frames = EpisodeStats(1), [], []
     obs, _ = env.reset()
@@ -783,9 +775,8 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, vide
         for _, ret, length in stats.update(info["reward"], term, trunc, info["terminated"]):
             returns.append(ret)
             print(f"eval game {len(returns)}/{episodes}: score {ret:.0f}, {length} steps", flush=True)  # games are long
-            if args.capture_video:
+            if args.capture_video:  # video_dir/game-<k>.mp4
                 from moviepy import ImageSequenceClip
-
                 try:
                     os.makedirs(video_dir, exist_ok=True)
                     ImageSequenceClip(frames, fps=30).write_videofile(f"{video_dir}/game-{len(returns)}.mp4",
@@ -810,16 +801,16 @@ def log_evaluation(writer, args: Args, result: dict, signals: StopSignals, path:
 
 
 def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
-    """A trained policy for your own code: `policy = load_policy("runs/<run>/checkpoint.pt")`, then `policy(obs)`
-    for one stacked observation (4, 84, 84) uint8 or a batch, from envs made as in training (make_envs)."""
-    ckpt = load_checkpoint(path)  # (Failure, an Exception, with its one-line reason)
-    agent = Agent(int(ckpt["model"]["actor.weight"].shape[0])).to(device, memory_format=torch.channels_last
-                                                                      if torch.device(device).type == "cpu" else None)
+    """`policy = load_policy("runs/<run>/checkpoint.pt")`: `policy(obs)` plays one stacked observation (4, 84, 84)
+    uint8 or a batch, from envs made as in training (make_envs) (Failure: not a checkpoint)."""
+    ckpt, dev = load_checkpoint(path), torch.device(device)
+    agent = Agent(int(ckpt["model"]["actor.weight"].shape[0])).to(dev, memory_format=torch.channels_last
+                                                                      if dev.type == "cpu" else None)
     agent.load_state_dict(ckpt["model"])
 
     @torch.inference_mode()
     def policy(obs):
-        x = obs_tensor(obs, torch.device(device))
+        x = obs_tensor(obs, dev)
         if x.dtype != torch.uint8 or tuple(x.shape[-3:]) != (4, 84, 84) or x.dim() not in (3, 4):
             raise ValueError(f"observations of shape {tuple(x.shape)} and dtype {x.dtype}: expected envpool's stacked "
                              "frames, (4, 84, 84) uint8, or a batch of them")
@@ -855,27 +846,25 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED] with --res
     return args
 
 
-def validate(args: Args) -> None:
-    world, batch = int(os.environ.get("WORLD_SIZE", "1")), args.num_envs * args.num_steps
-    bad = [f.name for f in dataclasses.fields(Args) if isinstance(getattr(args, f.name), float)
-           and not math.isfinite(getattr(args, f.name))]  # nan / inf pass the range checks unnoticed
-    ids = atari_env_ids()
+def validate(args: Args) -> None:  # bad values, an unknown game, --cuda without a GPU: one line, exit 2
+    world, batch, ids = int(os.environ.get("WORLD_SIZE", "1")), args.num_envs * args.num_steps, atari_env_ids()
     close = difflib.get_close_matches(args.env_id, ids, n=5, cutoff=0.5)
-    for wrong, message in (
+    checks = [(not math.isfinite(v), f"--{k.replace('_', '-')} must be a finite number") for k, v in vars(args).items()
+              if isinstance(v, float)]  # nan and inf pass the range checks unnoticed
+    for wrong, message in checks + [
         (min(args.num_envs, args.num_steps, args.num_minibatches, args.update_epochs, args.max_episode_steps) <= 0,
          "--num-envs, --num-steps, --num-minibatches, --update-epochs and --max-episode-steps must be positive"),
         (min(args.total_timesteps, args.eval_episodes, args.checkpoint_every, args.stop_after, args.torch_threads,
              args.num_threads) < 0, "counts (--total-timesteps, --eval-episodes, ...) must be >= 0"),
         (batch % max(args.num_minibatches, 1), f"num_envs*num_steps = {batch} is not divisible by --num-minibatches "
                                                f"{args.num_minibatches}"),
-        (bad, f"--{bad[0].replace('_', '-') if bad else ''} must be a finite number"),
         (not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1), "--gamma and --gae-lambda must lie in [0, 1]"),
         (min(args.learning_rate, args.clip_coef, args.max_grad_norm) <= 0,
          "--learning-rate, --clip-coef and --max-grad-norm must be positive"),
-        (min(args.ent_coef, args.vf_coef) < 0, "--ent-coef and --vf-coef must be >= 0"),
-        (args.target_kl is not None and args.target_kl <= 0, "--target-kl must be positive"),
-        ((args.kl_penalty_coef or 0) < 0, "--kl-penalty-coef must be >= 0"),
-        (args.kl_penalty_target is not None and args.kl_penalty_target <= 0, "--kl-penalty-target must be positive"),
+        (min(args.ent_coef, args.vf_coef, args.kl_penalty_coef or 0) < 0,
+         "--ent-coef, --vf-coef and --kl-penalty-coef must be >= 0"),
+        (min([x for x in (args.target_kl, args.kl_penalty_target) if x is not None], default=1) <= 0,
+         "--target-kl and --kl-penalty-target must be positive"),
         (not 0 <= args.seed < 2**31 - args.total_timesteps - world * args.num_envs,
          f"--seed {args.seed}: envpool seeds (seed + global step + env index) must lie in [0, 2**31)"),
         (0 < args.total_timesteps < batch * world,
@@ -888,8 +877,7 @@ def validate(args: Args) -> None:
         (args.cuda and not gpu_for_each_process(), f"--cuda with {os.environ.get('LOCAL_WORLD_SIZE', '1')} processes "
                                                    f"on this machine but {torch.cuda.device_count()} GPU(s)"),
         (args.env_id not in ids, f"unknown envpool Atari task {args.env_id!r}; " + (
-            f"did you mean {', '.join(close)}?" if close else f"e.g. {', '.join(ids[:5])}, ... ({len(ids)} in all)")),
-    ):
+            f"did you mean {', '.join(close)}?" if close else f"e.g. {', '.join(ids[:5])}, ... ({len(ids)} in all)"))]:
         if wrong:
             raise Failure(message)
     for flag, on in (("--eval-deterministic", args.eval_deterministic), ("--capture-video", args.capture_video)):
