@@ -131,8 +131,7 @@ class EpisodeStats:
         self.lengths += real
         ended = np.logical_or(np.asarray(game_over, dtype=bool), truncated)
         finished = [(int(i), float(self.returns[i]), int(self.lengths[i])) for i in np.nonzero(ended)[0]]
-        self.returns[ended] = 0.0
-        self.lengths[ended] = 0
+        self.returns[ended], self.lengths[ended] = 0.0, 0
         self.after_done = np.logical_or(terminated, truncated)
         return finished
 
@@ -847,7 +846,10 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED] with --res
 
 
 def validate(args: Args) -> None:  # bad values, an unknown game, --cuda without a GPU: one line, exit 2
-    world, batch, ids = int(os.environ.get("WORLD_SIZE", "1")), args.num_envs * args.num_steps, atari_env_ids()
+    from envpool.registration import registry
+
+    world, batch = int(os.environ.get("WORLD_SIZE", "1")), args.num_envs * args.num_steps
+    ids = sorted(e for e, spec in registry.specs.items() if spec[1] == "AtariEnvSpec")  # envpool's Atari tasks
     close = difflib.get_close_matches(args.env_id, ids, n=5, cutoff=0.5)
     checks = [(not math.isfinite(v), f"--{k.replace('_', '-')} must be a finite number") for k, v in vars(args).items()
               if isinstance(v, float)]  # nan and inf pass the range checks unnoticed
@@ -885,14 +887,7 @@ def validate(args: Args) -> None:  # bad values, an unknown game, --cuda without
             print(f"note: {flag} applies to the --eval-episodes games; none asked")
 
 
-def atari_env_ids() -> list[str]:
-    from envpool.registration import registry
-
-    return sorted(e for e, spec in registry.specs.items() if spec[1] == "AtariEnvSpec")
-
-
-def gpu_for_each_process() -> bool:
-    """--cuda's default: a GPU for each process of this machine (torchrun's LOCAL_WORLD_SIZE), as CleanRL's."""
+def gpu_for_each_process() -> bool:  # --cuda's default: a GPU for each process of this machine (as CleanRL's)
     return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
