@@ -121,8 +121,7 @@ class EpisodeStats:
     ended at this step (game over or truncated)."""
 
     def __init__(self, num_envs: int):
-        self.returns = np.zeros(num_envs, dtype=np.float64)
-        self.lengths = np.zeros(num_envs, dtype=np.int64)
+        self.returns, self.lengths = np.zeros(num_envs, dtype=np.float64), np.zeros(num_envs, dtype=np.int64)
         self.after_done = np.zeros(num_envs, dtype=bool)
 
     def update(self, reward_raw, terminated, truncated, game_over) -> list[tuple[int, float, int]]:
