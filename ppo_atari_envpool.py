@@ -6,13 +6,9 @@
     python ppo_atari_envpool.py --resume runs/<run>/checkpoint.pt  # the next 500, same steps and lr schedule
     torchrun --nproc-per-node 2 ppo_atari_envpool.py               # data parallel: --num-envs envs per process
 
-Read from the top: Args -> environments (envpool does all the Atari preprocessing; whole-game statistics) -> Agent
-(Nature CNN) -> the PPO math (compute_gae, the truncation bootstrap, advantage normalisation and ppo_loss over the
-real transitions, the adaptive-KL-penalty variant) -> main(), whose loop is the PPO note's steps
-(docs/reading_guide.md): 1. Collect rollout, 2. Compute advantages and returns (GAE), 3. Advantage normalisation,
-4. Optimise policy & value for E epochs, 5. Update reference policy.
-PPO ends at the banner below main(). What follows it (torchrun, the run directory, logging, checkpoints, evaluation
-and load_policy, compile helpers, the command line and its one error boundary) changes nothing that PPO computes.
+Read from the top: Args, environments (envpool does all the Atari preprocessing), Agent (Nature CNN), the PPO math,
+then main(), whose loop is the note's five steps (docs/reading_guide.md). PPO ends at the banner below main(); the
+flat helpers under it change nothing it computes.
 """
 
 from __future__ import annotations
@@ -28,12 +24,13 @@ import random
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Literal, Optional
 
-# Before torch loads OpenMP: spinning OpenMP threads collapse on a shared CPU (Breakout at the default settings,
-# alternated runs on 2 loaded cores: 75 vs 12-15 SPS). A user's value wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Run as a script, before torch loads OpenMP: spinning OpenMP threads collapse on a shared CPU (Breakout at the
+# default settings on 2 loaded cores: 75 vs 12-15 SPS; no change without load). A user's value wins.
+if __name__ == "__main__" and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -44,109 +41,61 @@ import tyro  # noqa: E402
 @dataclass
 class Args:  # Count: an int that also reads 1e7 (defined with the command line, below the banner)
     # The note's hyperparameters
-    num_steps: Count = 128
-    """T: steps per environment in each rollout"""
-    update_epochs: Count = 4
-    """E: epochs over each rollout"""
-    num_minibatches: Count = 4
-    """number of minibatches per epoch (each of M = num_envs * T / num_minibatches samples)"""
-    clip_coef: float = 0.1
-    """epsilon: clip range of the probability ratio (and of the value clip)"""
-    learning_rate: float = 2.5e-4
-    """alpha: Adam learning rate"""
-    gamma: float = 0.99
-    """gamma: discount factor"""
-    gae_lambda: float = 0.95
-    """lambda: GAE parameter"""
-    vf_coef: float = 0.5
-    """c_v: value loss coefficient"""
-    ent_coef: float = 0.01
-    """c_H: entropy bonus coefficient"""
+    num_steps: Count = 128  # T: steps per environment in each rollout
+    update_epochs: Count = 4  # E: epochs over each rollout
+    num_minibatches: Count = 4  # minibatches per epoch (each of M = num_envs * T / num_minibatches samples)
+    clip_coef: float = 0.1  # epsilon: clip range of the probability ratio (and of the value clip)
+    learning_rate: float = 2.5e-4  # alpha: Adam learning rate
+    gamma: float = 0.99  # gamma: discount factor
+    gae_lambda: float = 0.95  # lambda: GAE parameter
+    vf_coef: float = 0.5  # c_v: value loss coefficient
+    ent_coef: float = 0.01  # c_H: entropy bonus coefficient
 
     # Implementation details (CleanRL's) and the note's adaptive-KL-penalty variant
-    anneal_lr: bool = True
-    """anneal the learning rate linearly to 0"""
-    norm_adv: bool = True
-    """standardise the advantages (where: --norm-adv-scope)"""
-    norm_adv_scope: Literal["minibatch", "rollout"] = "minibatch"
-    """minibatch: in each minibatch, (A-mean)/(std+eps) (CleanRL); rollout: once, (A-mean)/sqrt(var+eps) (the note)"""
-    clip_vloss: bool = True
-    """clip the value loss as in the original PPO code"""
-    max_grad_norm: float = 0.5
-    """global gradient norm clip"""
-    target_kl: Optional[float] = None
-    """stop the epochs of an update early once approx_kl exceeds this"""
-    kl_penalty_coef: Optional[float] = None
-    """KL-penalty variant (PPO paper): -r*A + coef*KL(pi_old||pi), no ratio clip; None: clip (1 with a target)"""
-    kl_penalty_target: Optional[float] = None
-    """adaptive KL penalty: the coef (--kl-penalty-coef, else 1) halves when KL < target/1.5, doubles if > 1.5*target"""
+    anneal_lr: bool = True  # anneal the learning rate linearly to 0
+    norm_adv: bool = True  # standardise the advantages (where: --norm-adv-scope)
+    norm_adv_scope: Literal["minibatch", "rollout"] = "minibatch"  # per minibatch (CleanRL) or once per rollout (note)
+    clip_vloss: bool = True  # clip the value loss as in the original PPO code
+    max_grad_norm: float = 0.5  # global gradient norm clip
+    target_kl: Optional[float] = None  # stop the epochs of an update early once approx_kl exceeds this
+    kl_penalty_coef: Optional[float] = None  # KL-penalty variant: -r*A + coef*KL(pi_old||pi), no ratio clip
+    kl_penalty_target: Optional[float] = None  # adapt the coef (else 1): halve if KL < target/1.5, double if > 1.5x
 
     # Environment (envpool)
-    env_id: str = "Breakout-v5"
-    """id of an envpool Atari task (Breakout-v5, Pong-v5, BeamRider-v5, ...)"""
-    total_timesteps: Count = 10_000_000
-    """total environment steps of the run"""
-    num_envs: Count = 8
-    """number of parallel environments (per process under torchrun)"""
-    num_threads: Count = 0
-    """envpool worker threads (0: envpool's default); per process under torchrun"""
-    sticky_actions: bool = False
-    """repeat the previous action with probability 0.25 (Machado et al. 2018); off: 0"""
-    max_episode_steps: Count = 27_000
-    """truncate a game after this many agent steps (27000 = 108000 frames)"""
+    env_id: str = "Breakout-v5"  # id of an envpool Atari task (Breakout-v5, Pong-v5, BeamRider-v5, ...)
+    total_timesteps: Count = 10_000_000  # total environment steps of the run
+    num_envs: Count = 8  # number of parallel environments (per process under torchrun)
+    num_threads: Count = 0  # envpool worker threads (0: envpool's default); per process under torchrun
+    sticky_actions: bool = False  # repeat the previous action with probability 0.25 (Machado et al. 2018); off: 0
+    max_episode_steps: Count = 27_000  # truncate a game after this many agent steps (27000 = 108000 frames)
 
     # Run: seeds, devices, logging, checkpoints, evaluation
-    exp_name: str = "ppo_atari_envpool"
-    """name of this experiment (part of the run name)"""
-    seed: Count = 1
-    """seed of the experiment (python, numpy, torch and the environments)"""
-    torch_deterministic: bool = True
-    """deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only; cuDNN; cuBLAS workspace)"""
-    cuda: bool = dataclasses.field(default_factory=lambda: gpu_for_each_process())
-    """run the networks on CUDA: the default where torch sees a GPU for each local process (as in CleanRL)"""
-    compile: bool = False
-    """torch.compile the action sampling and the update step"""
-    cudagraphs: bool = False
-    """CUDA graphs through torch.compile's reduce-overhead mode; implies compilation (needs --cuda)"""
-    torch_threads: Count = 0
-    """torch CPU threads (0: one per core, shared by this node's torchrun processes; the CNN is what costs on CPU)"""
-    track: bool = False
-    """log to Weights & Biases (WANDB_MODE=offline works without network)"""
-    wandb_project_name: str = "ppo-reference"
-    """wandb project name"""
-    wandb_entity: Optional[str] = None
-    """wandb entity (team)"""
-    capture_video: bool = False
-    """record videos of the evaluation games under runs/<run>/videos"""
-    save_model: bool = False
-    """write runs/<run>/checkpoint.pt at the end of training"""
-    checkpoint_every: Count = 0
-    """also write the checkpoint every N iterations (0: only at the end with --save-model)"""
-    resume: Optional[str] = None
-    """continue from this checkpoint.pt (run dir, steps, lr schedule; games restart); flags not given take its values"""
-    stop_after: Count = 0
-    """stop this process after N iterations with a checkpoint (0: run to the end); --resume continues"""
-    eval_episodes: Count = 0
-    """after training (or right away for a finished --resume checkpoint) evaluate N whole games"""
-    eval_deterministic: bool = False
-    """evaluate with the most likely action (a greedy agent can stall a game until --max-episode-steps)"""
-    runs_dir: str = "runs"
-    """directory that holds the runs"""
+    exp_name: str = "ppo_atari_envpool"  # name of this experiment (part of the run name)
+    seed: Count = 1  # seed of the experiment (python, numpy, torch and the environments)
+    torch_deterministic: bool = True  # deterministic torch algorithms (warn-only), cuDNN and cuBLAS workspace
+    cuda: bool = field(default_factory=lambda: gpu_for_each_process())  # on CUDA (the default where torch sees a GPU)
+    compile: bool = False  # torch.compile the action sampling and the update step
+    cudagraphs: bool = False  # CUDA graphs through torch.compile's reduce-overhead mode; implies compilation
+    torch_threads: Count = 0  # torch CPU threads (0: one per core, shared by this node's torchrun processes)
+    track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works without network)
+    wandb_project_name: str = "ppo-reference"  # wandb project name
+    wandb_entity: Optional[str] = None  # wandb entity (team)
+    capture_video: bool = False  # record videos of the evaluation games under runs/<run>/videos
+    save_model: bool = False  # write runs/<run>/checkpoint.pt at the end of training
+    checkpoint_every: Count = 0  # also write the checkpoint every N iterations (0: only at the end with --save-model)
+    resume: Optional[str] = None  # continue this checkpoint.pt (games restart); flags not given take its values
+    stop_after: Count = 0  # stop this process after N iterations with a checkpoint (0: run to the end)
+    eval_episodes: Count = 0  # after training (or right away for a finished --resume checkpoint) evaluate N whole games
+    eval_deterministic: bool = False  # evaluate with the most likely action (greedy play can stall a game)
+    runs_dir: str = "runs"  # directory that holds the runs
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Environments: envpool's Atari (all the preprocessing), observations as tensors
-# ---------------------------------------------------------------------------------------------------------
+# --- Environments: envpool's Atari (all the preprocessing), observations as tensors -----------------------
 def make_envs(args: Args, num_envs: int, seed: int, **extra):
-    """envpool's vectorised Atari env with the preprocessing of the 37 details, all done by envpool (env i is seeded
-    with seed + i). What this script relies on, checked with envpool 1.2.5, env_type="gymnasium":
-    - autoreset is "next step": the step() after a done returns the reset observation, reward 0, and ignores the
-      action. With episodic_life a life loss is such a done too (the reset step then continues the same game;
-      info["elapsed_step"] does not advance). Those reset steps carry no real transition: they are stored (static
-      shapes for compile / CUDA graphs) but masked out of the loss.
-    - the returned `terminated` is True on a life loss (episodic life: GAE treats it as terminal); info["terminated"]
-      is True only when the game is over; `truncated` (max_episode_steps, 27000 agent steps = 108000 frames) ends
-      the game as well. info["reward"] is the unclipped reward, from which the whole-game return is summed."""
+    """envpool's Atari, env i seeded with seed + i. Relied on (envpool 1.2.5): next-step autoreset (the step after a
+    done returns the reset observation and reward 0 and ignores the action: stored, then masked out of the loss; a
+    life loss is such a done too); `terminated` is True on a life loss, info["terminated"] only when the game is
+    over; `truncated` (the time limit) ends the game too; info["reward"] is the unclipped reward."""
     import envpool
 
     return envpool.make(
@@ -156,34 +105,23 @@ def make_envs(args: Args, num_envs: int, seed: int, **extra):
         episodic_life=True,  # detail: a life loss ends the training episode (not the game)
         use_fire_reset=True,  # detail: press FIRE on reset where the game needs it
         reward_clip=True,  # detail: sign of the reward for training; info["reward"] keeps the raw one
-        img_height=84, img_width=84, gray_scale=True,  # detail: 84x84 grayscale
-        stack_num=4,  # detail: stack the last 4 frames
-        repeat_action_probability=0.25 if args.sticky_actions else 0.0,
-        max_episode_steps=args.max_episode_steps,
-        **extra,
-    )
+        img_height=84, img_width=84, gray_scale=True, stack_num=4,  # detail: 84x84 grayscale, the last 4 frames
+        repeat_action_probability=0.25 if args.sticky_actions else 0.0, max_episode_steps=args.max_episode_steps,
+        **extra)
 
 
-def obs_tensor(obs, device: torch.device) -> torch.Tensor:
-    """A batch of observations as the Agent takes them: envpool's stacked frames, (N, 4, 84, 84) uint8, on `device`
-    (the Agent scales them)."""
+def obs_tensor(obs, device: torch.device) -> torch.Tensor:  # (N, 4, 84, 84) uint8 on `device` (the Agent scales it)
     x = torch.as_tensor(np.asarray(obs))
-    # for CUDA only: through pinned memory (torch's caching host allocator), a non-blocking copy
-    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x
+    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x  # CUDA: via pinned memory
 
 
 class EpisodeStats:
-    """Whole-game episodic return (unclipped) and length across lives, for N envs in envpool's next-step autoreset.
-
-    update() takes one step's info["reward"] (unclipped), the returned terminated/truncated (a life loss counts as
-    terminated) and info["terminated"] (game over). The step right after any done is envpool's reset step: its
-    action is ignored and it is no agent step, so it adds neither reward nor length. A game ends on game_over or
-    truncated. Returns (env index, return, length in agent steps) for every game that ended at this step.
-    """
+    """Whole-game return (unclipped) and length in agent steps, across lives, in envpool's next-step autoreset: the
+    step after a done adds nothing (its action is ignored). update() returns (env, return, length) of each game that
+    ended at this step (game over or truncated)."""
 
     def __init__(self, num_envs: int):
-        self.returns = np.zeros(num_envs, dtype=np.float64)
-        self.lengths = np.zeros(num_envs, dtype=np.int64)
+        self.returns, self.lengths = np.zeros(num_envs, dtype=np.float64), np.zeros(num_envs, dtype=np.int64)
         self.after_done = np.zeros(num_envs, dtype=bool)
 
     def update(self, reward_raw, terminated, truncated, game_over) -> list[tuple[int, float, int]]:
@@ -192,15 +130,12 @@ class EpisodeStats:
         self.lengths += real
         ended = np.logical_or(np.asarray(game_over, dtype=bool), truncated)
         finished = [(int(i), float(self.returns[i]), int(self.lengths[i])) for i in np.nonzero(ended)[0]]
-        self.returns[ended] = 0.0
-        self.lengths[ended] = 0
+        self.returns[ended], self.lengths[ended] = 0.0, 0
         self.after_done = np.logical_or(terminated, truncated)
         return finished
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Agent: Nature CNN shared by actor and critic, orthogonal init
-# ---------------------------------------------------------------------------------------------------------
+# --- Agent: Nature CNN shared by actor and critic, orthogonal init ----------------------------------------
 def layer_init(layer: nn.Module, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Module:
     torch.nn.init.orthogonal_(layer.weight, std)  # detail: orthogonal init with scaled gains
     torch.nn.init.constant_(layer.bias, bias_const)
@@ -227,12 +162,11 @@ class Agent(nn.Module):
         return self.critic(self.hidden(x)).squeeze(-1)
 
     def get_action_and_value(self, x: torch.Tensor, action: Optional[torch.Tensor] = None):
-        """Sample (or score) an action. Returns action, log pi(a|s), entropy, V(s)."""
-        return self(x, action)[:4]
+        return self(x, action)[:4]  # action, log pi(a|s), entropy, V(s)
 
     def forward(self, x: torch.Tensor, action: Optional[torch.Tensor] = None):
-        """get_action_and_value, plus log pi(.|s) of every action (the KL-penalty variant's exact KL compares the old
-        and the new ones). The update calls the agent itself, so that DDP can average the gradients."""
+        """get_action_and_value, plus log pi(.|s) of every action (the KL-penalty variant's exact KL); the update
+        calls the agent itself, so that DDP averages the gradients."""
         h = self.hidden(x)
         logits = self.actor(h)
         logp_all = torch.log_softmax(logits, dim=-1)
@@ -243,14 +177,11 @@ class Agent(nn.Module):
         entropy = -(logp_all.exp() * logp_all).sum(-1)
         return action, logprob, entropy, self.critic(h).squeeze(-1), logp_all
 
-    def act(self, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
-        """The action to play (evaluation, load_policy): sampled, or the most likely one."""
+    def act(self, x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:  # evaluation, load_policy
         return self.actor(self.hidden(x)).argmax(-1) if deterministic else self.get_action_and_value(x)[0]
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The PPO math: pure functions (the tests check each against a plain loop)
-# ---------------------------------------------------------------------------------------------------------
+# --- The PPO math: pure functions (the tests check each against a plain loop) -----------------------------
 def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, lam: float):
     """GAE by the note's backward recursion, in numpy on the host: the values come over once per rollout (a T-step
     loop of tiny tensors costs ~5x more on the CPU, and ~1,150 kernel launches an iteration on CUDA).
@@ -275,21 +206,16 @@ def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, lam
 
 
 def bootstrap_truncated(rewards, values, next_value, truncated, gamma: float):
-    """Truncation is not termination: r_t += gamma * V(s_{t+1}) where the step t was cut by the time limit.
-
-    In next-step autoreset the final observation of a truncated game is the next stored observation, so its value
-    is values[t + 1] (or next_value after the last step): no extra forward pass. truncated: (T, N), 1 only where
-    truncated and not terminated (numpy arrays, as in compute_gae).
-    """
+    """Truncation is not termination: r_t += gamma * V(s_{t+1}) where the time limit cut step t (truncated: (T, N),
+    1 there). In next-step autoreset the final observation is the next stored one: values[t + 1], or next_value."""
     next_values = np.concatenate([values[1:], next_value[None]], axis=0)
     return rewards + gamma * next_values * truncated
 
 
 def to_bootstrap(terminations: np.ndarray, truncations: np.ndarray, lives_before: np.ndarray,
                  lives_after: np.ndarray, game_over: np.ndarray) -> np.ndarray:
-    """The steps whose next value is bootstrapped: cut by the time limit and not terminal. envpool reports a life
-    lost (or the game over) on the time limit's last step as truncated and not terminated: the drop in lives tells,
-    and info["terminated"] (game_over) in games without lives (Pong's lives stay 0)."""
+    """The steps cut by the time limit and not terminal. envpool reports a life lost (or the game over) on the time
+    limit's step as truncated only: the drop in lives tells, or game_over in games without lives (Pong's stay 0)."""
     return truncations & ~terminations & (game_over == 0) & (lives_after >= lives_before)
 
 
@@ -306,8 +232,7 @@ def normalize_advantages(adv: torch.Tensor, mask: torch.Tensor, eps: float = 1e-
 
 
 def normalize_advantages_rollout(adv: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """The note's advantage normalisation over the whole rollout, of the entries with mask 1: (A - mean) /
-    sqrt(population variance + eps)."""
+    """The note's form, over the rollout's entries with mask 1: (A - mean) / sqrt(population variance + eps)."""
     n = mask.sum().clamp(min=1.0)
     mean = (adv * mask).sum() / n
     return (adv - mean) / torch.sqrt((((adv - mean) ** 2) * mask).sum() / n + eps)
@@ -316,13 +241,9 @@ def normalize_advantages_rollout(adv: torch.Tensor, mask: torch.Tensor, eps: flo
 def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, entropy, mask,
              clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool, kl_coef=None,
              kl=None):
-    """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync).
-    kl_coef (a number or 0-d tensor) selects the KL-penalty policy loss instead: -r*A + kl_coef * kl, with kl the
-    exact KL(pi_old(.|s) || pi(.|s)) of each sample's state (categorical_kl), as in the PPO paper.
-
-    mask (float, 1 = real transition, 0 = envpool reset step) weights every mean, so that the shapes stay static
-    for torch.compile / CUDA graphs; with an all-ones mask this is the plain CleanRL loss.
-    """
+    """Clipped policy loss + c_v * value loss - c_H * entropy, and statistics (tensors, no host sync). With kl_coef,
+    the KL-penalty policy loss -r*A + kl_coef * kl instead (kl: categorical_kl of each sample's state). Every mean
+    is over mask 1 (real transitions; 0: envpool's reset steps), so that the shapes stay static for compilation."""
     if kl_coef is not None and kl is None:
         raise ValueError("ppo_loss: kl_coef needs kl, the KL(pi_old(.|s) || pi(.|s)) of each sample")
     logratio = newlogprob - oldlogprob
@@ -353,8 +274,7 @@ def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, en
 
 
 def categorical_kl(old_logp: torch.Tensor, new_logp: torch.Tensor) -> torch.Tensor:
-    """KL(pi_old(.|s) || pi(.|s)) of each state, exact: the sum over actions of p_old * (log p_old - log p).
-    (..., A) -> (...)."""
+    """Exact KL(pi_old(.|s) || pi(.|s)) of each state: sum over actions of p_old * (log p_old - log p)."""
     return (old_logp.exp() * (old_logp - new_logp)).sum(-1)
 
 
@@ -368,9 +288,8 @@ def adapt_kl_coef(coef: float, kl: float, target: float) -> float:
 
 
 class KLPenalty:
-    """The note's adaptive-KL-penalty variant in one place (PPO paper, sec. 4): each minibatch's policy loss is
-    -r*A + beta * KL(pi_old(.|s) || pi(.|s)) instead of the clipped one (loss_terms); after each update the rollout's
-    KL over its real transitions (rollout_kl) halves or doubles beta with --kl-penalty-target (adapt)."""
+    """The adaptive-KL-penalty variant (PPO paper, sec. 4): the policy loss -r*A + beta * KL(pi_old || pi)
+    (loss_terms); after each update the rollout's KL (rollout_kl) halves or doubles beta (adapt)."""
 
     def __init__(self, args: Args, device: torch.device):
         self.target = args.kl_penalty_target
@@ -378,12 +297,11 @@ class KLPenalty:
         self.coef = torch.tensor(self.beta, device=device)  # in a tensor, which the (compiled) update reads
 
     def loss_terms(self, old_logp_all: torch.Tensor, logp_all: torch.Tensor) -> dict:
-        """ppo_loss's keyword arguments kl_coef and kl for one minibatch."""
-        return dict(kl_coef=self.coef, kl=categorical_kl(old_logp_all, logp_all))
+        return dict(kl_coef=self.coef, kl=categorical_kl(old_logp_all, logp_all))  # ppo_loss's keyword arguments
 
     @torch.no_grad()
     def rollout_kl(self, agent: Agent, b_obs, b_old_logp_all, b_mask, minibatch_size: int) -> torch.Tensor:
-        """KL(pi_old || pi_theta) averaged over the rollout's real transitions after the update: the d of the rule."""
+        """KL(pi_old || pi_theta) over the rollout's real transitions after the update: the d of the rule."""
         total = torch.zeros((), device=b_obs.device)
         for start in range(0, len(b_obs), minibatch_size):
             mb = slice(start, start + minibatch_size)
@@ -395,15 +313,12 @@ class KLPenalty:
         if self.target is not None:
             self.set(adapt_kl_coef(self.beta, kl, self.target))
 
-    def set(self, beta: float) -> None:
-        """The coefficient of the next update (adapt; a resumed run's adapted value)."""
+    def set(self, beta: float) -> None:  # the coefficient of the next update (adapt; a resumed run's value)
         self.beta = beta
         self.coef.fill_(beta)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Training loop
-# ---------------------------------------------------------------------------------------------------------
+# --- Training loop ----------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     with StopSignals() as signals:  # SIGTERM / Ctrl-C from here on: honoured at the end of an iteration
         rank, world, device = setup_distributed(args.cuda)  # torchrun: one process per rank (gloo, or NCCL per GPU)
@@ -435,8 +350,7 @@ def main(args: Args) -> dict:
         # (CUDA graphs, resume); on the CPU the fused Adam is faster (4 alternated pairs: median +12% SPS, noisy)
         optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
                                      capturable=args.cuda, fused=not args.cuda or None)
-        penalised = (args.kl_penalty_coef, args.kl_penalty_target) != (None, None)  # the KL-penalty variant
-        kl_penalty = KLPenalty(args, device) if penalised else None
+        kl_penalty = KLPenalty(args, device) if (args.kl_penalty_coef, args.kl_penalty_target) != (None, None) else None
         if ckpt is not None:  # exact resume of the learner: networks, Adam, RNG of every rank, the KL coefficient
             with checkpoint_fits(args.resume):
                 agent.load_state_dict(ckpt["model"])
@@ -535,7 +449,7 @@ def main(args: Args) -> dict:
             # 5. Update reference policy: theta_old <- theta, implicitly (the next rollout samples from theta). The
             # KL-penalty variant measures KL(pi_old || pi_theta) over the rollout and adapts its coefficient to it.
             rollout_kl = kl_penalty and kl_penalty.rollout_kl(agent, b_obs, b_old_logp_all, b_mask, minibatch_size)
-            stats = iteration_stats(update_stats, world, signals, rollout_kl)  # the one host sync: all ranks' means, signals
+            stats = iteration_stats(update_stats, world, signals, rollout_kl)  # the one host sync, all ranks' means
             check_finite(stats, iteration, last_checkpoint)  # a non-finite update stops the run (exit 1)
             stats["explained_variance"] = explained_variance(values_h[mask > 0], returns[mask > 0])  # real steps
             sps = int((global_step - start_step) / (time.time() - start_time))
@@ -766,19 +680,18 @@ def cudagraph_skips() -> int:  # [SHARED] how many compiled graphs torch ran wit
 
 
 # --- this script's run helpers: resume checks, logging, checkpoint, evaluation, load_policy --------------
-def check_resume(ckpt: Optional[dict], args: Args, world: int) -> None:
-    """Its env, rollout size and processes are this run's (the iterations and lr schedule hold for them)."""
+def check_resume(ckpt: Optional[dict], args: Args, world: int) -> None:  # its env, processes, rollout: this run's
     if ckpt is None:
         return
     n, saved = ckpt.get("world_size"), ckpt.get("args", {})
-    if ckpt.get("env_id") != args.env_id:
-        raise Failure(f"{args.resume} was trained on {ckpt.get('env_id')}, not {args.env_id}")
-    if n != world:
-        raise Failure(f"{args.resume} was written by {n} process(es); resume it with as many: {launcher(n)} --resume "
-                      f"{args.resume}")
-    if (saved.get("num_envs"), saved.get("num_steps")) != (args.num_envs, args.num_steps):
-        raise Failure(f"{args.resume} was written with --num-envs {saved.get('num_envs')} --num-steps "
-                      f"{saved.get('num_steps')}; its iterations and lr schedule hold for them: resume with the same")
+    for wrong, message in (
+        (ckpt.get("env_id") != args.env_id, f"was trained on {ckpt.get('env_id')}, not {args.env_id}"),
+        (n != world, f"was written by {n} process(es); resume it with as many: {launcher(n)} --resume {args.resume}"),
+        ((saved.get("num_envs"), saved.get("num_steps")) != (args.num_envs, args.num_steps),
+         f"was written with --num-envs {saved.get('num_envs')} --num-steps {saved.get('num_steps')}; its iterations "
+         "and lr schedule hold for them: resume with the same")):
+        if wrong:
+            raise Failure(f"{args.resume} {message}")
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"resumed {args.resume} at iteration {ckpt['iteration']}, global step {ckpt['global_step']} (note: "
               "envpool cannot save its games: they start anew)")
@@ -803,9 +716,8 @@ def iteration_stats(update_stats: list[dict], world: int, signals: StopSignals, 
 
 
 def log_iteration(writer, args: Args, stats: dict, iteration: int, num_iterations: int, global_step: int, sps: int,
-                  lr: float, recent_returns: list, kl_penalty, last_print: float) -> float:
-    """TensorBoard (rank 0) and the progress line every 5 s (returns when it was last printed)."""
-    if writer is None:
+                  lr: float, recent_returns: list, kl_penalty, last_print: float) -> float:  # when last printed
+    if writer is None:  # TensorBoard and the progress line (every 5 s and at the end): rank 0
         return last_print
     scalars = {"charts/learning_rate": lr, "charts/SPS": sps, **{f"losses/{k}": stats[k] for k in (
         "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance")}}
@@ -817,25 +729,22 @@ def log_iteration(writer, args: Args, stats: dict, iteration: int, num_iteration
         print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs says why)")
     if time.time() - last_print < 5.0 and iteration < num_iterations:
         return last_print
-    steps_left = (num_iterations - iteration) * global_step / max(iteration, 1)
+    eta = (num_iterations - iteration) * global_step / max(iteration, 1) / sps if sps > 0 else math.inf
+    kl = f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else ""
     print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={sps}  return(last 20)="
           f"{np.mean(recent_returns[-20:]) if recent_returns else float('nan'):.1f}  approx_kl={stats['approx_kl']:.4f}"
-          + (f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else "")
-          + f"  eta={eta_text(steps_left / sps if sps > 0 else math.inf)}", flush=True)
+          f"{kl}  eta={eta_text(eta)}", flush=True)
     return time.time()
 
 
 def save_state(run_dir: str, args: Args, agent: Agent, optimizer, kl_penalty, iteration: int, global_step: int,
-               rank: int, world: int) -> str:
-    """Every rank calls it, rank 0 writes: the learner and every rank's RNG (not envpool's games). Not kept:
-    --stop-after (the printed command runs to the end), --cuda (a resumed run takes this machine's default)."""
+               rank: int, world: int) -> str:  # every rank calls it, rank 0 writes: the learner, every rank's RNG
     rngs, path = gather_objects(rng_state(), world), os.path.join(run_dir, "checkpoint.pt")
-    if rank == 0:
-        save_checkpoint(path, dict(
-            script=SCRIPT, env_id=args.env_id, args={**{k: v for k, v in vars(args).items() if k != "cuda"},
-                                                     "stop_after": 0},
-            model=agent.state_dict(), optimizer=optimizer.state_dict(), iteration=iteration, global_step=global_step,
-            kl_coef=kl_penalty.beta if kl_penalty else None, world_size=world, rng=rngs))
+    if rank == 0:  # not kept: --stop-after (the printed command runs to the end), --cuda (this machine's default)
+        kept = {k: 0 if k == "stop_after" else v for k, v in vars(args).items() if k != "cuda"}
+        save_checkpoint(path, dict(script=SCRIPT, env_id=args.env_id, args=kept, model=agent.state_dict(),
+                                   optimizer=optimizer.state_dict(), iteration=iteration, global_step=global_step,
+                                   kl_coef=kl_penalty.beta if kl_penalty else None, world_size=world, rng=rngs))
     return path
 
 
@@ -852,9 +761,7 @@ def close_run(envs, writer, args: Args, world: int) -> None:
 
 
 def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "",
-             stop=lambda: False) -> list[float]:
-    """Play `episodes` whole games (all lives) with sampled actions (the most likely with --eval-deterministic);
-    their unclipped scores (fewer once stop() says so). --capture-video: video_dir/game-<k>.mp4 of each game."""
+             stop=lambda: False) -> list[float]:  # whole games' unclipped scores (fewer once stop() says so)
     env = make_envs(args, 1, args.seed + 10_000, **({"render_mode": "rgb_array"} if args.capture_video else {}))
     stats, returns, frames = EpisodeStats(1), [], []
     obs, _ = env.reset()
@@ -866,9 +773,8 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, vide
         for _, ret, length in stats.update(info["reward"], term, trunc, info["terminated"]):
             returns.append(ret)
             print(f"eval game {len(returns)}/{episodes}: score {ret:.0f}, {length} steps", flush=True)  # games are long
-            if args.capture_video:
+            if args.capture_video:  # video_dir/game-<k>.mp4
                 from moviepy import ImageSequenceClip
-
                 try:
                     os.makedirs(video_dir, exist_ok=True)
                     ImageSequenceClip(frames, fps=30).write_videofile(f"{video_dir}/game-{len(returns)}.mp4",
@@ -893,16 +799,16 @@ def log_evaluation(writer, args: Args, result: dict, signals: StopSignals, path:
 
 
 def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
-    """A trained policy for your own code: `policy = load_policy("runs/<run>/checkpoint.pt")`, then `policy(obs)`
-    for one stacked observation (4, 84, 84) uint8 or a batch, from envs made as in training (make_envs)."""
-    ckpt = load_checkpoint(path)  # (Failure, an Exception, with its one-line reason)
-    agent = Agent(int(ckpt["model"]["actor.weight"].shape[0])).to(device, memory_format=torch.channels_last
-                                                                      if torch.device(device).type == "cpu" else None)
+    """`policy = load_policy("runs/<run>/checkpoint.pt")`: `policy(obs)` plays one stacked observation (4, 84, 84)
+    uint8 or a batch, from envs made as in training (make_envs) (Failure: not a checkpoint)."""
+    ckpt, dev = load_checkpoint(path), torch.device(device)
+    agent = Agent(int(ckpt["model"]["actor.weight"].shape[0])).to(dev, memory_format=torch.channels_last
+                                                                      if dev.type == "cpu" else None)
     agent.load_state_dict(ckpt["model"])
 
     @torch.inference_mode()
     def policy(obs):
-        x = obs_tensor(obs, torch.device(device))
+        x = obs_tensor(obs, dev)
         if x.dtype != torch.uint8 or tuple(x.shape[-3:]) != (4, 84, 84) or x.dim() not in (3, 4):
             raise ValueError(f"observations of shape {tuple(x.shape)} and dtype {x.dtype}: expected envpool's stacked "
                              "frames, (4, 84, 84) uint8, or a batch of them")
@@ -938,27 +844,28 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED] with --res
     return args
 
 
-def validate(args: Args) -> None:
+def validate(args: Args) -> None:  # bad values, an unknown game, --cuda without a GPU: one line, exit 2
+    from envpool.registration import registry
+
     world, batch = int(os.environ.get("WORLD_SIZE", "1")), args.num_envs * args.num_steps
-    bad = [f.name for f in dataclasses.fields(Args) if isinstance(getattr(args, f.name), float)
-           and not math.isfinite(getattr(args, f.name))]  # nan / inf pass the range checks unnoticed
-    ids = atari_env_ids()
+    ids = sorted(e for e, spec in registry.specs.items() if spec[1] == "AtariEnvSpec")  # envpool's Atari tasks
     close = difflib.get_close_matches(args.env_id, ids, n=5, cutoff=0.5)
-    for wrong, message in (
+    checks = [(not math.isfinite(v), f"--{k.replace('_', '-')} must be a finite number") for k, v in vars(args).items()
+              if isinstance(v, float)]  # nan and inf pass the range checks unnoticed
+    for wrong, message in checks + [
         (min(args.num_envs, args.num_steps, args.num_minibatches, args.update_epochs, args.max_episode_steps) <= 0,
          "--num-envs, --num-steps, --num-minibatches, --update-epochs and --max-episode-steps must be positive"),
         (min(args.total_timesteps, args.eval_episodes, args.checkpoint_every, args.stop_after, args.torch_threads,
              args.num_threads) < 0, "counts (--total-timesteps, --eval-episodes, ...) must be >= 0"),
         (batch % max(args.num_minibatches, 1), f"num_envs*num_steps = {batch} is not divisible by --num-minibatches "
                                                f"{args.num_minibatches}"),
-        (bad, f"--{bad[0].replace('_', '-') if bad else ''} must be a finite number"),
         (not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1), "--gamma and --gae-lambda must lie in [0, 1]"),
         (min(args.learning_rate, args.clip_coef, args.max_grad_norm) <= 0,
          "--learning-rate, --clip-coef and --max-grad-norm must be positive"),
-        (min(args.ent_coef, args.vf_coef) < 0, "--ent-coef and --vf-coef must be >= 0"),
-        (args.target_kl is not None and args.target_kl <= 0, "--target-kl must be positive"),
-        ((args.kl_penalty_coef or 0) < 0, "--kl-penalty-coef must be >= 0"),
-        (args.kl_penalty_target is not None and args.kl_penalty_target <= 0, "--kl-penalty-target must be positive"),
+        (min(args.ent_coef, args.vf_coef, args.kl_penalty_coef or 0) < 0,
+         "--ent-coef, --vf-coef and --kl-penalty-coef must be >= 0"),
+        (min([x for x in (args.target_kl, args.kl_penalty_target) if x is not None], default=1) <= 0,
+         "--target-kl and --kl-penalty-target must be positive"),
         (not 0 <= args.seed < 2**31 - args.total_timesteps - world * args.num_envs,
          f"--seed {args.seed}: envpool seeds (seed + global step + env index) must lie in [0, 2**31)"),
         (0 < args.total_timesteps < batch * world,
@@ -971,8 +878,7 @@ def validate(args: Args) -> None:
         (args.cuda and not gpu_for_each_process(), f"--cuda with {os.environ.get('LOCAL_WORLD_SIZE', '1')} processes "
                                                    f"on this machine but {torch.cuda.device_count()} GPU(s)"),
         (args.env_id not in ids, f"unknown envpool Atari task {args.env_id!r}; " + (
-            f"did you mean {', '.join(close)}?" if close else f"e.g. {', '.join(ids[:5])}, ... ({len(ids)} in all)")),
-    ):
+            f"did you mean {', '.join(close)}?" if close else f"e.g. {', '.join(ids[:5])}, ... ({len(ids)} in all)"))]:
         if wrong:
             raise Failure(message)
     for flag, on in (("--eval-deterministic", args.eval_deterministic), ("--capture-video", args.capture_video)):
@@ -980,14 +886,7 @@ def validate(args: Args) -> None:
             print(f"note: {flag} applies to the --eval-episodes games; none asked")
 
 
-def atari_env_ids() -> list[str]:
-    from envpool.registration import registry
-
-    return sorted(e for e, spec in registry.specs.items() if spec[1] == "AtariEnvSpec")
-
-
-def gpu_for_each_process() -> bool:
-    """--cuda's default: a GPU for each process of this machine (torchrun's LOCAL_WORLD_SIZE), as CleanRL's."""
+def gpu_for_each_process() -> bool:  # --cuda's default: a GPU for each process of this machine (as CleanRL's)
     return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
