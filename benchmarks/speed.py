@@ -93,6 +93,7 @@ def parse(argv: list):
 
 def script_defaults(path: str) -> dict:
     """The script's Args defaults (the scripts import without side effects); {} if it cannot be imported."""
+    saved_env = dict(os.environ)  # (a script may set variables at import, e.g. OMP_WAIT_POLICY: not for the others)
     try:
         spec = importlib.util.spec_from_file_location(f"_speed_{os.path.basename(path)[:-3]}", path)
         mod = importlib.util.module_from_spec(spec)
@@ -103,6 +104,9 @@ def script_defaults(path: str) -> dict:
         return {f.name: getattr(mod.Args(), f.name) for f in dataclasses.fields(mod.Args)}
     except (Exception, SystemExit):
         return {}
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
 
 
 def flag_value(extra: list, flag: str) -> Optional[str]:
