@@ -93,7 +93,7 @@ def parse(argv: list):
 
 def script_defaults(path: str) -> dict:
     """The script's Args defaults (the scripts import without side effects); {} if it cannot be imported."""
-    saved_env = dict(os.environ)  # (a script may set variables at import, e.g. OMP_WAIT_POLICY: not for the others)
+    saved_env = dict(os.environ)  # (a script that set variables at import would set them for the others too)
     try:
         spec = importlib.util.spec_from_file_location(f"_speed_{os.path.basename(path)[:-3]}", path)
         mod = importlib.util.module_from_spec(spec)
