@@ -529,17 +529,15 @@ class StopSignals:  # [SHARED] while active, SIGTERM / SIGINT are noted (main st
 
 
 def check_finite(stats: dict, iteration: int, last_checkpoint: Optional[str]) -> None:  # [SHARED]
-    bad = [k for k, v in stats.items() if not math.isfinite(v)]
-    if bad:
+    if bad := [k for k, v in stats.items() if not math.isfinite(v)]:
         kept = f"last checkpoint: {last_checkpoint}" if last_checkpoint else "no checkpoint was written"
         raise Failure(f"non-finite {', '.join(bad)} at iteration {iteration}; stopping ({kept})", code=1)
 
 
 def eta_text(seconds: float) -> str:  # [SHARED] 2h05m, 13m20s or 45s ("?" before the speed is known)
-    if not 0 <= seconds < math.inf:
-        return "?"
-    h, m, s = int(seconds) // 3600, int(seconds) // 60 % 60, int(seconds) % 60
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+    s = int(seconds) if 0 <= seconds < math.inf else -1
+    h, m = s // 3600, s // 60 % 60
+    return "?" if s < 0 else f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s" if m else f"{s}s"
 
 
 def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:  # [SHARED]
@@ -590,8 +588,8 @@ def first_line(e: BaseException) -> str:  # [SHARED]
 
 
 def rng_state() -> dict:  # [SHARED] torch's CPU generator, and this process's CUDA one when it is in use
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    return {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if cuda else {})}
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_initialized() else {}
+    return {"torch": torch.get_rng_state(), **cuda}
 
 
 def set_rng_state(state: dict, device: torch.device) -> None:  # [SHARED]
@@ -615,8 +613,7 @@ def compile_hot_functions(policy, update, agent, args):  # [SHARED] eager, --com
         p.grad = torch.zeros_like(p)
     if not (args.compile or args.cudagraphs):
         return policy, update
-    if args.torch_deterministic:  # compiled code draws the same random numbers as eager code
-        torch._inductor.config.fallback_random = True
+    torch._inductor.config.fallback_random = args.torch_deterministic  # compiled code draws eager's random numbers
     mode = "reduce-overhead" if args.cudagraphs else None
     return torch.compile(policy, mode=mode), torch.compile(update, mode=mode)
 
@@ -643,8 +640,7 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED] with --res
                    if (a == "--resume" and i + 1 < len(argv)) or a.startswith("--resume=")), None)
     saved = load_checkpoint(resume) if resume else None
     with checkpoint_fits(resume) if resume else contextlib.nullcontext():  # its arguments missing or edited
-        names = {f.name for f in dataclasses.fields(Args)}
-        default = Args(**{k: v for k, v in saved["args"].items() if k in names}) if resume else None
+        default = Args(**{k: v for k, v in saved["args"].items() if k in Args.__dataclass_fields__}) if resume else None
         args = tyro.cli(Args, args=argv, default=default)
         validate(args)  # bad values: one line, exit 2, before anything is written
     return args
@@ -660,8 +656,7 @@ def log_episodes(writer, recent: list, ep_return: np.ndarray, ep_length: np.ndar
 
 
 def iteration_stats(update_stats: list[dict], world: int, signals: StopSignals, kl=None) -> dict:
-    # The one host sync: the update's statistics (and the rollout's KL) averaged over minibatches and ranks, and
-    # how many ranks a stop signal reached
+    # The one host sync: the update's statistics (and the rollout's KL), means over minibatches and ranks; signals
     stats = {k: torch.stack([s[k] for s in update_stats]).mean() for k in update_stats[0]} | (
         {} if kl is None else {"kl": kl})
     stats["signals"] = torch.full_like(stats["approx_kl"], float(bool(signals.received)))
@@ -769,17 +764,16 @@ def validate(args: Args) -> None:  # bad input: one line, exit 2, before anythin
 
     batch, world = args.num_envs * args.num_steps, int(os.environ.get("WORLD_SIZE", "1"))
     flags = {f"--{k.replace('_', '-')}": v for k, v in vars(args).items() if v is not None}
-    checks = [(flags[k] < low, f"{k} must be >= {low}, got {flags[k]}") for low, names in (
+    checks = [(not flags[k] >= low, f"{k} must be >= {low}, got {flags[k]}") for low, names in (
         (1, "--num-envs --num-steps --num-minibatches --update-epochs --torch-threads"),
         (0, "--total-timesteps --eval-episodes --checkpoint-every --stop-after --seed --ent-coef --vf-coef "
             "--kl-penalty-coef")) for k in names.split() if k in flags]
     checks += [(not flags[k] > 0, f"{k} must be positive, got {flags[k]}") for k in ("--learning-rate", "--clip-coef",
-               "--max-grad-norm", "--target-kl", "--kl-penalty-target") if k in flags]  # (nan is not)
-    for bad, message in checks + [(not math.isfinite(v), f"{k} must be a finite number, got {v}") for k, v in
-                                  flags.items() if isinstance(v, float)] + [
+               "--max-grad-norm", "--target-kl", "--kl-penalty-target") if k in flags]  # (nan is neither)
+    for bad, message in checks + [
         (0 < args.total_timesteps < batch * world, f"--total-timesteps {args.total_timesteps} is less than one rollout "
                                                    f"of every process ({world} x num_envs*num_steps = {batch})"),
-        (batch % args.num_minibatches, f"num_envs*num_steps = {batch} is not divisible by --num-minibatches"),
+        (batch % max(args.num_minibatches, 1), f"num_envs*num_steps = {batch} is not divisible by --num-minibatches"),
         (args.seed >= 2**31, f"--seed must be < 2**31, got {args.seed}"),
         (not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1), "--gamma and --gae-lambda must lie in [0, 1]"),
         (args.cuda and not torch.cuda.is_available(), "--cuda given (or taken from the checkpoint: --no-cuda resumes "
