@@ -764,12 +764,12 @@ def validate(args: Args) -> None:  # bad input: one line, exit 2, before anythin
 
     batch, world = args.num_envs * args.num_steps, int(os.environ.get("WORLD_SIZE", "1"))
     flags = {f"--{k.replace('_', '-')}": v for k, v in vars(args).items() if v is not None}
-    checks = [(not flags[k] >= low, f"{k} must be >= {low}, got {flags[k]}") for low, names in (
+    checks = [(not low <= flags[k] < math.inf, f"{k} must be >= {low}, got {flags[k]}") for low, names in (
         (1, "--num-envs --num-steps --num-minibatches --update-epochs --torch-threads"),
         (0, "--total-timesteps --eval-episodes --checkpoint-every --stop-after --seed --ent-coef --vf-coef "
             "--kl-penalty-coef")) for k in names.split() if k in flags]
-    checks += [(not flags[k] > 0, f"{k} must be positive, got {flags[k]}") for k in ("--learning-rate", "--clip-coef",
-               "--max-grad-norm", "--target-kl", "--kl-penalty-target") if k in flags]  # (nan is neither)
+    checks += [(not 0 < flags[k] < math.inf, f"{k} must be positive, got {flags[k]}") for k in ("--learning-rate",
+               "--clip-coef", "--max-grad-norm", "--target-kl", "--kl-penalty-target") if k in flags]  # (nor nan, inf)
     for bad, message in checks + [
         (0 < args.total_timesteps < batch * world, f"--total-timesteps {args.total_timesteps} is less than one rollout "
                                                    f"of every process ({world} x num_envs*num_steps = {batch})"),
