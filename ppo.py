@@ -670,7 +670,7 @@ def log_iteration(writer, args: Args, stats: dict, lr: float, kl_penalty, iterat
     now = time.time()
     rate = (global_step - clock["steps"]) / max(now - clock["start"], 1e-9)  # steps/s, all processes
     scalars = {"charts/learning_rate": lr, "charts/SPS": int(rate), **{f"losses/{k}": v for k, v in stats.items()
-               if k != "signals"}, **({"charts/kl_coef": kl_penalty.beta} if kl_penalty else {})}
+               if k not in ("signals", "grad_norm")}, **({"charts/kl_coef": kl_penalty.beta} if kl_penalty else {})}
     for tag, value in scalars.items() if writer is not None else ():
         writer.add_scalar(tag, value, global_step)
     if rank == 0 and (now - clock["printed"] >= 5.0 or iteration == num_iterations):
