@@ -81,29 +81,24 @@ class Args:  # Count: an int that also reads 1e7 (defined with the command line,
 
 
 # --- Environments -----------------------------------------------------------------------------------------
-def make_env(env_id: str, idx: int = 0, capture_video: bool = False, video_dir: str = ""):
+def make_env(env_id: str, video_dir: Optional[str] = None):  # with video_dir: every episode recorded there
     owner = os.getpid()
 
     def thunk():
         import gymnasium as gym
-
         if os.getpid() != owner:  # an async worker: a terminal's Ctrl-C / SIGTERM is the main process's to handle
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if capture_video and idx == 0:
-            env = gym.make(env_id, render_mode="rgb_array")
-            return gym.wrappers.RecordVideo(env, video_dir, episode_trigger=lambda ep: True, disable_logger=True)
-        return gym.make(env_id)
-
+            signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if video_dir is None:
+            return gym.make(env_id)
+        return gym.wrappers.RecordVideo(gym.make(env_id, render_mode="rgb_array"), video_dir,
+                                        episode_trigger=lambda ep: True, disable_logger=True)
     return thunk
 
 
 def make_vector_env(args: Args):  # SAME_STEP autoreset: the last obs is in info["final_obs"], no reset transitions
     import gymnasium as gym
-
     cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
-    fns = [make_env(args.env_id, i) for i in range(args.num_envs)]
-    return cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    return cls([make_env(args.env_id)] * args.num_envs, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
 
 def obs_tensor(obs, device: torch.device) -> torch.Tensor:  # a batch of observations, float32, each one flattened
@@ -116,17 +111,16 @@ def env_state(envs) -> Optional[list]:
     classic-control envs. None for AsyncVectorEnv and envs whose state lives elsewhere (Box2D, an emulator)."""
     if not hasattr(envs, "envs") or not envs.envs[0].unwrapped.__module__.startswith("gymnasium.envs.classic_control"):
         return None
-    snapshot = []
-    for env in envs.envs:
-        layers = [vars(env)]
-        while hasattr(env, "env"):
-            env = env.env
-            layers.append(vars(env))
-        snapshot.append({"np_random": env.np_random.bit_generator.state, "layers": [
-            {k: torch.from_numpy(np.array(v)) if isinstance(v, (np.ndarray, np.generic)) else v for k, v in d.items()
-             if isinstance(v, (bool, int, float, str, type(None))) or isinstance(v, (np.ndarray, np.generic))
-             and v.dtype.kind in "biuf"} for d in layers]})
-    return snapshot
+    def plain(d: dict) -> dict:  # numbers, strings, numeric arrays (as tensors: a weights_only load reads them)
+        return {k: torch.from_numpy(np.array(v)) if isinstance(v, (np.ndarray, np.generic)) else v for k, v in d.items()
+                if isinstance(v, (bool, int, float, str, type(None)))
+                or isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biuf"}
+    return [{"np_random": env.np_random.bit_generator.state, "layers": [plain(vars(e)) for e in layers(env)]}
+            for env in envs.envs]
+
+
+def layers(env) -> list:  # a wrapper and the envs inside it, to the unwrapped one
+    return [env, *layers(env.env)] if hasattr(env, "env") else [env]
 
 
 def episodes_state(envs, next_obs, next_done, ep_return, ep_length) -> dict:  # the episodes in flight
@@ -138,13 +132,9 @@ def restore_episodes(envs, saved: dict, next_obs, next_done, ep_return, ep_lengt
     """The checkpoint's episodes go on (in place); False where env_state saves none: the envs start new ones."""
     if saved["envs"] is None or env_state(envs) is None:
         return False
-    if len(saved["envs"]) != len(envs.envs):
-        raise ValueError(f"episodes of {len(saved['envs'])} envs, this run has {len(envs.envs)}")
-    for env, state in zip(envs.envs, saved["envs"]):
-        for plain in state["layers"]:
-            for k, v in plain.items():
-                setattr(env, k, v.numpy().copy() if isinstance(v, torch.Tensor) else v)
-            env = getattr(env, "env", env)
+    for env, state in zip(envs.envs, saved["envs"], strict=True):
+        for layer, plain in zip(layers(env), state["layers"], strict=True):
+            vars(layer).update({k: v.numpy().copy() if isinstance(v, torch.Tensor) else v for k, v in plain.items()})
         env.np_random.bit_generator.state = state["np_random"]
     next_obs.copy_(saved["next_obs"]), next_done.copy_(saved["next_done"])
     ep_return[:], ep_length[:] = saved["ep_return"].numpy(), saved["ep_length"].numpy()
@@ -225,13 +215,10 @@ def normalize_advantages_rollout(adv: torch.Tensor, eps: float = 1e-8) -> torch.
     return (adv - adv.mean()) / torch.sqrt(adv.var(unbiased=False) + eps)
 
 
-def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, entropy,
-             clip_coef: float, clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool, kl_coef=None,
-             kl=None):
+def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, entropy, clip_coef: float,
+             clip_vloss: bool, ent_coef: float, vf_coef: float, norm_adv: bool, kl_coef=None, kl=None):
     """Clipped policy loss + c_v * value loss - c_H * entropy, and statistics (tensors, no host sync). With kl_coef,
     the KL-penalty policy loss -r*A + kl_coef * kl instead (kl: categorical_kl of each sample's state)."""
-    if kl_coef is not None and kl is None:
-        raise ValueError("ppo_loss: kl_coef needs kl, the KL(pi_old(.|s) || pi(.|s)) of each sample")
     logratio = newlogprob - oldlogprob
     ratio = logratio.exp()
     with torch.no_grad():
@@ -266,10 +253,7 @@ def categorical_kl(old_logp: torch.Tensor, new_logp: torch.Tensor) -> torch.Tens
 
 def adapt_kl_coef(coef: float, kl: float, target: float) -> float:
     """The PPO paper's rule: halve below target/1.5, double above 1.5*target; within [1e-6, 1e6]."""
-    if kl < target / 1.5:
-        coef /= 2
-    elif kl > target * 1.5:
-        coef *= 2
+    coef = coef / 2 if kl < target / 1.5 else coef * 2 if kl > target * 1.5 else coef
     return min(max(coef, 1e-6), 1e6)
 
 
@@ -288,11 +272,8 @@ class KLPenalty:
     @torch.no_grad()
     def rollout_kl(self, actor: nn.Module, b_obs, b_old_logp_all, minibatch_size: int) -> torch.Tensor:
         """KL(pi_old || pi_theta) averaged over the rollout's states after the update: the d of the rule."""
-        total = torch.zeros((), device=b_obs.device)
-        for start in range(0, len(b_obs), minibatch_size):
-            mb = slice(start, start + minibatch_size)
-            total += categorical_kl(b_old_logp_all[mb], torch.log_softmax(actor(b_obs[mb]), -1)).sum()
-        return total / len(b_obs)
+        return sum(categorical_kl(old, torch.log_softmax(actor(obs), -1)).sum() for obs, old in
+                   zip(b_obs.split(minibatch_size), b_old_logp_all.split(minibatch_size))) / len(b_obs)
 
     def adapt(self, kl: float) -> None:
         if self.target is not None:
@@ -461,9 +442,8 @@ def main(args: Args) -> dict:
 
 
 # =========================================================================================================
-# Plumbing: nothing below this line changes what PPO computes. torchrun, the run directory, logging,
-# checkpoints, evaluation and load_policy, compile helpers, the command line and its one error boundary.
-# =========================================================================================================
+# Plumbing: nothing below this line changes what PPO computes (torchrun, the run directory, logging, checkpoints,
+# evaluation and load_policy, compile helpers, the command line and its one error boundary).
 SCRIPT = "ppo.py"
 
 
@@ -485,8 +465,7 @@ def setup_distributed(cuda: bool) -> tuple[int, int, torch.device]:  # [SHARED] 
 
 def all_ranks_mean(x: torch.Tensor, world: int) -> torch.Tensor:  # [SHARED]
     if world > 1:
-        x = x.clone()
-        torch.distributed.all_reduce(x)
+        torch.distributed.all_reduce(x := x.clone())
     return x / world
 
 
@@ -550,17 +529,15 @@ class StopSignals:  # [SHARED] while active, SIGTERM / SIGINT are noted (main st
 
 
 def check_finite(stats: dict, iteration: int, last_checkpoint: Optional[str]) -> None:  # [SHARED]
-    bad = [k for k, v in stats.items() if not math.isfinite(v)]
-    if bad:
+    if bad := [k for k, v in stats.items() if not math.isfinite(v)]:
         kept = f"last checkpoint: {last_checkpoint}" if last_checkpoint else "no checkpoint was written"
         raise Failure(f"non-finite {', '.join(bad)} at iteration {iteration}; stopping ({kept})", code=1)
 
 
 def eta_text(seconds: float) -> str:  # [SHARED] 2h05m, 13m20s or 45s ("?" before the speed is known)
-    if not math.isfinite(seconds) or seconds < 0:
-        return "?"
-    s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+    s = int(seconds) if 0 <= seconds < math.inf else -1
+    h, m = s // 3600, s // 60 % 60
+    return "?" if s < 0 else f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s" if m else f"{s}s"
 
 
 def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:  # [SHARED]
@@ -574,16 +551,14 @@ def launcher(world: int) -> str:  # [SHARED]
 
 def save_checkpoint(path: str, state: dict) -> None:  # [SHARED] through a temporary file: the last one survives a kill
     try:
-        with open(f"{path}.tmp", "wb") as f:  # (a Python file: torch's error then carries the OSError)
+        with open(f"{path}.tmp", "wb") as f:
             torch.save(state, f)
         os.replace(f"{path}.tmp", path)
     except Exception as e:
         with contextlib.suppress(OSError):
             os.remove(f"{path}.tmp")
-        cause = e
-        while cause is not None and not isinstance(cause, OSError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
+        cause = e if isinstance(e, OSError) else e.__context__  # (torch's RuntimeError carries the OSError)
+        if not isinstance(cause, OSError):
             raise
         kept = "the previous checkpoint is kept" if os.path.exists(path) else "no checkpoint was written"
         raise Failure(f"cannot write {path}: {cause.strerror or cause} ({kept})", code=1) from None
@@ -603,10 +578,9 @@ def load_checkpoint(path: str) -> dict:  # [SHARED]
 def checkpoint_fits(path: str):  # [SHARED] what torch or the envs raise on a checkpoint that does not fit: one line
     try:
         yield
-    except Failure:
-        raise
-    except Exception as e:
-        raise Failure(f"checkpoint {path} does not fit this run: {type(e).__name__}: {first_line(e)}") from None
+    except Exception as e:  # (a Failure goes on as it is)
+        raise e if isinstance(e, Failure) else Failure(
+            f"checkpoint {path} does not fit this run: {type(e).__name__}: {first_line(e)}") from None
 
 
 def first_line(e: BaseException) -> str:  # [SHARED]
@@ -614,8 +588,8 @@ def first_line(e: BaseException) -> str:  # [SHARED]
 
 
 def rng_state() -> dict:  # [SHARED] torch's CPU generator, and this process's CUDA one when it is in use
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    return {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if cuda else {})}
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_initialized() else {}
+    return {"torch": torch.get_rng_state(), **cuda}
 
 
 def set_rng_state(state: dict, device: torch.device) -> None:  # [SHARED]
@@ -625,19 +599,13 @@ def set_rng_state(state: dict, device: torch.device) -> None:  # [SHARED]
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:  # [SHARED]
-    # Adam's moments and steps, keeping this run's settings (fused, capturable, lr on this device)
-    own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
-    optimizer.load_state_dict(state)
-    for g, settings in zip(optimizer.param_groups, own):
-        g.update(settings, lr=torch.tensor(float(g["lr"]), device=device))
-        for p in g["params"]:
-            st = optimizer.state.get(p, {})
-            for k, v in st.items():  # moments in the parameter's memory layout (a fused kernel pairs raw memory)
-                if torch.is_tensor(v) and v.shape == p.shape:
-                    st[k] = torch.empty_like(p).copy_(v)
-            if torch.is_tensor(st.get("step")):  # on the parameter's device where capturable or fused
-                on_param = g.get("capturable") or g.get("fused")
-                st["step"] = st["step"].to(p.device if on_param else "cpu", torch.float32, copy=True)
+    # Adam's moments, steps and lr under this run's settings (fused, capturable; torch then puts the step on the
+    # parameter's device); the moments take the parameter's memory layout (a fused kernel pairs raw memory)
+    groups = [{**g, "params": saved["params"], "lr": torch.tensor(float(saved["lr"]), device=device)}
+              for g, saved in zip(optimizer.state_dict()["param_groups"], state["param_groups"])]
+    optimizer.load_state_dict({"state": state["state"], "param_groups": groups})
+    for p, st in optimizer.state.items():
+        st.update({k: torch.empty_like(p).copy_(v) for k, v in st.items() if k != "step"})
 
 
 def compile_hot_functions(policy, update, agent, args):  # [SHARED] eager, --compile, or --cudagraphs (reduce-overhead)
@@ -645,9 +613,7 @@ def compile_hot_functions(policy, update, agent, args):  # [SHARED] eager, --com
         p.grad = torch.zeros_like(p)
     if not (args.compile or args.cudagraphs):
         return policy, update
-    if args.torch_deterministic:  # compiled code draws the same random numbers as eager code
-        import torch._inductor.config as inductor_config
-        inductor_config.fallback_random = True
+    torch._inductor.config.fallback_random = args.torch_deterministic  # compiled code draws eager's random numbers
     mode = "reduce-overhead" if args.cudagraphs else None
     return torch.compile(policy, mode=mode), torch.compile(update, mode=mode)
 
@@ -658,10 +624,9 @@ def cudagraph_skips() -> int:  # [SHARED] how many compiled graphs torch ran wit
 
 
 def parse_count(text: str) -> int:  # [SHARED] 500000, 5e5, 1e7 or 1_000_000; a number that is not whole is an error
-    value = float(text.replace("_", ""))  # (ValueError: tyro says the flag wants an INT)
-    if not value.is_integer():
+    if not float(text).is_integer():  # (ValueError: tyro says the flag wants an INT)
         raise ValueError(f"{text!r} is not a whole number")
-    return int(value)
+    return int(float(text))
 
 
 Count = Annotated[int, tyro.constructors.PrimitiveConstructorSpec(  # [SHARED]
@@ -675,8 +640,7 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED] with --res
                    if (a == "--resume" and i + 1 < len(argv)) or a.startswith("--resume=")), None)
     saved = load_checkpoint(resume) if resume else None
     with checkpoint_fits(resume) if resume else contextlib.nullcontext():  # its arguments missing or edited
-        names = {f.name for f in dataclasses.fields(Args)}
-        default = Args(**{k: v for k, v in saved["args"].items() if k in names}) if resume else None
+        default = Args(**{k: v for k, v in saved["args"].items() if k in Args.__dataclass_fields__}) if resume else None
         args = tyro.cli(Args, args=argv, default=default)
         validate(args)  # bad values: one line, exit 2, before anything is written
     return args
@@ -692,31 +656,27 @@ def log_episodes(writer, recent: list, ep_return: np.ndarray, ep_length: np.ndar
 
 
 def iteration_stats(update_stats: list[dict], world: int, signals: StopSignals, kl=None) -> dict:
-    """The one host sync: the update's statistics (and the rollout's KL) averaged over minibatches and ranks, and
-    how many ranks a stop signal reached."""
-    extra = {} if kl is None else {"kl": kl}
-    values = [torch.stack([s[k] for s in update_stats]).mean() for k in update_stats[0]] + list(extra.values())
-    values.append(torch.tensor(float(bool(signals.received)), device=values[0].device))
-    *means, signalled = all_ranks_mean(torch.stack([v.float() for v in values]), world).tolist()
-    return {**dict(zip([*update_stats[0], *extra], means)), "signals": round(signalled * world)}
+    # The one host sync: the update's statistics (and the rollout's KL), means over minibatches and ranks; signals
+    stats = {k: torch.stack([s[k] for s in update_stats]).mean() for k in update_stats[0]} | (
+        {} if kl is None else {"kl": kl})
+    stats["signals"] = torch.full_like(stats["approx_kl"], float(bool(signals.received)))
+    stats = dict(zip(stats, all_ranks_mean(torch.stack([v.float() for v in stats.values()]), world).tolist()))
+    return {**stats, "signals": round(stats["signals"] * world)}
 
 
 def log_iteration(writer, args: Args, stats: dict, lr: float, kl_penalty, iteration: int, num_iterations: int,
                   global_step: int, recent: list, clock: dict, rank: int, world: int) -> None:
-    # TensorBoard's scalars of the iteration, and the progress line every 5 s (and at the last iteration)
+    # TensorBoard's scalars of the iteration (kl_coef: the one this update used); the progress line every 5 s
     now = time.time()
     rate = (global_step - clock["steps"]) / max(now - clock["start"], 1e-9)  # steps/s, all processes
-    scalars = {"charts/learning_rate": lr, "charts/SPS": int(rate), **{f"losses/{k}": stats[k] for k in (
-        "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance")}}
-    if kl_penalty is not None:  # (the coefficient this update used)
-        scalars.update({"losses/kl": stats["kl"], "charts/kl_coef": kl_penalty.beta})
+    scalars = {"charts/learning_rate": lr, "charts/SPS": int(rate), **{f"losses/{k}": v for k, v in stats.items()
+               if k not in ("signals", "grad_norm")}, **({"charts/kl_coef": kl_penalty.beta} if kl_penalty else {})}
     for tag, value in scalars.items() if writer is not None else ():
         writer.add_scalar(tag, value, global_step)
     if rank == 0 and (now - clock["printed"] >= 5.0 or iteration == num_iterations):
         if args.cudagraphs and not clock["printed"] and cudagraph_skips():  # after the first iteration
             print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs: why)")
-        clock["printed"] = now
-        eta = (num_iterations - iteration) * args.num_envs * args.num_steps * world / rate if rate > 0 else math.inf
+        clock["printed"], eta = now, (num_iterations - iteration) * args.num_envs * args.num_steps * world / rate
         kl = f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else ""
         print(f"iter {iteration}/{num_iterations}  global_step={global_step}  SPS={int(rate)}  return(last 20)="
               f"{np.mean(recent[-20:]) if recent else float('nan'):.1f}  approx_kl={stats['approx_kl']:.4f}{kl}  "
@@ -727,33 +687,29 @@ def close_run(envs, writer, args: Args, world: int) -> None:
     envs.close()
     if writer is not None:
         writer.close()
-    if writer is not None and args.track:
-        import wandb
-
-        wandb.finish()
+        if args.track:
+            import wandb
+            wandb.finish()
     if world > 1:
         torch.distributed.destroy_process_group()
 
 
 def save_state(run_dir: str, args: Args, agent: Agent, optimizer, kl_penalty, iteration: int, global_step: int,
                episodes: dict, rank: int, world: int) -> str:  # every rank's RNG and episodes; rank 0 writes
-    rng, episodes = gather_objects(rng_state(), world), gather_objects(episodes, world)
-    path = os.path.join(run_dir, "checkpoint.pt")
+    rng, eps, path = gather_objects(rng_state(), world), gather_objects(episodes, world), f"{run_dir}/checkpoint.pt"
     if rank == 0:
         save_checkpoint(path, dict(
             script=SCRIPT, env_id=args.env_id, args={**dataclasses.asdict(args), "stop_after": 0},
             model=agent.state_dict(), optimizer=optimizer.state_dict(), iteration=iteration, global_step=global_step,
-            kl_coef=kl_penalty.beta if kl_penalty else None, world_size=world, rng=rng, episodes=episodes))
+            kl_coef=kl_penalty.beta if kl_penalty else None, world_size=world, rng=rng, episodes=eps))
     return path
 
 
 def check_resume(ckpt: dict, args: Args, world: int) -> None:  # its env, processes and rollout size are this run's
-    if ckpt["env_id"] != args.env_id:
-        raise Failure(f"{args.resume} was trained on {ckpt['env_id']}, not {args.env_id}")
     if ckpt["world_size"] != world:
         raise Failure(f"{args.resume} was written by {ckpt['world_size']} process(es); resume it with as many: "
                       f"{launcher(ckpt['world_size'])} --resume {args.resume}")
-    for name in ("num_envs", "num_steps"):  # its iteration count and lr schedule hold for that rollout
+    for name in ("env_id", "num_envs", "num_steps"):  # (the iteration count and lr schedule hold for that rollout)
         if ckpt["args"][name] != getattr(args, name):
             raise Failure(f"{args.resume} was written with --{name.replace('_', '-')} {ckpt['args'][name]}, which "
                           "cannot change on --resume")
@@ -761,8 +717,7 @@ def check_resume(ckpt: dict, args: Args, world: int) -> None:  # its env, proces
 
 def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, video_dir: str = "",
              stop=lambda: False) -> list[float]:  # the returns of `episodes` episodes (fewer once stop() says so)
-    env = make_env(args.env_id, 0, args.capture_video, video_dir)()
-    returns, ep_ret = [], 0.0
+    env, returns, ep_ret = make_env(args.env_id, video_dir if args.capture_video else None)(), [], 0.0
     obs, _ = env.reset(seed=args.seed + 10_000)
     with torch.inference_mode():
         while len(returns) < episodes and not stop():
@@ -770,8 +725,7 @@ def evaluate(agent: Agent, args: Args, device: torch.device, episodes: int, vide
             ep_ret += float(r)
             if term or trunc:
                 returns, ep_ret = returns + [ep_ret], 0.0
-                if len(returns) < episodes:
-                    obs, _ = env.reset()
+                obs, _ = env.reset() if len(returns) < episodes else (obs, None)
     env.close()
     return returns
 
@@ -789,10 +743,8 @@ def log_evaluation(writer, args: Args, returns: list, global_step: int, signals:
 def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
     """`policy = load_policy("runs/<run>/checkpoint.pt")`: `policy(obs)` is the trained agent's action for one
     observation of the checkpoint's env, or one per row of a batch (Failure: not a checkpoint)."""
-    import gymnasium as gym
-
     ckpt = load_checkpoint(path)
-    with gym.make(ckpt["env_id"]) as probe:
+    with make_env(ckpt["env_id"])() as probe:
         shape, n_actions = probe.observation_space.shape, int(probe.action_space.n)
     agent = Agent(int(np.prod(shape)), n_actions).to(device)
     agent.load_state_dict(ckpt["model"])
@@ -804,40 +756,30 @@ def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
             raise ValueError(f"an observation of shape {obs.shape}: expected {shape} or a batch of them")
         actions = agent.act(obs_tensor(obs if obs.shape != shape else obs[None], device), deterministic).cpu().numpy()
         return actions if obs.shape != shape else actions[0]
-
     return policy
 
 
-def validate(args: Args) -> None:
-    """Bad values, an env ppo.py cannot drive, --cuda without a GPU: one line, exit 2, before anything is written."""
+def validate(args: Args) -> None:  # bad input: one line, exit 2, before anything is written
     import gymnasium as gym
 
     batch, world = args.num_envs * args.num_steps, int(os.environ.get("WORLD_SIZE", "1"))
-    local_gpus = torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    values = {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()}
-    checks = [(values[k] < low, f"{k} must be >= {low}, got {values[k]}") for low, names in (
+    flags = {f"--{k.replace('_', '-')}": v for k, v in vars(args).items() if v is not None}
+    checks = [(not low <= flags[k] < math.inf, f"{k} must be >= {low}, got {flags[k]}") for low, names in (
         (1, "--num-envs --num-steps --num-minibatches --update-epochs --torch-threads"),
-        (0, "--total-timesteps --eval-episodes --checkpoint-every --stop-after --seed")) for k in names.split()]
-    checks += [(not math.isfinite(v), f"{k} must be a finite number, got {v}") for k, v in values.items()
-               if isinstance(v, float)]  # nan and inf pass the range checks unnoticed
+        (0, "--total-timesteps --eval-episodes --checkpoint-every --stop-after --seed --ent-coef --vf-coef "
+            "--kl-penalty-coef")) for k in names.split() if k in flags]
+    checks += [(not 0 < flags[k] < math.inf, f"{k} must be positive, got {flags[k]}") for k in ("--learning-rate",
+               "--clip-coef", "--max-grad-norm", "--target-kl", "--kl-penalty-target") if k in flags]  # (nor nan, inf)
     for bad, message in checks + [
         (0 < args.total_timesteps < batch * world, f"--total-timesteps {args.total_timesteps} is less than one rollout "
                                                    f"of every process ({world} x num_envs*num_steps = {batch})"),
-        (batch % args.num_minibatches, f"num_envs*num_steps = {batch} is not divisible by --num-minibatches"),
-        (args.norm_adv and args.norm_adv_scope == "minibatch" and batch // args.num_minibatches < 2,
-         f"minibatches of {batch // args.num_minibatches} sample: --norm-adv needs at least 2 (their std)"),
+        (batch % max(args.num_minibatches, 1), f"num_envs*num_steps = {batch} is not divisible by --num-minibatches"),
         (args.seed >= 2**31, f"--seed must be < 2**31, got {args.seed}"),
         (not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1), "--gamma and --gae-lambda must lie in [0, 1]"),
-        (min(args.learning_rate, args.clip_coef, args.max_grad_norm) <= 0,
-         "--learning-rate, --clip-coef and --max-grad-norm must be positive"),
-        (min(args.ent_coef, args.vf_coef, args.kl_penalty_coef or 0) < 0,
-         "--ent-coef, --vf-coef and --kl-penalty-coef must be >= 0"),
-        (min([x for x in (args.target_kl, args.kl_penalty_target) if x is not None], default=1) <= 0,
-         "--target-kl and --kl-penalty-target must be positive"),
         (args.cuda and not torch.cuda.is_available(), "--cuda given (or taken from the checkpoint: --no-cuda resumes "
                                                       "on the CPU) but torch finds no CUDA device"),
-        (args.cuda and local_gpus, f"--cuda with {os.environ.get('LOCAL_WORLD_SIZE')} processes on this machine but "
-                                   "fewer GPUs"),
+        (args.cuda and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+         "--cuda with fewer GPUs than processes on this machine"),
         (args.cudagraphs and not args.cuda, "--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)"),
         (args.cudagraphs and world > 1, "--cudagraphs is not supported under torchrun (DDP's all-reduce is outside "
                                         "the graph)")]:
@@ -847,12 +789,10 @@ def validate(args: Args) -> None:
         probe = gym.make(args.env_id)
     except Exception as e:  # an unknown id, a missing optional dependency of the env
         raise Failure(f"unknown or unusable env id {args.env_id!r}: {type(e).__name__}: {first_line(e)}") from None
-    if not isinstance(probe.action_space, gym.spaces.Discrete) or probe.action_space.start != 0:
-        raise Failure(f"{args.env_id} has the action space {probe.action_space}; ppo.py needs Discrete actions from 0 "
-                      "(ppo_continuous.py takes continuous ones)")
-    if not isinstance(probe.observation_space, gym.spaces.Box):
-        raise Failure(f"{args.env_id} has a {type(probe.observation_space).__name__} observation space; ppo.py needs "
-                      "a Box")
+    if not (isinstance(probe.action_space, gym.spaces.Discrete) and probe.action_space.start == 0
+            and isinstance(probe.observation_space, gym.spaces.Box)):
+        raise Failure(f"{args.env_id} has the spaces {probe.observation_space} and {probe.action_space}; ppo.py needs "
+                      "Discrete actions from 0 and Box observations (ppo_continuous.py takes continuous actions)")
 
 
 if __name__ == "__main__":  # the one error boundary

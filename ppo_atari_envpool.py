@@ -505,8 +505,7 @@ def setup_distributed(cuda: bool) -> tuple[int, int, torch.device]:  # [SHARED] 
 
 def all_ranks_mean(x: torch.Tensor, world: int) -> torch.Tensor:  # [SHARED]
     if world > 1:
-        x = x.clone()
-        torch.distributed.all_reduce(x)
+        torch.distributed.all_reduce(x := x.clone())
     return x / world
 
 
@@ -570,17 +569,15 @@ class StopSignals:  # [SHARED] while active, SIGTERM / SIGINT are noted (main st
 
 
 def check_finite(stats: dict, iteration: int, last_checkpoint: Optional[str]) -> None:  # [SHARED]
-    bad = [k for k, v in stats.items() if not math.isfinite(v)]
-    if bad:
+    if bad := [k for k, v in stats.items() if not math.isfinite(v)]:
         kept = f"last checkpoint: {last_checkpoint}" if last_checkpoint else "no checkpoint was written"
         raise Failure(f"non-finite {', '.join(bad)} at iteration {iteration}; stopping ({kept})", code=1)
 
 
 def eta_text(seconds: float) -> str:  # [SHARED] 2h05m, 13m20s or 45s ("?" before the speed is known)
-    if not math.isfinite(seconds) or seconds < 0:
-        return "?"
-    s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+    s = int(seconds) if 0 <= seconds < math.inf else -1
+    h, m = s // 3600, s // 60 % 60
+    return "?" if s < 0 else f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s" if m else f"{s}s"
 
 
 def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:  # [SHARED]
@@ -595,16 +592,14 @@ def launcher(world: int) -> str:  # [SHARED]
 # --- checkpoints ------------------------------------------------------------------------------------------
 def save_checkpoint(path: str, state: dict) -> None:  # [SHARED] through a temporary file: the last one survives a kill
     try:
-        with open(f"{path}.tmp", "wb") as f:  # (a Python file: torch's error then carries the OSError)
+        with open(f"{path}.tmp", "wb") as f:
             torch.save(state, f)
         os.replace(f"{path}.tmp", path)
     except Exception as e:
         with contextlib.suppress(OSError):
             os.remove(f"{path}.tmp")
-        cause = e
-        while cause is not None and not isinstance(cause, OSError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
+        cause = e if isinstance(e, OSError) else e.__context__  # (torch's RuntimeError carries the OSError)
+        if not isinstance(cause, OSError):
             raise
         kept = "the previous checkpoint is kept" if os.path.exists(path) else "no checkpoint was written"
         raise Failure(f"cannot write {path}: {cause.strerror or cause} ({kept})", code=1) from None
@@ -624,10 +619,9 @@ def load_checkpoint(path: str) -> dict:  # [SHARED]
 def checkpoint_fits(path: str):  # [SHARED] what torch or the envs raise on a checkpoint that does not fit: one line
     try:
         yield
-    except Failure:
-        raise
-    except Exception as e:
-        raise Failure(f"checkpoint {path} does not fit this run: {type(e).__name__}: {first_line(e)}") from None
+    except Exception as e:  # (a Failure goes on as it is)
+        raise e if isinstance(e, Failure) else Failure(
+            f"checkpoint {path} does not fit this run: {type(e).__name__}: {first_line(e)}") from None
 
 
 def first_line(e: BaseException) -> str:  # [SHARED]
@@ -635,8 +629,8 @@ def first_line(e: BaseException) -> str:  # [SHARED]
 
 
 def rng_state() -> dict:  # [SHARED] torch's CPU generator, and this process's CUDA one when it is in use
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    return {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if cuda else {})}
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_initialized() else {}
+    return {"torch": torch.get_rng_state(), **cuda}
 
 
 def set_rng_state(state: dict, device: torch.device) -> None:  # [SHARED]
@@ -646,19 +640,13 @@ def set_rng_state(state: dict, device: torch.device) -> None:  # [SHARED]
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: torch.device) -> None:  # [SHARED]
-    # Adam's moments and steps, keeping this run's settings (fused, capturable, lr on this device)
-    own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
-    optimizer.load_state_dict(state)
-    for g, settings in zip(optimizer.param_groups, own):
-        g.update(settings, lr=torch.tensor(float(g["lr"]), device=device))
-        for p in g["params"]:
-            st = optimizer.state.get(p, {})
-            for k, v in st.items():  # moments in the parameter's memory layout (a fused kernel pairs raw memory)
-                if torch.is_tensor(v) and v.shape == p.shape:
-                    st[k] = torch.empty_like(p).copy_(v)
-            if torch.is_tensor(st.get("step")):  # on the parameter's device where capturable or fused
-                on_param = g.get("capturable") or g.get("fused")
-                st["step"] = st["step"].to(p.device if on_param else "cpu", torch.float32, copy=True)
+    # Adam's moments, steps and lr under this run's settings (fused, capturable; torch then puts the step on the
+    # parameter's device); the moments take the parameter's memory layout (a fused kernel pairs raw memory)
+    groups = [{**g, "params": saved["params"], "lr": torch.tensor(float(saved["lr"]), device=device)}
+              for g, saved in zip(optimizer.state_dict()["param_groups"], state["param_groups"])]
+    optimizer.load_state_dict({"state": state["state"], "param_groups": groups})
+    for p, st in optimizer.state.items():
+        st.update({k: torch.empty_like(p).copy_(v) for k, v in st.items() if k != "step"})
 
 
 # --- compile and CUDA-graph helpers -----------------------------------------------------------------------
@@ -667,9 +655,7 @@ def compile_hot_functions(policy, update, agent, args):  # [SHARED] eager, --com
         p.grad = torch.zeros_like(p)
     if not (args.compile or args.cudagraphs):
         return policy, update
-    if args.torch_deterministic:  # compiled code draws the same random numbers as eager code
-        import torch._inductor.config as inductor_config
-        inductor_config.fallback_random = True
+    torch._inductor.config.fallback_random = args.torch_deterministic  # compiled code draws eager's random numbers
     mode = "reduce-overhead" if args.cudagraphs else None
     return torch.compile(policy, mode=mode), torch.compile(update, mode=mode)
 
@@ -706,13 +692,12 @@ def log_games(writer, games: list, recent_returns: list, global_step: int) -> No
 
 
 def iteration_stats(update_stats: list[dict], world: int, signals: StopSignals, kl=None) -> dict:
-    """The one host sync: the update's statistics (and the rollout's KL) averaged over minibatches and ranks, and
-    how many ranks a stop signal reached."""
-    extra = {} if kl is None else {"kl": kl}
-    values = [torch.stack([s[k] for s in update_stats]).mean() for k in update_stats[0]] + list(extra.values())
-    values.append(torch.tensor(float(bool(signals.received)), device=values[0].device))
-    *means, signalled = all_ranks_mean(torch.stack([v.float() for v in values]), world).tolist()
-    return {**dict(zip([*update_stats[0], *extra], means)), "signals": round(signalled * world)}
+    # The one host sync: the update's statistics (and the rollout's KL), means over minibatches and ranks; signals
+    stats = {k: torch.stack([s[k] for s in update_stats]).mean() for k in update_stats[0]} | (
+        {} if kl is None else {"kl": kl})
+    stats["signals"] = torch.full_like(stats["approx_kl"], float(bool(signals.received)))
+    stats = dict(zip(stats, all_ranks_mean(torch.stack([v.float() for v in stats.values()]), world).tolist()))
+    return {**stats, "signals": round(stats["signals"] * world)}
 
 
 def log_iteration(writer, args: Args, stats: dict, iteration: int, num_iterations: int, global_step: int, sps: int,
@@ -752,10 +737,9 @@ def close_run(envs, writer, args: Args, world: int) -> None:
     envs.close()
     if writer is not None:
         writer.close()
-    if writer is not None and args.track:
-        import wandb
-
-        wandb.finish()
+        if args.track:
+            import wandb
+            wandb.finish()
     if world > 1:
         torch.distributed.destroy_process_group()
 
@@ -820,10 +804,9 @@ def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
 
 # --- command line -----------------------------------------------------------------------------------------
 def parse_count(text: str) -> int:  # [SHARED] 500000, 5e5, 1e7 or 1_000_000; a number that is not whole is an error
-    value = float(text.replace("_", ""))  # (ValueError: tyro says the flag wants an INT)
-    if not value.is_integer():
+    if not float(text).is_integer():  # (ValueError: tyro says the flag wants an INT)
         raise ValueError(f"{text!r} is not a whole number")
-    return int(value)
+    return int(float(text))
 
 
 Count = Annotated[int, tyro.constructors.PrimitiveConstructorSpec(  # [SHARED]
@@ -837,8 +820,7 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED] with --res
                    if (a == "--resume" and i + 1 < len(argv)) or a.startswith("--resume=")), None)
     saved = load_checkpoint(resume) if resume else None
     with checkpoint_fits(resume) if resume else contextlib.nullcontext():  # its arguments missing or edited
-        names = {f.name for f in dataclasses.fields(Args)}
-        default = Args(**{k: v for k, v in saved["args"].items() if k in names}) if resume else None
+        default = Args(**{k: v for k, v in saved["args"].items() if k in Args.__dataclass_fields__}) if resume else None
         args = tyro.cli(Args, args=argv, default=default)
         validate(args)  # bad values: one line, exit 2, before anything is written
     return args

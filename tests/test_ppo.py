@@ -205,9 +205,6 @@ def test_kl_penalty_policy_loss_and_gradient():
     _, at_start = loss_of(old_logits.clone())
     r_start = -sum(advs) / 6
     assert at_start["policy_loss"].item() == pytest.approx(r_start, rel=1e-6)
-    z = torch.zeros(4)
-    with pytest.raises(ValueError, match="kl_coef needs kl"):  # the penalty without its KL is a caller's error
-        ppo.ppo_loss(z, z, z, z, z, z, z, 0.2, False, 0.0, 0.0, False, kl_coef=1.0)
 
 
 def test_rollout_kl_is_the_mean_kl_over_the_rollouts_states():
@@ -299,7 +296,6 @@ def test_defaults_are_cleanrl_settings():
     (["--target-kl", "-1"], "must be positive"),
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--seed", str(2**31)], "--seed must be < 2**31"),
-    (["--num-envs", "2", "--num-steps", "2", "--num-minibatches", "4", "--total-timesteps", "512"], "at least 2"),
     (["--cudagraphs"], "needs --cuda"),
     (["--env-id", "Pendulum-v1", "--total-timesteps", "512"], "Discrete"),
 ])
