@@ -774,6 +774,8 @@ def validate(args: Args) -> None:  # bad input: one line, exit 2, before anythin
         (0 < args.total_timesteps < batch * world, f"--total-timesteps {args.total_timesteps} is less than one rollout "
                                                    f"of every process ({world} x num_envs*num_steps = {batch})"),
         (batch % max(args.num_minibatches, 1), f"num_envs*num_steps = {batch} is not divisible by --num-minibatches"),
+        (args.norm_adv and args.norm_adv_scope == "minibatch" and batch < 2 * args.num_minibatches,
+         "--norm-adv needs minibatches of at least 2 samples (their std)"),
         (args.seed >= 2**31, f"--seed must be < 2**31, got {args.seed}"),
         (not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1), "--gamma and --gae-lambda must lie in [0, 1]"),
         (args.cuda and not torch.cuda.is_available(), "--cuda given (or taken from the checkpoint: --no-cuda resumes "

@@ -296,6 +296,7 @@ def test_defaults_are_cleanrl_settings():
     (["--target-kl", "-1"], "must be positive"),
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--seed", str(2**31)], "--seed must be < 2**31"),
+    (["--num-envs", "2", "--num-steps", "2", "--num-minibatches", "4", "--total-timesteps", "512"], "at least 2"),
     (["--cudagraphs"], "needs --cuda"),
     (["--env-id", "Pendulum-v1", "--total-timesteps", "512"], "Discrete"),
 ])
