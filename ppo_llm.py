@@ -49,9 +49,10 @@ import torch.nn.functional as F
 import tyro
 
 SCRIPT = "ppo_llm.py"
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-KL_TYPES = ("kl", "abs", "mse", "low_var_kl", "full", "k1", "k2", "k3", "k1+", "k2+", "k3+")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+KLType = Literal["kl", "abs", "mse", "low_var_kl", "full", "k1", "k2", "k3", "k1+", "k2+", "k3+"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+ADV_ESTIMATORS, KL_TYPES, LOSS_AGG_MODES = (typing.get_args(t) for t in (AdvEstimator, KLType, LossAggMode))
 
 
 @dataclass
@@ -69,29 +70,23 @@ class Args:
     temperature: float = 1.0  # sampling temperature; log-probs for training are computed with the same temperature
     top_p: float = 1.0  # nucleus sampling threshold (1: off)
     top_k: Count = 0  # sample among the k most likely tokens (0: off)
-    rollout_micro_batch_size: Optional[Count] = None
-    """generate at most this many responses at a time (RLinf; memory only; None: the whole batch at once)"""
+    rollout_micro_batch_size: Optional[Count] = None  # generate this many responses at a time (RLinf; None: all)
     logprob_forward_micro_batch_size: Annotated[Optional[Count], alias("--log-prob-micro-batch-size-per-gpu")] = None
     """responses per no-grad scoring forward (RLinf; None: --micro-batch-size, so the first ratio is exactly 1)"""
 
-    # Reward: the rule (verl custom_reward_function, TRL reward_funcs), normalisation and clipping of the scores
-    # (ROLL), missing-EOS penalty
+    # Reward: the rule (verl custom_reward_function, TRL reward_funcs), normalisation, clipping (ROLL), no-EOS penalty
     reward_fn: Annotated[Optional[str], alias("--reward-funcs")] = None
     """exact, math or FILE.py:NAME(prompt, response, answer, **columns); a,b: weighted sum; None: exact or RM alone"""
-    reward_weights: Optional[list[float]] = None
-    """weights of the --reward-fn functions in their sum (TRL reward_weights; None: 1 each)"""
+    reward_weights: Optional[list[float]] = None  # weights of the --reward-fn functions in their sum (None: 1 each)
     reward_norm: Literal["none", "batch", "group", "running", "null"] = "none"
     """normalise scores over the batch, the prompt's group, or running statistics (ROLL; null: none)"""
     reward_shift: bool = False  # reward_norm subtracts the mean (given alone: without dividing by the std)
     reward_scale: bool = False  # reward_norm divides by the std (given alone: without subtracting the mean)
-    reward_clip: Optional[float] = None
-    """clip scores to [-c, c] after normalisation, and token rewards after the KL penalty (ROLL)"""
+    reward_clip: Optional[float] = None  # clip scores to [-c, c] after normalisation, and token rewards after the KL
     missing_eos_penalty: float = 0.0  # subtracted from the score of a response that hits response_length without EOS
 
     # Advantages (verl algorithm.adv_estimator, ROLL adv_estimator, RLinf adv_type)
-    adv_estimator: Annotated[Literal["gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus",
-                                     "reinforce_plus_plus_baseline"], alias("--adv-type")] = "gae"
-    """advantage estimator"""
+    adv_estimator: Annotated[AdvEstimator, alias("--adv-type")] = "gae"  # advantage estimator
     gamma: float = 1.0  # discount factor over response tokens
     lam: Annotated[float, alias("--lambd", "--gae-lambda")] = 1.0  # GAE lambda
     norm_adv_by_std_in_grpo: bool = True  # grpo: divide by the group's std (off: Dr. GRPO)
@@ -102,19 +97,16 @@ class Args:
     # KL to the reference policy: a penalty in the reward (fixed or adaptive coefficient) and / or a loss
     use_kl_in_reward: Annotated[bool, alias("--add-token-level-kl")] = True
     """token reward -= kl_coef * kl(logp, ref_logp); off when --use-kl-loss is given alone (verl: one or the other)"""
-    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl", "full", "k1", "k2", "k3", "k1+", "k2+", "k3+"] = "kl"
-    """KL estimator in the reward (verl's names: k1 = kl, k2 = mse, k3 = low_var_kl; + forms: k2's gradient)"""
+    kl_penalty: KLType = "kl"  # KL estimator in the reward (k1 = kl, k2 = mse, k3 = low_var_kl; +: k2's gradient)
     kl_ctrl_type: Annotated[Literal["fixed", "adaptive"], alias("--kl-ctrl.type")] = "fixed"
     """in-reward KL coefficient: fixed, or adaptive towards target_kl"""
-    init_kl_coef: Annotated[float, alias("--kl-ctrl.kl-coef", "--kl-coef")] = 0.001
-    """(initial) in-reward KL coefficient (verl kl_ctrl.kl_coef)"""
+    init_kl_coef: Annotated[float, alias("--kl-ctrl.kl-coef", "--kl-coef")] = 0.001  # (initial) in-reward KL coef
     target_kl: Annotated[Optional[float], alias("--kl-ctrl.target-kl")] = 0.1
     """adaptive controller's target sequence KL; a number given alone selects adaptive, None (ROLL's ~) fixed"""
     kl_horizon: Annotated[Count, alias("--kl-ctrl.horizon")] = 10000  # adaptive controller: horizon in samples
     use_kl_loss: bool = False  # add kl_loss_coef * kl(logp, ref_logp) to the actor loss (GRPO style)
     kl_loss_coef: float = 0.001  # coefficient of the KL loss
-    kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl", "full", "k1", "k2", "k3", "k1+", "k2+", "k3+"] = \
-        "low_var_kl"
+    kl_loss_type: KLType = "low_var_kl"
     """KL estimator of the KL loss (k3+: the value of k3 with the gradient of k2, whose expected gradient is KL's)"""
 
     # Policy loss (verl compute_policy_loss, agg_loss)
@@ -124,9 +116,7 @@ class Args:
     clip_ratio_high: Annotated[float, alias("--epsilon-high")] = 0.2  # ratio upper clip: 1 + clip_ratio_high
     dual_clip_loss: bool = True  # dual-clip PPO: for A < 0 the loss is at most -A * clip_ratio_c
     clip_ratio_c: float = 3.0  # dual-clip bound (> 1)
-    loss_agg_mode: Annotated[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                     "seq-mean-token-sum-norm"], alias("--loss-agg-func")] = "token-mean"
-    """how token losses become one number (verl agg_loss)"""
+    loss_agg_mode: Annotated[LossAggMode, alias("--loss-agg-func")] = "token-mean"  # how token losses become one number
     entropy_coeff: Annotated[float, alias("--entropy-bonus")] = 0.0  # entropy bonus coefficient
 
     # Value model and value loss (verl critic, verl compute_value_loss, RLinf critic.use_critic_model / loss_type)
@@ -136,14 +126,10 @@ class Args:
     """RLinf critic.use_critic_model: True = --critic separate, False = --critic shared (None: --critic decides)"""
     loss_type: Optional[Literal["actor_critic", "actor"]] = None
     """RLinf loss_type: actor_critic = --critic shared (one loss, one backward), actor = --critic separate"""
-    value_clip: Annotated[Optional[float], alias("--cliprange-value")] = 0.5
-    """clip the new value to old value +- value_clip (verl cliprange_value; None: off)"""
+    value_clip: Annotated[Optional[float], alias("--cliprange-value")] = 0.5  # clip value to old value +- c (None: off)
     huber_delta: Optional[float] = None  # Huber loss with this delta instead of 0.5 * squared error (RLinf)
-    vf_coef: float = 0.5
-    """value loss coefficient of --critic shared (one loss on one trunk); a separate critic's loss is its own"""
-    critic_loss_agg_mode: Annotated[Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                                     "seq-mean-token-sum-norm"]],
-                                    alias("--critic.loss-agg-mode")] = None
+    vf_coef: float = 0.5  # value loss coefficient of --critic shared; a separate critic's loss is its own, unscaled
+    critic_loss_agg_mode: Annotated[Optional[LossAggMode], alias("--critic.loss-agg-mode")] = None
     """how the value loss's token losses become one number (verl critic.loss_agg_mode; None: --loss-agg-mode)"""
     critic_warmup: Count = 0  # first N iterations update only the critic
 
@@ -154,50 +140,39 @@ class Args:
     """responses per forward/backward, accumulated; unless given, the largest size <= 16 that divides a minibatch"""
     lr: Annotated[float, alias("--learning-rate")] = 5e-5
     """actor learning rate (AdamW; 5e-5 suits the built-in 2M model, 1e-6 is verl's for billions of parameters)"""
-    critic_lr: float = 2.5e-4
-    """critic learning rate (AdamW; value head of the shared critic too; the built-in 2M model's, verl's is 1e-5)"""
-    lr_warmup_steps: Annotated[Count, alias("--warmup-steps")] = 5
-    """linear learning-rate warm-up over this many optimizer steps"""
+    critic_lr: float = 2.5e-4  # critic (or shared value head) AdamW lr: the built-in 2M model's; verl's is 1e-5
+    lr_warmup_steps: Annotated[Count, alias("--warmup-steps")] = 5  # linear lr warm-up over N optimizer steps
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: Annotated[float, alias("--grad-clip")] = 1.0  # gradient norm clip of actor and critic
 
     # Task and models: policy, reward model, data, supervised warm start
-    model_name_or_path: Optional[str] = None
-    """local Hugging Face causal LM + tokenizer directory (None: a tiny Llama built here)"""
-    tiny_hidden_size: Count = 256
-    """hidden size of the tiny Llama built without --model-name-or-path (4 attention heads, MLP 2x wider)"""
+    model_name_or_path: Optional[str] = None  # local Hugging Face causal LM + tokenizer dir (None: a tiny Llama)
+    tiny_hidden_size: Count = 256  # hidden size of the built-in tiny Llama (4 attention heads, MLP 2x wider)
     tiny_num_layers: Count = 3  # decoder layers of the tiny Llama built without --model-name-or-path
     trust_remote_code: bool = False  # allow custom model code from --model-name-or-path / --reward-model-path
-    reward_model_path: Optional[str] = None
-    """local sequence-classification reward model, num_labels=1; with --reward-fn the score is their sum (as TRL)"""
+    reward_model_path: Optional[str] = None  # local sequence-classifier, 1 label; with --reward-fn: their sum (TRL)
     dataset: Annotated[Optional[str], alias("--train-files", "--data.train-files")] = None
     """.jsonl, .json or .parquet file of prompts (+ answers), read by Hugging Face datasets (None: digit sorting)"""
     eval_dataset: Annotated[Optional[str], alias("--val-files", "--data.val-files")] = None
     """held-out rows with answers to evaluate on, same formats (verl data.val_files; None: first --dataset rows)"""
     prompt_key: Annotated[str, alias("--data.prompt-key")] = "prompt"
     """column of the prompt: a string, or a list of chat messages {"role", "content"} (then the chat template)"""
-    answer_key: str = "answer"
-    """column of the answer; a dotted path reaches into nested columns (verl's parquet: reward_model.ground_truth)"""
-    apply_chat_template: bool = False
-    """each prompt as a user turn in the tokenizer's chat template (instruct models); off: plain text (+ BOS)"""
+    answer_key: str = "answer"  # column of the answer; a.b reaches into nested columns (reward_model.ground_truth)
+    apply_chat_template: bool = False  # each prompt as a user turn of the chat template; off: plain text (+ BOS)
     lora_rank: Annotated[Count, alias("--lora-r")] = 0
     """LoRA adapters of this rank on the policy (peft; 0: none). A warm start (--sft-steps) trains every parameter"""
     lora_alpha: float = 16.0  # LoRA scaling alpha (the update is alpha / rank * B A)
     lora_target_modules: Annotated[str, alias("--target-modules")] = "all-linear"
     """modules that get adapters: all-linear (every linear layer but the output) or names, comma-separated"""
-    critic_lora: bool = False
-    """--critic separate: LoRA adapters (and its value head in full) on the critic too (off: a full model)"""
-    sft_steps: Optional[Count] = None
-    """supervised warm-start steps on the answers (None: 60 on the built-in task, 0 on a user's model or dataset)"""
+    critic_lora: bool = False  # --critic separate: LoRA (and the value head in full) on the critic too (off: full)
+    sft_steps: Optional[Count] = None  # warm-start steps (None: 60 on the built-in task, 0 on a user's model/data)
     sft_lr: float = 2.5e-4  # warm-start learning rate (the default 2M model learns worse, not faster, from 1e-3 and up)
     sft_batch_size: Count = 64  # warm-start batch size
 
     # Evaluation
     eval_prompts: Count = 256  # held-out prompts scored greedily and sampled (0: off)
-    eval_every: Count = 15
-    """evaluate every N iterations and after the last one (and before the first, unless the run is resumed)"""
-    eval_n: Count = 0
-    """also sample n responses per held-out prompt at --eval-temperature: eval/pass@1 and eval/pass@k (0: off)"""
+    eval_every: Count = 15  # evaluate every N iterations, after the last, before the first unless the run is resumed
+    eval_n: Count = 0  # also sample n per held-out prompt at --eval-temperature: eval/pass@1, pass@k (0: off)
     eval_temperature: float = 1.0  # sampling temperature of the --eval-n samples (top-p / top-k as the rollout's)
 
     # Run: seed, device and precision, speed paths, logging, checkpoints
@@ -206,25 +181,18 @@ class Args:
     torch_deterministic: bool = True  # deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only)
     cuda: bool = dataclasses.field(default_factory=lambda: gpu_for_each_process())
     """run on CUDA (bf16 autocast unless --precision fp32): the default where torch sees a GPU for each local process"""
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """bf16 autocast with fp32 master weights, or fp32 throughout; auto: bf16 with --cuda, fp32 on the CPU"""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"  # bf16 autocast (fp32 weights) or fp32; auto: bf16 on CUDA
     compile: bool = False  # torch.compile the forward of policy and critic
-    strategy: Literal["fsdp2", "ddp"] = "fsdp2"
-    """under torchrun: shard policy, reference and critic with FSDP2 (fully_shard), or replicate them with DDP"""
-    gradient_checkpointing: Annotated[bool, alias("--enable-gradient-checkpointing")] = False
-    """recompute activations in the backward pass (large models)"""
-    torch_threads: Count = 2
-    """torch CPU threads (2 suits the default 2M model; 1 is faster for models of a few 100k parameters)"""
+    strategy: Literal["fsdp2", "ddp"] = "fsdp2"  # under torchrun: FSDP2 shards the models, DDP replicates them
+    gradient_checkpointing: Annotated[bool, alias("--enable-gradient-checkpointing")] = False  # (large models)
+    torch_threads: Count = 2  # torch CPU threads (2 suits the default 2M model; 1 models of a few 100k parameters)
     track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works without network)
     wandb_project_name: str = "ppo-reference"  # wandb project name
     wandb_entity: Optional[str] = None  # wandb entity (team)
-    save_model: bool = True
-    """write checkpoint.pt and the save_pretrained dirs checkpoint-<iteration>/{policy,critic}/, ref/ at the end"""
+    save_model: bool = True  # at the end write checkpoint.pt and save_pretrained dirs checkpoint-<iteration>/
     checkpoint_every: Count = 0  # also write the checkpoint every N iterations (0: only at the end with --save-model)
-    resume: Optional[str] = None
-    """continue from this checkpoint.pt; flags not given on the command line take the checkpoint's values"""
-    stop_after: Count = 0
-    """stop this process after N iterations with a checkpoint (0: run to the end); --resume continues"""
+    resume: Optional[str] = None  # continue from this checkpoint.pt; flags not given take the checkpoint's values
+    stop_after: Count = 0  # stop after N iterations with a checkpoint (0: run to the end); --resume continues
     runs_dir: str = "runs"  # directory that holds the runs
 
 
