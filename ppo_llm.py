@@ -213,8 +213,7 @@ def build_char_tokenizer():
 
 def make_problems(count: int, gen: torch.Generator, exclude=frozenset(), distinct: bool = False,
                   fits=None) -> list[dict]:
-    """Sort five digits: prompt "31415=", answer "11345". A prompt in `exclude`, one drawn before when `distinct`, or
-    one that does not `fits(prompt)` is drawn again."""
+    """Sort five digits: "31415=" -> "11345"; one in `exclude`, drawn before (`distinct`) or not `fits`: redrawn."""
     def prompt(digits):
         return "".join(map(str, digits)) + "="
     taken, rows = set(exclude), []
@@ -228,8 +227,7 @@ def make_problems(count: int, gen: torch.Generator, exclude=frozenset(), distinc
 
 
 def prompt_token_ids(tok, prompt, chat: bool = False) -> list[int]:
-    """A prompt's ids with the tokenizer's special tokens (BOS where its model wants one; a trailing EOS dropped). Chat
-    messages (verl's data), or any prompt with --apply-chat-template, go through the chat template."""
+    """A prompt's ids with the tokenizer's special tokens (no trailing EOS); chat messages via the chat template."""
     if chat or not isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -239,14 +237,12 @@ def prompt_token_ids(tok, prompt, chat: bool = False) -> list[int]:
 
 
 def encode_batch(tok, rows: list[dict], prompt_length: int, chat: bool = False):
-    """Prompts left-padded to the longest of these rows (longer than prompt_length: its last tokens; load_dataset drops
-    them first, as verl's filter_overlong_prompts)."""
+    """Prompts left-padded to the longest of these rows (a prompt over prompt_length: its last tokens)."""
     return left_pad([prompt_token_ids(tok, r["prompt"], chat)[-prompt_length:] for r in rows], tok.pad_token_id)
 
 
 def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
-    """(sample_rows(k), held-out rows with answers (a whole share per rank), whether every training row has an answer):
-    --dataset / --eval-dataset, or the synthetic task."""
+    """(sample_rows(k), held-out rows with answers, whether all rows have answers): --dataset or the synthetic task."""
     def n_tokens(prompt):
         return len(prompt_token_ids(tok, prompt, args.apply_chat_template))
     keys = {"prompt_key": args.prompt_key, "answer_key": args.answer_key}
@@ -311,8 +307,7 @@ def build_tiny_model(tok, seed: int, hidden_size: int, num_layers: int, max_posi
 
 
 def stop_token_ids(tok, model) -> list[int]:
-    """The ids that end a response, as Hugging Face's generate stops: the tokenizer's EOS first, then those of the
-    model's generation config (a chat model's end of turn: Qwen2.5's <|im_end|>, Llama 3 Instruct's <|eot_id|>)."""
+    """The ids that end a response, as HF generate: the tokenizer's EOS, then the generation config's (<|im_end|>)."""
     ids = [tok.eos_token_id]
     extra = getattr(getattr(getattr(model, "module", model), "generation_config", None), "eos_token_id", None)
     for i in [extra] if isinstance(extra, int) else list(extra or []):
@@ -334,8 +329,7 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 
 
 def build_policy(args: Args, ckpt: Optional[dict], device):
-    """Tokenizer, policy, stop tokens and (on resume) the frozen reference: the checkpoint's, --model-name-or-path's
-    or the tiny Llama's. With --lora-rank the policy is the base model; its adapters come in reference_policy."""
+    """Tokenizer, policy, stop tokens and (on resume) the reference; with --lora-rank the policy is the base model."""
     from transformers import AutoModelForCausalLM
 
     def causal_lm(path):
@@ -420,8 +414,7 @@ def kl_reads_reference(args: Args) -> bool:  # whether a KL term reads the refer
 
 
 def reference_policy(args: Args, policy, ref, ckpt: Optional[dict], device):
-    """(policy, frozen reference, None where no KL term reads it): a copy of the policy as PPO starts (on resume ref/);
-    with --lora-rank the policy gets its adapters and the reference is it with them off (AdaptersOff)."""
+    """(policy, frozen reference or None): a copy of the policy as PPO starts, or with LoRA it with adapters off."""
     if not args.lora_rank:
         if not kl_reads_reference(args):
             return policy, None
@@ -456,8 +449,7 @@ class AdaptersOff(nn.Module):
 
 
 def with_lora(model, args: Args, task_type: str, saved: Optional[str] = None):
-    """peft LoRA adapters on model (dropout 0): new (B = 0: the model computes what it did) or saved in `saved`. A
-    critic (TOKEN_CLS) trains its value head in full (modules_to_save), outside the adapters' targets."""
+    """LoRA adapters (dropout 0), new (B = 0: the same function) or `saved`; a critic's value head trains in full."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     head = ["classifier", "score"] if task_type == "TOKEN_CLS" else None
@@ -485,12 +477,9 @@ def lora_targets(args: Args):
 def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id, pad_id: int, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False, all_done=None, bf16: bool = False,
              check_every: Optional[int] = None):
-    """Batched sampling with KV cache (eos_id: one stop id or a list) until every row has stopped: (B, L) tokens, pad
-    after the stop, L <= max_new_tokens. Only the last position's logits are computed. Whether all rows are done is
-    asked every check_every tokens (a host sync on a GPU: 8 there, 1 on the CPU); all_done(done): whether every rank is
-    (FSDP2: each forward is a collective, so all ranks take the same steps). bf16: under bf16 autocast."""
+    """KV-cache sampling until every row stops (all_done: every rank, FSDP2): (B, L) tokens, pad after the stop."""
     B, device = prompt_ids.shape[0], prompt_ids.device
-    check_every = check_every or (1 if device.type == "cpu" else 8)
+    check_every = check_every or (1 if device.type == "cpu" else 8)  # (asking "all done?" is a host sync on a GPU)
     stop_ids = torch.as_tensor(eos_id, device=device)  # (on the device once, not once a token)
     was_training = model.training
     model.eval()  # KV cache on (HF turns it off in training mode under gradient checkpointing)
@@ -540,8 +529,7 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: 
 
 
 def sample_categorical(probs: torch.Tensor, gen=None) -> torch.Tensor:
-    """One index per row drawn with probability probs (B, V) by inverting the cumulative sum at one uniform number per
-    row: torch.multinomial's distribution without its cost over 10^5 tokens. A token of probability 0 is never drawn."""
+    """One index per row drawn from probs (B, V) by inverse CDF: multinomial's law, cheaper over 10^5 tokens."""
     cdf = probs.double().cumsum(-1)
     u = torch.rand(cdf.shape[:-1] + (1,), generator=gen, device=probs.device, dtype=torch.float64) * cdf[..., -1:]
     last = torch.searchsorted(cdf, cdf[..., -1:].contiguous())  # (the last token of probability > 0)
@@ -583,8 +571,7 @@ def position_ids_from(mask: torch.Tensor) -> torch.Tensor:
 
 
 def sample_responses(policy, tok, rows: list[dict], args: Args, stops, gen, device, all_done=None, world: int = 1):
-    """The rollout's responses, in chunks of --rollout-micro-batch-size (as many on every rank): responses (B, R) on
-    the CPU, [prompt | response] ids and mask on the device, padded to the longest prompt and response."""
+    """The rollout, in chunks of --rollout-micro-batch-size: responses (B, R), [prompt | response] ids and mask."""
     policy.eval()
     p_ids, p_mask = encode_batch(tok, rows, args.prompt_length, args.apply_chat_template)
     size = args.rollout_micro_batch_size or p_ids.shape[0]
@@ -600,12 +587,10 @@ def sample_responses(policy, tok, rows: list[dict], args: Args, stops, gen, devi
 
 def model_forward(model, input_ids, attention_mask, resp_len: int, temperature: float, shared_value_head=None,
                   full: bool = False, entropy: bool = False, entropy_grad: bool = False):
-    """One forward over [prompt | response]: per response token the log-prob (logits / temperature), optionally the
-    entropy (with gradients if entropy_grad), the log-distribution (--kl-penalty full) and the shared-trunk value.
-    Logits only at response positions (logit t predicts token t+1); no float32 (B, R, V) the backward does not need."""
+    """Per response token: log-prob, optionally entropy, log-distribution (full KL) and shared-trunk value."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
                 use_cache=False, output_hidden_states=shared_value_head is not None, logits_to_keep=resp_len + 1)
-    logits = out.logits[:, :-1]
+    logits = out.logits[:, :-1]  # (response positions only: logit t predicts token t + 1)
     logits = logits / temperature if temperature != 1.0 else logits
     res = {"logp": token_logprobs(logits, input_ids[:, -resp_len:])}
     if entropy:
@@ -620,8 +605,7 @@ def model_forward(model, input_ids, attention_mask, resp_len: int, temperature: 
 
 
 def in_row_chunks(fn, logits: torch.Tensor, *more, elements: int = 1 << 25):
-    """fn(logits[rows], *more[rows]) over chunks of at most `elements` logits, concatenated: without gradients the
-    float32 temporaries take (chunk, R, V), not (B, R, V). With gradients, one call."""
+    """fn over row chunks of at most `elements` logits without gradients: float32 temporaries (chunk, R, V)."""
     if torch.is_grad_enabled() and logits.requires_grad:
         return fn(logits, *more)
     rows = max(1, elements // max(1, logits[0].numel()))
@@ -649,9 +633,7 @@ def critic_values(critic, input_ids, attention_mask, resp_len: int):
 
 @torch.no_grad()
 def score_responses(policy, ref, critic, value_head, ids, attn, R: int, args: Args, autocast=contextlib.nullcontext):
-    """Per response token, on the CPU: old log-probs, reference log-probs (None without a reference), values (None
-    without a critic), the exact KL with --kl-penalty full. Forwards of --logprob-forward-micro-batch-size responses
-    (default --micro-batch-size, the update's: the first ratio is exactly 1)."""
+    """Per response token, on the CPU: old and reference log-probs, values, full KL (None where not computed)."""
     R, full, size = R, args.kl_penalty == "full" and ref is not None, (args.logprob_forward_micro_batch_size
                                                                       or args.micro_batch_size)
     old_logp, ref_logp, values, kl_full = [], [], [], []
@@ -712,8 +694,7 @@ THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:,|\{,\}|\\,)\d{3})+(?!\d)")  # 1
 
 
 def math_number(text: str) -> Optional[fractions.Fraction]:
-    """A final answer as an exact number: "1,234" "$5" "-3.50" "42." "7/8" "\frac{1}{2}" "50%" "{5}" "−3"; None for
-    anything else ("x+1", "\sqrt{2}", "1e5", "1,2")."""
+    """A final answer as an exact number ("1,234" "$5" "7/8" "\frac{1}{2}" "50%"); None for anything else."""
     s = THOUSANDS.sub(lambda m: re.sub(r"\D", "", m[0]), unbraced(text.replace("\u2212", "-")))
     for junk in ("\\$", "$", "\\%", "%"):  # currency, percent
         s = s.replace(junk, "")
@@ -733,9 +714,7 @@ def math_number(text: str) -> Optional[fractions.Fraction]:
 
 
 def math_reward(response: str, answer: Optional[str]) -> float:
-    """GSM8K / MATH rule: 1 if the final answers are equal, else 0. The reference's: after the last "####", else its
-    last \boxed{}, else all of it; the response's: its last \boxed{}, else its last number. Equal as exact numbers
-    ("1,234" = "1234.0", "\frac{1}{2}" = "0.5") where both are numbers, else as stripped strings."""
+    """GSM8K / MATH: 1 if the final answers ("####", \boxed{}, last number) are equal as numbers or strings."""
     if answer is None:
         return 0.0
     response, answer = response.replace("\u2212", "-"), answer.replace("\u2212", "-")  # (a Unicode minus: "−3")
@@ -780,8 +759,7 @@ def weighted_sum(fns: list, weights: list[float]):
 
 
 def rule_scores(fn, rows: list[dict], texts: list[str], name: str) -> tuple[torch.Tensor, Optional[str]]:
-    """fn(prompt, response, answer) of each response. A function that raises (SystemExit too) or returns no finite
-    number gives (zeros, why, naming the prompt): the run stops."""
+    """fn(prompt, response, answer) of each response; a raise or a non-finite score: (zeros, why), the run stops."""
     scores = []
     for row, text in zip(rows, texts):
         try:
@@ -815,8 +793,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def reward_model_inputs(rm_tok, prompts: list, responses: list[str], chat: bool = False) -> dict:
-    """Prompt + response for the reward model, right-padded: a user / assistant exchange in its chat template (with
-    --apply-chat-template or chat prompts, if it has one), else plain text with its own special tokens."""
+    """Prompt + response for the reward model, right-padded: its chat template where it applies, else plain text."""
     def messages(p):
         return [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
     templated = bool((chat or any(not isinstance(p, str) for p in prompts)) and rm_tok.chat_template)
@@ -831,9 +808,7 @@ def reward_model_inputs(rm_tok, prompts: list, responses: list[str], chat: bool 
 @torch.no_grad()
 def reward_model_scores(rm, rm_tok, prompts: list[str], responses: list[str], chat: bool = False, device="cpu",
                         autocast=contextlib.nullcontext) -> torch.Tensor:
-    """Each prompt + response's score, read at its last real token as the mask says (Hugging Face's classifiers look for
-    config.pad_token_id: where that is not the pad written, a row's score depends on its batch). A decoder's head is
-    called on every position; encoder classifiers, which pool their first token, are called as they are."""
+    """Each prompt + response's score, read at its last real token as the mask says (not config.pad_token_id)."""
     enc = reward_model_inputs(rm_tok, prompts, responses, chat)
     ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     head, per_position = getattr(rm, "score", None), []
@@ -895,8 +870,7 @@ def group_stats(scores, group_ids):
 
 def normalize_scores(scores, group_ids, norm: str, shift: bool, scale: bool, clip: Optional[float],
                      running: Optional[RunningMoments] = None, eps: float = 1e-6):
-    """ROLL reward_norm: (s - mean) / (std + eps) over the batch, the group (sample std) or running stats; shift
-    alone: - mean; scale alone: / std. Then reward_clip."""
+    """ROLL reward_norm: (s - mean) / (std + eps) over batch, group or running stats (shift / scale alone), clip."""
     if norm != "none":
         if norm == "batch":
             mean, std = scores.mean(), scores.std()
@@ -926,8 +900,7 @@ def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> tor
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """verl core_algos.kl_penalty, per token ('full': over the vocabulary). k1 / k2 / k3 are kl / mse / low_var_kl;
-    a trailing + is the straight-through form: the estimator's value, k2's gradient."""
+    """verl core_algos.kl_penalty per token ('full': over the vocabulary); k1/k2/k3 and straight-through + forms."""
     if kind.endswith("+"):
         k2 = 0.5 * (logp - ref_logp).square()
         return k2 - k2.detach() + kl_penalty(logp, ref_logp, kind[:-1]).detach()
@@ -1072,10 +1045,7 @@ def compute_advantages(estimator: str, token_rewards, mask, group_ids, values=No
 
 def rewards_and_advantages(raw, maskf, values, kld, args: Args, kl_ctrl, running: RunningMoments,
                            rank: int = 0, world: int = 1):
-    """Reward (normalised, on the last token, minus the KL penalty) and advantages of one rollout. raw: (B,) scores;
-    maskf, values, kld: (B, R). Under torchrun the ranks' rows (whole groups) are gathered first, so normalisation,
-    group statistics, whitening and the KL controller see the global batch; each rank gets its rows back. Returns
-    advantages, returns (B, R), the global scores and the mean sequence KL."""
+    """Token rewards and advantages of one rollout, over the global batch under torchrun (each rank: its rows)."""
     B = raw.shape[0]
     raw, maskf, values, kld = (all_gather_cat(x, world) for x in (raw, maskf, values, kld))
     group_ids = torch.arange(raw.shape[0] // args.n).repeat_interleave(args.n)  # response i answers prompt i // n
@@ -1097,8 +1067,7 @@ def rewards_and_advantages(raw, maskf, values, kld, args: Args, kl_ctrl, running
 
 # --- Losses: verl agg_loss, clipped / dual-clip policy loss, clipped / Huber value loss ------------------------------
 def agg_loss(loss_mat, mask, mode: str, n_tokens=None, n_seqs=None, norm_len=None):
-    """Token losses -> one number. Pass the minibatch's n_tokens / n_seqs to sum micro-batch losses into exactly the
-    minibatch loss."""
+    """Token losses -> one number; the minibatch's n_tokens / n_seqs make micro-batch losses sum to its loss."""
     mask = mask.float()
     n_tokens = mask.sum().clamp(min=1) if n_tokens is None else n_tokens
     n_seqs = mask.shape[0] if n_seqs is None else n_seqs
@@ -1155,8 +1124,7 @@ def value_loss(vpreds, old_values, returns, mask, value_clip=None, huber_delta=N
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - Var(returns - values) / Var(returns) over response tokens; NaN where the returns do not vary (within a
-    tolerance: all-zero rewards give returns of the values' rounding, a variance of ~1e-18)."""
+    """1 - Var(returns - values) / Var(returns) over response tokens; NaN where returns do not vary."""
     var_r = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
     err = returns - values
     var_e = masked_mean((err - masked_mean(err, mask)) ** 2, mask)
@@ -1167,9 +1135,7 @@ def explained_variance(values, returns, mask) -> float:
 # --- Update: E epochs of shuffled minibatches, each accumulated over micro-batches; the optimisers -------------------
 def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_actor: bool = True,
                        autocast=contextlib.nullcontext, world: int = 1, ref=None):
-    """Forward/backward of one minibatch in micro-batches, each loss normalised by the minibatch's totals: the summed
-    gradients are one big batch's. Under torchrun token-mean divides by the global count / world (DDP / FSDP2 average).
-    ref: the reference, for --kl-loss-type full (recomputed per micro-batch, never stored)."""
+    """Forward/backward in micro-batches, each normalised by the minibatch's totals: one big batch's gradients."""
     R = mb["response_mask"].shape[1]
     n_tokens = all_ranks_sum(mb["response_mask"].sum(), world).clamp(min=1).float() / world
     agg = {"n_tokens": n_tokens, "n_seqs": mb["response_mask"].shape[0], "norm_len": args.response_length}
@@ -1228,8 +1194,7 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
 
 def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, args: Args, gen,
                update_actor: bool = True, autocast=contextlib.nullcontext, world: int = 1, ref=None):
-    """ppo_epochs x shuffled minibatches (this rank's share); this rank's mean stats and the first minibatch's (ratio
-    exactly 1: approx_kl 0, clipfrac 0)."""
+    """ppo_epochs x shuffled minibatches: this rank's mean stats and the first minibatch's (ratio exactly 1)."""
     N = batch["input_ids"].shape[0]
     mb_size = args.ppo_mini_batch_size // world * args.n
     all_stats, first = [], None
@@ -1282,8 +1247,7 @@ def sft_steps(args: Args) -> int:
 
 
 def warm_start(policy, tok, sample_rows, args: Args, device, autocast=contextlib.nullcontext, stop=None) -> None:
-    """Supervised fine-tuning on answers + EOS in the run's precision, a progress line every ~5 s; stop() (a signal,
-    asked every 10 steps) ends it."""
+    """Supervised fine-tuning on answers + EOS, a progress line every ~5 s; stop() (every 10 steps) ends it."""
     opt = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr)
     policy.train()
     steps, t0, last = sft_steps(args), time.time(), time.time()
@@ -1353,9 +1317,7 @@ def all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, trainable: bool = True):
-    """FSDP2: each transformer block (_no_split_modules), then the model, becomes a fully_shard unit, in place. DDP: a
-    DistributedDataParallel replica for the update (generation and scoring use the bare module). Either way gradients
-    are averaged over ranks."""
+    """FSDP2: every transformer block, then the model, a fully_shard unit; DDP: a replica for the update."""
     if model is None:
         return None
     import torch.distributed as dist
@@ -1383,8 +1345,7 @@ def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, 
 
 
 def prepare_models(args: Args, policy, critic, value_head, ref, device, world: int):
-    """Gradient checkpointing, torch.compile and under torchrun FSDP2 / DDP: none changes what is computed. Returns
-    the modules the update calls and generation's all_done (FSDP2: the ranks stop generating together)."""
+    """Gradient checkpointing, torch.compile, FSDP2 / DDP (none changes what is computed) and all_done."""
     if args.gradient_checkpointing:
         for m in (policy, critic):
             if m is not None:
@@ -1404,8 +1365,7 @@ def prepare_models(args: Args, policy, critic, value_head, ref, device, world: i
 
 
 def compile_forward(model, backend: str = "inductor"):
-    """--compile: the forward through torch.compile with dynamic shapes, for generation, scoring and the update (the
-    tests use backend "aot_eager": no inductor kernels to compile on a CPU)."""
+    """--compile: torch.compile the forward, dynamic shapes (the tests use backend aot_eager on the CPU)."""
     model.forward = torch.compile(model.forward, dynamic=True, backend=backend)
     return model
 
