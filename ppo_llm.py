@@ -201,7 +201,6 @@ def build_char_tokenizer():
     """A real Hugging Face tokenizer (save_pretrained / AutoTokenizer work): one token per printable ASCII char."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
     chars = [chr(c) for c in range(32, 127)]
     vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>"] + chars)}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -296,14 +295,11 @@ def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
 # --- Models: policy, frozen reference (a copy, or the policy with its LoRA adapters off), critic ---------------------
 def build_tiny_model(tok, seed: int, hidden_size: int, num_layers: int, max_positions: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                      num_hidden_layers=num_layers,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=max_positions,
-                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                      tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=max_positions, tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id))
 
 
 def stop_token_ids(tok, model) -> list[int]:
@@ -331,7 +327,6 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 def build_policy(args: Args, ckpt: Optional[dict], device):
     """Tokenizer, policy, stop tokens and (on resume) the reference; with --lora-rank the policy is the base model."""
     from transformers import AutoModelForCausalLM
-
     def causal_lm(path):
         return load_pretrained("a causal LM", path, AutoModelForCausalLM.from_pretrained, args.trust_remote_code,
                                dtype=torch.float32)
@@ -367,7 +362,6 @@ def build_policy(args: Args, ckpt: Optional[dict], device):
 def value_model(config):
     """A token-classification model of the policy's class with one label, the value: a separate critic's, untrained."""
     from transformers import AutoModelForTokenClassification
-
     cfg = copy.deepcopy(config)
     cfg.num_labels = 1
     try:
@@ -391,7 +385,6 @@ def make_critic(policy):
 def build_critic(args: Args, policy, ckpt: Optional[dict], device):
     """(critic, value_head): a separate critic (its own trunk) or a value head on the policy's trunk."""
     from transformers import AutoModelForTokenClassification
-
     critic, value_head, saved = None, None, saved_model_dir(args, ckpt, "critic")
     if args.critic == "separate":
         if args.critic_lora:  # the policy's trunk as PPO starts (on resume: ref/) + new or saved LoRA adapters
@@ -451,7 +444,6 @@ class AdaptersOff(nn.Module):
 def with_lora(model, args: Args, task_type: str, saved: Optional[str] = None):
     """LoRA adapters (dropout 0), new (B = 0: the same function) or `saved`; a critic's value head trains in full."""
     from peft import LoraConfig, PeftModel, get_peft_model
-
     head = ["classifier", "score"] if task_type == "TOKEN_CLS" else None
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                         target_modules=lora_targets(args), exclude_modules=head, task_type=task_type)
@@ -504,13 +496,9 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id, pad_id
                         past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
             next_pos = next_pos + 1
     model.train(was_training)
-    return trim_responses(tokens[:, :t + 1], eos_id)
-
-
-def trim_responses(responses: torch.Tensor, stops) -> torch.Tensor:
-    """Responses cut after the column where the longest one ends (its stop token, or the last column)."""
-    length = response_mask_from(responses, stops).sum(-1).max() if responses.numel() else 0
-    return responses[:, :max(int(length), 1)]
+    tokens = tokens[:, :t + 1]  # then cut after the column where the longest response ends
+    length = response_mask_from(tokens, eos_id).sum(-1).max() if tokens.numel() else 0
+    return tokens[:, :max(int(length), 1)]
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen, greedy: bool = False):
@@ -522,8 +510,8 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: 
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix whose mass reaches top_p
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
     return sample_categorical(logits.softmax(-1), gen)
 
@@ -787,9 +775,7 @@ def finite_number(value) -> Optional[float]:
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased pass@k (Chen et al. 2021) of n samples, c correct: 1 - C(n-c, k) / C(n, k), as a product."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+    return 1.0 if n - c < k else 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 def reward_model_inputs(rm_tok, prompts: list, responses: list[str], chat: bool = False) -> dict:
@@ -960,19 +946,16 @@ def masked_whiten(x, mask, shift_mean: bool = True, eps: float = 1e-8):
 def compute_gae(token_rewards, values, mask, gamma: float, lam: float):
     """Token-level GAE over the response mask: tokens past EOS neither contribute nor carry values (verl)."""
     values = values * mask
-    T = token_rewards.shape[1]
     adv = torch.zeros_like(token_rewards)
-    lastgaelam = torch.zeros(token_rewards.shape[0])
-    nextvalues = torch.zeros(token_rewards.shape[0])
-    for t in reversed(range(T)):
+    lastgaelam = nextvalues = torch.zeros(token_rewards.shape[0])
+    for t in reversed(range(token_rewards.shape[1])):
         delta = token_rewards[:, t] + gamma * nextvalues - values[:, t]
         new = delta + gamma * lam * lastgaelam
         m = mask[:, t].float()
         nextvalues = values[:, t] * m + (1 - m) * nextvalues
         lastgaelam = new * m + (1 - m) * lastgaelam
         adv[:, t] = lastgaelam
-    returns = adv + values
-    return adv * mask, returns * mask
+    return adv * mask, (adv + values) * mask  # (advantages, returns)
 
 
 def compute_grpo(token_rewards, mask, group_ids, norm_by_std: bool = True, eps: float = 1e-6):
@@ -1091,8 +1074,7 @@ def policy_loss(logp, old_logp, advantages, mask, clip_ratio_low=0.2, clip_ratio
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
     clipped = torch.maximum(loss1, loss2)
-    losses = clipped
-    clipfrac_lower = torch.zeros((), device=logp.device)
+    losses, clipfrac_lower = clipped, torch.zeros((), device=logp.device)
     if dual_clip:
         loss3 = -advantages * clip_ratio_c
         losses = torch.where(advantages < 0, torch.minimum(clipped, loss3), clipped)
@@ -1147,8 +1129,7 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
     for s in range(0, mb["input_ids"].shape[0], args.micro_batch_size):
         m = {k: v[s:s + args.micro_batch_size] for k, v in mb.items()}
         mask = m["response_mask"]
-        loss = torch.zeros(())
-        stats = {}
+        loss, stats = torch.zeros(()), {}
         with autocast():
             if update_actor or args.critic == "shared":  # (a separate critic's warm-up needs no policy forward)
                 out = model_forward(policy, m["input_ids"], m["attention_mask"], R, args.temperature,
@@ -1289,7 +1270,6 @@ def use_bf16(args: Args) -> bool:
 def collective_device() -> torch.device:
     """Where tensors must be for a collective: the rank's GPU under nccl, the CPU under gloo."""
     import torch.distributed as dist
-
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
@@ -1297,7 +1277,6 @@ def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
     """Sum of x over ranks (a new tensor on x's device; x itself with one process)."""
     if world > 1:
         import torch.distributed as dist
-
         y = x.to(collective_device(), copy=True)
         dist.all_reduce(y)
         x = y.to(x.device)
@@ -1309,7 +1288,6 @@ def all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
     if world == 1:
         return x
     import torch.distributed as dist
-
     y = x.to(collective_device()).contiguous()
     parts = [torch.empty_like(y) for _ in range(world)]
     dist.all_gather(parts, y)
@@ -1321,12 +1299,10 @@ def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, 
     if model is None:
         return None
     import torch.distributed as dist
-
     for p in model.parameters():  # the same start on every rank, whatever each rank's warm-start did
         dist.broadcast(p.data, 0)
     if strategy == "fsdp2":
         from torch.distributed.fsdp import fully_shard
-
         # HF heads return views; this script never modifies a model output in place, which is what FSDP2 warns about
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
@@ -1338,7 +1314,6 @@ def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, 
     if not trainable:
         return model
     from torch.nn.parallel import DistributedDataParallel
-
     # find_unused_parameters: the critic warm-up trains the shared trunk through the value loss, not lm_head
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                    find_unused_parameters=True)
@@ -1346,14 +1321,11 @@ def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, 
 
 def prepare_models(args: Args, policy, critic, value_head, ref, device, world: int):
     """Gradient checkpointing, torch.compile, FSDP2 / DDP (none changes what is computed) and all_done."""
-    if args.gradient_checkpointing:
-        for m in (policy, critic):
-            if m is not None:
-                getattr(m, "activation_checkpointing_enable", m.gradient_checkpointing_enable)()
-    if args.compile:
-        for m in (policy, critic):
-            if m is not None:
-                compile_forward(m)
+    for m in (m for m in (policy, critic) if m is not None):
+        if args.gradient_checkpointing:
+            getattr(m, "activation_checkpointing_enable", m.gradient_checkpointing_enable)()
+        if args.compile:
+            compile_forward(m)
     if world == 1:
         return policy, critic, value_head, None
     train = [distribute(m, args.strategy, device) for m in (policy, critic, value_head)]
