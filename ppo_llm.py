@@ -261,9 +261,8 @@ def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
     else:
         eval_rows = make_problems(args.eval_prompts, torch.Generator().manual_seed(10_000 + args.seed), distinct=True)
         held_out = frozenset(r["prompt"] for r in eval_rows)
-        # A tokenizer that merges digits gives some prompts more tokens than others. Checked here: every held-out
-        # prompt and 256 others, and all 2,002 answers (sorted digit strings) with room for EOS; a training prompt
-        # that would still be cut is drawn again (never with the built-in tokenizer)
+        # A tokenizer that merges digits gives some prompts more tokens: checked are every held-out prompt, 256 others
+        # and all 2,002 answers (+ EOS); a training prompt still cut is redrawn (never with the built-in tokenizer)
         probe = make_problems(256, torch.Generator().manual_seed(20_000 + args.seed), distinct=True)
         prompt = max((r["prompt"] for r in probe + eval_rows), key=n_tokens)
         answers = ["".join(c) for c in itertools.combinations_with_replacement("0123456789", 5)]
@@ -476,8 +475,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id, pad_id
     was_training = model.training
     model.eval()  # KV cache on (HF turns it off in training mode under gradient checkpointing)
     mask = F.pad(prompt_mask, (0, max_new_tokens), value=1)  # (the response columns, as the steps reach them)
-    P = prompt_ids.shape[1]
-    pos = position_ids_from(prompt_mask)
+    P, pos = prompt_ids.shape[1], position_ids_from(prompt_mask)
     tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     # bf16 autocast as in scoring and training (the log-probs used in the loss are recomputed there)
@@ -622,8 +620,8 @@ def critic_values(critic, input_ids, attention_mask, resp_len: int):
 @torch.no_grad()
 def score_responses(policy, ref, critic, value_head, ids, attn, R: int, args: Args, autocast=contextlib.nullcontext):
     """Per response token, on the CPU: old and reference log-probs, values, full KL (None where not computed)."""
-    R, full, size = R, args.kl_penalty == "full" and ref is not None, (args.logprob_forward_micro_batch_size
-                                                                      or args.micro_batch_size)
+    full = args.kl_penalty == "full" and ref is not None
+    size = args.logprob_forward_micro_batch_size or args.micro_batch_size
     old_logp, ref_logp, values, kl_full = [], [], [], []
     with autocast():
         for s in range(0, ids.shape[0], size):
@@ -673,9 +671,8 @@ def unbraced(text: str) -> str:
     return s
 
 
-# A number in a response: a minus sign only where no digit or letter precedes it (3-2 and 2023-11-25 hold no negative
-# number), commas only in groups of thousands, a decimal part, a fraction, and an exponent kept with its number (1e5
-# is one token, never a 5): 1,234.5  -3  .5  7/8  1e5
+# A number in a response: a minus only after no digit or letter (3-2, 2023-11-25: no negative number), commas only in
+# thousands, a decimal part, a fraction, an exponent kept with its number (1e5, never a 5): 1,234.5  -3  .5  7/8  1e5
 NUMBER = re.compile(r"(?:(?<!\w)-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?(?:[eE][-+]?\d+)?"
                     r"|(?:(?<!\w)-)?\.\d+")
 THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:,|\{,\}|\\,)\d{3})+(?!\d)")  # 1,234  1{,}234  1\,234 (LaTeX)
@@ -1087,14 +1084,11 @@ def policy_loss(logp, old_logp, advantages, mask, clip_ratio_low=0.2, clip_ratio
     return agg_loss(losses, mask, loss_agg_mode, **agg), stats
 
 
-def huber(x, delta: float):
-    return torch.where(x.abs() <= delta, 0.5 * x**2, delta * (x.abs() - 0.5 * delta))
-
-
 def value_loss(vpreds, old_values, returns, mask, value_clip=None, huber_delta=None, loss_agg_mode="token-mean",
                **agg):
     """verl compute_value_loss (0.5 * max(unclipped, clipped) squared error) or RLinf's Huber version."""
-    err = (lambda x: huber(x, huber_delta)) if huber_delta is not None else (lambda x: 0.5 * x**2)
+    err = (lambda x: 0.5 * x**2) if huber_delta is None else (  # squared error, or Huber's
+        lambda x: torch.where(x.abs() <= huber_delta, 0.5 * x**2, huber_delta * (x.abs() - 0.5 * huber_delta)))
     losses = err(returns - vpreds)
     clipfrac = torch.zeros((), device=vpreds.device)
     if value_clip is not None:
@@ -1187,9 +1181,8 @@ def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, 
                 o.zero_grad(set_to_none=True)
             stats = minibatch_backward(policy, critic, value_head, {k: v[idx] for k, v in batch.items()}, args,
                                        update_actor, autocast, world, ref)
-            # optimizers[0] is the actor's, optimizers[1] the critic's (separate model or shared value head); during
-            # critic warm-up the actor neither steps nor advances its learning-rate warm-up (a shared trunk's value
-            # gradients are dropped)
+            # optimizers[0] is the actor's: during critic warm-up it neither steps nor advances its lr warm-up (a
+            # shared trunk's value gradients are dropped); the critic's (separate model or shared head) steps
             for i, (o, sch) in enumerate(zip(optimizers, schedulers)):
                 if i == 0 and not update_actor:
                     continue
@@ -1237,16 +1230,11 @@ def warm_start(policy, tok, sample_rows, args: Args, device, autocast=contextlib
         if stop is not None and step % 10 == 0 and stop():
             return
         rows = sample_rows(args.sft_batch_size)
-        targets = []
-        for r in rows:
-            targets.append(tok.encode(r["answer"], add_special_tokens=False)[:args.response_length - 1]
-                           + [tok.eos_token_id])
+        targets = [tok.encode(r["answer"], add_special_tokens=False)[:args.response_length - 1] + [tok.eos_token_id]
+                   for r in rows]
         p_ids, p_mask = encode_batch(tok, rows, args.prompt_length, args.apply_chat_template)
-        R = max(len(t) for t in targets)
-        r_ids = torch.full((len(rows), R), tok.pad_token_id, dtype=torch.long)
-        r_mask = torch.zeros((len(rows), R), dtype=torch.long)
-        for i, t in enumerate(targets):
-            r_ids[i, :len(t)], r_mask[i, :len(t)] = torch.tensor(t), 1
+        r_ids, r_mask = (x.flip(-1) for x in left_pad([t[::-1] for t in targets], tok.pad_token_id))  # right-padded
+        R = r_ids.shape[1]
         ids, mask = torch.cat([p_ids, r_ids], 1).to(device), torch.cat([p_mask, r_mask], 1).to(device)
         with autocast():
             logp = model_forward(policy, ids, mask, R, 1.0)["logp"]
