@@ -13,33 +13,13 @@ Default run: a character tokenizer and a tiny Llama (2.0M parameters) built here
 until a third to a half of its answers are right, then PPO on the rule "response == sorted digits". A response is the
 episode, a token an action. Outline: Args -> task and tokenizer -> models -> generation and scoring -> reward ->
 advantages -> losses -> update -> main(), whose loop is the PPO note's steps (docs/reading_guide.md; formulas as verl's
-core_algos.py). The PPO part ends with main(); below its banner: run context, torchrun / FSDP2, checkpoints,
-evaluation, reward files, data files (datasets), local models and their checks, command line.
+core_algos.py); below main()'s banner, the plumbing.
 """
 
 from __future__ import annotations
 
-import contextlib
-import atexit
-import copy
-import dataclasses
-import fractions
-import functools
-import inspect
-import itertools
-import json
-import math
-import numbers
-import os
-import random
-import re
-import shutil
-import signal
-import sys
-import tempfile
-import time
-import typing
-import warnings
+import atexit, contextlib, copy, dataclasses, fractions, functools, inspect, itertools, json  # noqa: E401
+import math, numbers, os, random, re, shutil, signal, sys, tempfile, time, typing, warnings  # noqa: E401
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
@@ -78,8 +58,7 @@ class Args:
     reward_fn: Annotated[Optional[str], alias("--reward-funcs")] = None
     """exact, math or FILE.py:NAME(prompt, response, answer, **columns); a,b: weighted sum; None: exact or RM alone"""
     reward_weights: Optional[list[float]] = None  # weights of the --reward-fn functions in their sum (None: 1 each)
-    reward_norm: Literal["none", "batch", "group", "running", "null"] = "none"
-    """normalise scores over the batch, the prompt's group, or running statistics (ROLL; null: none)"""
+    reward_norm: Literal["none", "batch", "group", "running", "null"] = "none"  # score normalisation (ROLL; null: none)
     reward_shift: bool = False  # reward_norm subtracts the mean (given alone: without dividing by the std)
     reward_scale: bool = False  # reward_norm divides by the std (given alone: without subtracting the mean)
     reward_clip: Optional[float] = None  # clip scores to [-c, c] after normalisation, and token rewards after the KL
@@ -98,16 +77,14 @@ class Args:
     use_kl_in_reward: Annotated[bool, alias("--add-token-level-kl")] = True
     """token reward -= kl_coef * kl(logp, ref_logp); off when --use-kl-loss is given alone (verl: one or the other)"""
     kl_penalty: KLType = "kl"  # KL estimator in the reward (k1 = kl, k2 = mse, k3 = low_var_kl; +: k2's gradient)
-    kl_ctrl_type: Annotated[Literal["fixed", "adaptive"], alias("--kl-ctrl.type")] = "fixed"
-    """in-reward KL coefficient: fixed, or adaptive towards target_kl"""
+    kl_ctrl_type: Annotated[Literal["fixed", "adaptive"], alias("--kl-ctrl.type")] = "fixed"  # in-reward KL coef
     init_kl_coef: Annotated[float, alias("--kl-ctrl.kl-coef", "--kl-coef")] = 0.001  # (initial) in-reward KL coef
     target_kl: Annotated[Optional[float], alias("--kl-ctrl.target-kl")] = 0.1
     """adaptive controller's target sequence KL; a number given alone selects adaptive, None (ROLL's ~) fixed"""
     kl_horizon: Annotated[Count, alias("--kl-ctrl.horizon")] = 10000  # adaptive controller: horizon in samples
     use_kl_loss: bool = False  # add kl_loss_coef * kl(logp, ref_logp) to the actor loss (GRPO style)
     kl_loss_coef: float = 0.001  # coefficient of the KL loss
-    kl_loss_type: KLType = "low_var_kl"
-    """KL estimator of the KL loss (k3+: the value of k3 with the gradient of k2, whose expected gradient is KL's)"""
+    kl_loss_type: KLType = "low_var_kl"  # KL estimator of the KL loss (k3+: k3's value, k2's unbiased gradient)
 
     # Policy loss (verl compute_policy_loss, agg_loss)
     clip_ratio: Annotated[Optional[float], alias("--pg-clip", "--epsilon", "--cliprange")] = None
@@ -326,6 +303,7 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 def build_policy(args: Args, ckpt: Optional[dict], device):
     """Tokenizer, policy, stop tokens and (on resume) the reference; with --lora-rank the policy is the base model."""
     from transformers import AutoModelForCausalLM
+
     def causal_lm(path):
         return load_pretrained("a causal LM", path, AutoModelForCausalLM.from_pretrained, args.trust_remote_code,
                                dtype=torch.float32)
@@ -421,10 +399,9 @@ def reference_policy(args: Args, policy, ref, ckpt: Optional[dict], device):
 
 def frozen_in_bf16(model, args: Args):
     """A bf16 run: the parameters not trained stored in bf16, as autocast would cast them at every forward."""
-    if use_bf16(args):
-        for p in model.parameters():
-            if not p.requires_grad:
-                p.data = p.data.to(torch.bfloat16)
+    for p in model.parameters() if use_bf16(args) else ():
+        if not p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
     return model
 
 
@@ -546,8 +523,7 @@ def left_pad(seqs: list[list[int]], pad_id: int, length: Optional[int] = None):
     mask = torch.zeros((len(seqs), length), dtype=torch.long)
     for i, s in enumerate(seqs):
         if s:
-            ids[i, length - len(s):] = torch.tensor(s)
-            mask[i, length - len(s):] = 1
+            ids[i, length - len(s):], mask[i, length - len(s):] = torch.tensor(s), 1
     return ids, mask
 
 
@@ -705,9 +681,7 @@ def math_reward(response: str, answer: Optional[str]) -> float:
     response, answer = response.replace("\u2212", "-"), answer.replace("\u2212", "-")  # (a Unicode minus: "−3")
     ref = answer.rpartition("####")[2] if "####" in answer else boxed_content(answer) or answer
     got = boxed_content(response)
-    if got is None:
-        numbers = NUMBER.findall(response)
-        got = numbers[-1] if numbers else None
+    got = (NUMBER.findall(response) or [None])[-1] if got is None else got
     if got is None:
         return 0.0
     got, ref = unbraced(got), unbraced(ref)
@@ -721,14 +695,13 @@ REWARD_RULES = {"exact": lambda prompt, response, answer, **columns: rule_reward
 
 def weighted_sum(fns: list, weights: list[float]):
     """The weighted sum of fns' scores (TRL's reward_funcs / reward_weights), each given the columns it takes."""
-    def takes(fn):
+    def takes(fn):  # the names of the columns fn takes (None: all)
         try:
             params = inspect.signature(fn).parameters.values()
         except (TypeError, ValueError):
             return None
-        if any(p.kind is p.VAR_KEYWORD for p in params):
-            return None  # (all)
-        return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        named = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        return None if any(p.kind is p.VAR_KEYWORD for p in params) else named
     accepted = [takes(fn) for fn in fns]
 
     def total(prompt, response, answer, **columns):
