@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
@@ -97,12 +98,10 @@ class Args:
     entropy_coeff: Annotated[float, alias("--entropy-bonus")] = 0.0  # entropy bonus coefficient
 
     # Value model and value loss (verl critic, verl compute_value_loss, RLinf critic.use_critic_model / loss_type)
-    critic: Literal["separate", "shared", "none"] = "separate"
-    """value model: own copy of the trunk + value head (verl/RLinf), value head on the policy trunk, or none"""
+    critic: Literal["separate", "shared", "none"] = "separate"  # value model: own trunk, a head on the policy's, none
     use_critic_model: Annotated[Optional[bool], alias("--critic.use-critic-model")] = None
     """RLinf critic.use_critic_model: True = --critic separate, False = --critic shared (None: --critic decides)"""
-    loss_type: Optional[Literal["actor_critic", "actor"]] = None
-    """RLinf loss_type: actor_critic = --critic shared (one loss, one backward), actor = --critic separate"""
+    loss_type: Optional[Literal["actor_critic", "actor"]] = None  # RLinf: actor_critic=--critic shared, actor=separate
     value_clip: Annotated[Optional[float], alias("--cliprange-value")] = 0.5  # clip value to old value +- c (None: off)
     huber_delta: Optional[float] = None  # Huber loss with this delta instead of 0.5 * squared error (RLinf)
     vf_coef: float = 0.5  # value loss coefficient of --critic shared; a separate critic's loss is its own, unscaled
@@ -115,8 +114,7 @@ class Args:
     ppo_mini_batch_size: Count = 8  # prompts per minibatch (each brings its n responses), as in verl
     micro_batch_size: Annotated[Count, alias("--ppo-micro-batch-size-per-gpu")] = 16
     """responses per forward/backward, accumulated; unless given, the largest size <= 16 that divides a minibatch"""
-    lr: Annotated[float, alias("--learning-rate")] = 5e-5
-    """actor learning rate (AdamW; 5e-5 suits the built-in 2M model, 1e-6 is verl's for billions of parameters)"""
+    lr: Annotated[float, alias("--learning-rate")] = 5e-5  # actor AdamW lr: the built-in 2M model's; verl's is 1e-6
     critic_lr: float = 2.5e-4  # critic (or shared value head) AdamW lr: the built-in 2M model's; verl's is 1e-5
     lr_warmup_steps: Annotated[Count, alias("--warmup-steps")] = 5  # linear lr warm-up over N optimizer steps
     weight_decay: float = 0.0  # AdamW weight decay
@@ -132,8 +130,7 @@ class Args:
     """.jsonl, .json or .parquet file of prompts (+ answers), read by Hugging Face datasets (None: digit sorting)"""
     eval_dataset: Annotated[Optional[str], alias("--val-files", "--data.val-files")] = None
     """held-out rows with answers to evaluate on, same formats (verl data.val_files; None: first --dataset rows)"""
-    prompt_key: Annotated[str, alias("--data.prompt-key")] = "prompt"
-    """column of the prompt: a string, or a list of chat messages {"role", "content"} (then the chat template)"""
+    prompt_key: Annotated[str, alias("--data.prompt-key")] = "prompt"  # column of the prompt: text or chat messages
     answer_key: str = "answer"  # column of the answer; a.b reaches into nested columns (reward_model.ground_truth)
     apply_chat_template: bool = False  # each prompt as a user turn of the chat template; off: plain text (+ BOS)
     lora_rank: Annotated[Count, alias("--lora-r")] = 0
@@ -178,8 +175,7 @@ def build_char_tokenizer():
     """A real Hugging Face tokenizer (save_pretrained / AutoTokenizer work): one token per printable ASCII char."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    chars = [chr(c) for c in range(32, 127)]
-    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>"] + chars)}
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>"] + [chr(c) for c in range(32, 127)])}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
@@ -500,7 +496,6 @@ def sample_categorical(probs: torch.Tensor, gen=None) -> torch.Tensor:
 
 
 def is_stop(tokens: torch.Tensor, stops) -> torch.Tensor:
-    """Whether each token is a stop token; stops: one id or a list of ids (stop_token_ids)."""
     return torch.isin(tokens, torch.as_tensor(stops, device=tokens.device))
 
 
@@ -582,7 +577,6 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) in float32: logsumexp(x) - sum softmax(x) * x."""
     x = logits.float()
     return torch.logsumexp(x, -1) - (x.softmax(-1) * x).sum(-1)
 
@@ -609,16 +603,13 @@ def score_responses(policy, ref, critic, value_head, ids, attn, R: int, args: Ar
                 ref_logp.append(r["logp"])
             if full:  # the (B, R, V) distributions are not kept
                 kl_full.append(kl_penalty(o["logp_all"], r["logp_all"], "full"))
-            if args.critic == "shared":
-                values.append(o["values"])
-            elif args.critic == "separate":
-                values.append(critic_values(critic, ids[sl], attn[sl], R))
+            if args.critic != "none":
+                values.append(o["values"] if args.critic == "shared" else critic_values(critic, ids[sl], attn[sl], R))
     return tuple(torch.cat(x).cpu() if x else None for x in (old_logp, ref_logp, values, kl_full))
 
 
 # --- Reward: the score (rule or reward model), normalisation, the KL penalty and its coefficient ---------------------
 def rule_reward(response: str, answer: Optional[str]) -> float:
-    """Verifiable reward: 1 if the response (up to EOS, stripped) equals the answer, else 0."""
     return float(answer is not None and response.strip() == answer.strip())
 
 
@@ -1174,20 +1165,17 @@ def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, 
 
 
 def build_optimizers(args: Args, policy, critic, value_head):
-    """AdamW for the actor and one for the critic (or the shared head); lr rises over --lr-warmup-steps, then stays."""
     def trained(m):  # (with LoRA the adapters, and a LoRA critic's value head)
         return [p for p in m.parameters() if p.requires_grad]
     optimizers = [torch.optim.AdamW(trained(policy), lr=args.lr, weight_decay=args.weight_decay)]
-    for m in (critic, value_head):
-        if m is not None:
-            optimizers.append(torch.optim.AdamW(trained(m), lr=args.critic_lr, weight_decay=args.weight_decay))
+    optimizers += [torch.optim.AdamW(trained(m), lr=args.critic_lr, weight_decay=args.weight_decay)
+                   for m in (critic, value_head) if m is not None]  # (a separate critic or the shared value head)
     warm = max(args.lr_warmup_steps, 1)
     return optimizers, [torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / warm)) for o in optimizers]
 
 
 # --- Warm start (supervised, before PPO) and the training loop -------------------------------------------------------
 def sft_steps(args: Args) -> int:
-    """--sft-steps, or its default: 60 on the built-in task, none on a user's model or data."""
     if args.sft_steps is not None:
         return args.sft_steps
     return 0 if args.model_name_or_path or args.dataset else 60
@@ -1224,20 +1212,16 @@ def warm_start(policy, tok, sample_rows, args: Args, device, autocast=contextlib
 
 # --- torchrun (statistics over the global batch, FSDP2 / DDP), bf16 autocast, torch.compile ---------------------
 def use_bf16(args: Args) -> bool:
-    """--precision: bf16 autocast (fp32 master weights) in warm-start, generation, scoring and training, or fp32."""
     return args.precision == "bf16" or (args.precision == "auto" and args.cuda)
 
 
 def collective_device() -> torch.device:
     """Where tensors must be for a collective: the rank's GPU under nccl, the CPU under gloo."""
-    import torch.distributed as dist
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Sum of x over ranks (a new tensor on x's device; x itself with one process)."""
     if world > 1:
-        import torch.distributed as dist
         y = x.to(collective_device(), copy=True)
         dist.all_reduce(y)
         x = y.to(x.device)
@@ -1245,10 +1229,8 @@ def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Every rank's x concatenated in rank order along dim 0 (x itself with one process)."""
     if world == 1:
         return x
-    import torch.distributed as dist
     y = x.to(collective_device()).contiguous()
     parts = [torch.empty_like(y) for _ in range(world)]
     dist.all_gather(parts, y)
@@ -1259,14 +1241,12 @@ def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, 
     """FSDP2: every transformer block, then the model, a fully_shard unit; DDP: a replica for the update."""
     if model is None:
         return None
-    import torch.distributed as dist
     for p in model.parameters():  # the same start on every rank, whatever each rank's warm-start did
         dist.broadcast(p.data, 0)
     if strategy == "fsdp2":
         from torch.distributed.fsdp import fully_shard
         # HF heads return views; this script never modifies a model output in place, which is what FSDP2 warns about
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-
         blocks = set(getattr(model, "_no_split_modules", None) or [])
         for m in model.modules():
             if type(m).__name__ in blocks:
@@ -1291,10 +1271,10 @@ def prepare_models(args: Args, policy, critic, value_head, ref, device, world: i
         return policy, critic, value_head, None
     train = [distribute(m, args.strategy, device) for m in (policy, critic, value_head)]
     distribute(ref, args.strategy, device, trainable=False)
-    all_done = None
-    if args.strategy == "fsdp2":
-        all_done = lambda done: bool(all_ranks_sum(done.all().float()[None], world) == world)  # noqa: E731
-    return (*train, all_done)
+
+    def all_done(done):  # FSDP2: each forward is a collective, so the ranks stop generating together
+        return bool(all_ranks_sum(done.all().float()[None], world) == world)
+    return (*train, all_done if args.strategy == "fsdp2" else None)
 
 
 def compile_forward(model, backend: str = "inductor"):
@@ -1510,8 +1490,6 @@ def setup_distributed(args: Args) -> tuple[int, int, torch.device]:  # a process
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if world == 1:
         return 0, 1, torch.device("cuda" if args.cuda else "cpu")
-    import torch.distributed as dist
-
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.cuda else torch.device("cpu")
     if args.cuda:
         torch.cuda.set_device(device)
