@@ -403,7 +403,6 @@ def frozen_in_bf16(model, args: Args):
 
 class AdaptersOff(nn.Module):
     """--lora-rank's reference: the policy's forward with its adapters off; no parameters of its own, no second copy."""
-
     def __init__(self, policy):
         super().__init__()
         self.__dict__["policy"] = policy
@@ -787,7 +786,6 @@ def sequence_scores(rule: torch.Tensor, rm, rm_tok, rows: list[dict], texts: lis
 
 class RunningMoments:
     """Running mean / std over all scores seen (--reward-norm running), as ROLL's: std with Bessel's correction."""
-
     def __init__(self):
         self.mean, self.var, self.count = 0.0, 1.0, 1e-24  # (a prior of no weight)
 
@@ -801,9 +799,6 @@ class RunningMoments:
     @property
     def std(self) -> float:
         return math.sqrt(self.var * self.count / (self.count - 1)) if self.count > 1 else math.sqrt(self.var)
-
-    def state_dict(self):
-        return {"mean": self.mean, "var": self.var, "count": self.count}
 
 
 def group_stats(scores, group_ids):
@@ -876,7 +871,6 @@ class FixedKLController:
 
 class AdaptiveKLController:
     """Ziegler et al. 2019 (verl/TRL): coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon."""
-
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
         self.value, self.target, self.horizon = init_kl_coef, target_kl, horizon
 
@@ -1076,6 +1070,9 @@ def explained_variance(values, returns, mask) -> float:
 def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_actor: bool = True,
                        autocast=contextlib.nullcontext, world: int = 1, ref=None):
     """Forward/backward in micro-batches, each normalised by the minibatch's totals: one big batch's gradients."""
+    def critic_loss(v, m):  # verl compute_value_loss, the critic's aggregation over the minibatch's totals (agg)
+        return value_loss(v, m["values"], m["returns"], m["response_mask"], args.value_clip, args.huber_delta,
+                          args.critic_loss_agg_mode or args.loss_agg_mode, **agg)
     R = mb["response_mask"].shape[1]
     n_tokens = all_ranks_sum(mb["response_mask"].sum(), world).clamp(min=1).float() / world
     agg = {"n_tokens": n_tokens, "n_seqs": mb["response_mask"].shape[0], "norm_len": args.response_length}
@@ -1112,17 +1109,14 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
                     loss = loss + args.kl_loss_coef * kl_loss
                     stats["kl_loss"] = kl_loss.detach()
             if args.critic == "shared":  # one loss on one trunk: one backward
-                vl, vstats = value_loss(out["values"], m["values"], m["returns"], mask, args.value_clip,
-                                        args.huber_delta, args.critic_loss_agg_mode or args.loss_agg_mode, **agg)
+                vl, vstats = critic_loss(out["values"], m)
                 loss = loss + args.vf_coef * vl
                 stats.update(value_loss=vl.detach(), **vstats)
         if loss.requires_grad:
             loss.backward()
         if args.critic == "separate":  # its own loss (no vf_coef, as verl's critic), forward and backward
             with autocast():
-                v = critic_values(critic, m["input_ids"], m["attention_mask"], R)
-                vl, vstats = value_loss(v, m["values"], m["returns"], mask, args.value_clip, args.huber_delta,
-                                        args.critic_loss_agg_mode or args.loss_agg_mode, **agg)
+                vl, vstats = critic_loss(critic_values(critic, m["input_ids"], m["attention_mask"], R), m)
             vl.backward()
             stats.update(value_loss=vl.detach(), **vstats)
         for k, val in stats.items():  # losses add up over micro-batches; ratios/fractions are averaged
@@ -1343,9 +1337,8 @@ def main(args: Args) -> dict:
             return stopped_before_training(args, signals, world, run_dir, writer)
         clock = {"start": time.time(), "steps": global_step, "first": start_iteration, "printed": 0.0, "warned": 0}
         for iteration in range(start_iteration, args.num_iterations + 1):
-            # 1. Collect rollout: rollout_batch_size prompts x n responses (response i answers prompt i // n),
-            #    sampled and scored by the policy (old log-probs), the frozen reference and the critic; under
-            #    torchrun every rank draws the same prompts and takes its share of whole groups
+            # 1. Collect rollout: rollout_batch_size prompts x n responses (response i answers prompt i // n), sampled
+            #    and scored by policy (old log-probs), reference and critic; torchrun: each rank, its share of groups
             t0 = time.time()
             rows = [r for r in sample_rows(args.rollout_batch_size) for _ in range(args.n)]
             rows = rows[rank * len(rows) // world:(rank + 1) * len(rows) // world]
@@ -1600,8 +1593,7 @@ def log_scalars(writer, scalars: dict, step: int) -> None:
 
 
 def log_iteration(writer, args: Args, iteration: int, global_step: int, m: dict, samples: list, clock: dict) -> None:
-    """An iteration's scalars and charts/SPS; its sample completions to TensorBoard text and samples.jsonl; every
-    ~5 s (and at the first and the last iteration) the progress line, which ends with the time left."""
+    """Scalars, charts/SPS, sample completions (TensorBoard text, samples.jsonl); every ~5 s the progress line + ETA."""
     now, nan = time.time(), float("nan")
     m["charts/SPS"] = (global_step - clock["steps"]) / max(now - clock["start"], 1e-9)  # this process's steps/s
     log_scalars(writer, m, global_step)
@@ -1677,11 +1669,9 @@ def shard_optimizer_state(opt) -> None:  # after load_state_dict of a full state
 def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimizers, schedulers, args: Args,
                     global_step: int, iteration: int, gen, kl_ctrl, running: RunningMoments, tracker: dict,
                     gen_dev=None, rank: int = 0, world: int = 1) -> str:
-    """Atomic: the models go to a new checkpoint-<iteration>/ directory, then checkpoint.pt, which names it, is
-    replaced in one rename (the commit point); older checkpoint-* directories are removed after. A kill at any moment
-    leaves a checkpoint.pt whose models are complete; a failed write removes what this save wrote (Failure, exit 1).
-    Every rank calls it (FSDP2 shards are gathered), rank 0 writes. With LoRA policy/ (and a LoRA critic/) holds the
-    adapters and ref/ the base model they go on."""
+    """Atomic: models to a new checkpoint-<iteration>/, then checkpoint.pt naming it replaced in one rename (a kill
+    leaves complete models; older checkpoint-* go after; a failed write removes this save's, exit 1). Every rank calls
+    it (FSDP2 shards gathered), rank 0 writes; with LoRA policy/ (and critic/) hold the adapters, ref/ their base."""
     sub, path = f"checkpoint-{iteration}", os.path.join(run_dir, "checkpoint.pt")
     lora, has_ref = bool(args.lora_rank), bool(args.lora_rank) or ref is not None  # (no KL term: no reference)
     write_ref = has_ref and gather_objects(not os.path.isdir(os.path.join(run_dir, "ref")), world)[0]  # written once
@@ -1718,7 +1708,7 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
                 "global_step": global_step, "iteration": iteration,
                 # gen: tasks and shuffles (the same on every rank); gen_dev: token sampling on CUDA / torchrun, per rank
                 "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state(), "gen_dev": dev_states},
-                "args": dataclasses.asdict(args), "kl_coef": kl_ctrl.value, "reward_running": running.state_dict(),
+                "args": dataclasses.asdict(args), "kl_coef": kl_ctrl.value, "reward_running": dict(vars(running)),
                 "tracker": tracker}
             target = path
             with open(path + ".tmp", "wb") as f:  # (into a file object: a refused write raises from its OSError)
@@ -1825,10 +1815,9 @@ def restore_trainer_state(ckpt: dict, args: Args, optimizers, schedulers, gen, g
 @torch.no_grad()
 def evaluate(policy, tok, rows: list[dict], args: Args, rule, stops, gen, device, rank: int = 0, world: int = 1,
              all_done=None, stop=None) -> Optional[dict]:
-    """Accuracy on held-out prompts: greedy, and sampled once as the rollout samples; with --eval-n n, n samples per
-    prompt at --eval-temperature give pass@1 and pass@k for k = 2, 4, ..., n. Correct: the --reward-fn rule scores it
-    1 or more. Under torchrun each rank scores an equal share and the sums are added. stop() is asked before each
-    micro-batch (a signal came: None). "problem": why the rule failed (the user's function), else None."""
+    """Held-out accuracy (the rule scores >= 1), greedy and sampled once; --eval-n: pass@1, pass@k (k = 2, 4, .., n)
+    at --eval-temperature. torchrun: each rank an equal share, sums added. None when stop() (asked each micro-batch)
+    says a signal came; "problem": why the user's rule failed, else None."""
     per_rank = len(rows) // world
     mine = rows[rank * per_rank:(rank + 1) * per_rank]
     # micro-batches of the rollout's size (--rollout-micro-batch-size, else a rank's share of a rollout)
@@ -1892,8 +1881,7 @@ def load_reward_fn(spec: Optional[str], weights: Optional[list[float]] = None): 
 
 
 def load_one_reward_fn(spec: Optional[str]):
-    """exact (the default), math, or NAME(prompt, response, answer, **columns) -> float of FILE.py (verl's
-    custom_reward_function.path / .name, TRL's reward_funcs)."""
+    """exact (the default), math, or NAME(prompt, response, answer, **columns) -> float of FILE.py (verl, TRL)."""
     spec = spec or "exact"
     if spec in REWARD_RULES:
         return REWARD_RULES[spec]
@@ -1916,8 +1904,7 @@ DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # ext
 
 
 def read_rows(path: str, flag: str) -> list[dict]:
-    """Every row of a local data file through Hugging Face datasets, offline, its cache removed (nothing is left in
-    ~/.cache); a UTF-8 byte-order mark is allowed."""
+    """Every row of a local data file via Hugging Face datasets, offline, its cache removed; a UTF-8 BOM is allowed."""
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
         os.environ.setdefault(var, "1")
     import datasets
@@ -2018,8 +2005,7 @@ def load_tokenizer(path: str, trust_remote_code: bool):
 
 
 def check_positions(model, length: int, source: str) -> None:
-    """Learned absolute positions (GPT-2, OPT, ...) end at their table: a longer prompt + response is one line, exit 2.
-    A rotary or ALiBi model runs past max_position_embeddings (untrained positions): a note."""
+    """Learned absolute positions (GPT-2, OPT) end at their table: past it, exit 2; rotary / ALiBi models: a note."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if not isinstance(limit, int) or length <= limit:
         return
@@ -2122,8 +2108,7 @@ def given_fields(argv: list[str]) -> set[str]:  # the Args fields set on it, by 
 
 
 def parse_args(argv: Optional[list[str]] = None) -> Args:
-    """tyro.cli (its own message on a flag it cannot parse, exit 2; with --resume the checkpoint's arguments are the
-    defaults), then the implied options and validate()."""
+    """tyro.cli (exit 2 on a bad flag; --resume: the checkpoint's arguments as defaults), implied options, validate."""
     argv = sys.argv[1:] if argv is None else argv
     resume = next((a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
                    if (a == "--resume" and i + 1 < len(argv)) or a.startswith("--resume=")), None)
