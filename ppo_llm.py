@@ -62,7 +62,7 @@ class Args:
     reward_norm: Literal["none", "batch", "group", "running", "null"] = "none"  # score normalisation (ROLL; null: none)
     reward_shift: bool = False  # reward_norm subtracts the mean (given alone: without dividing by the std)
     reward_scale: bool = False  # reward_norm divides by the std (given alone: without subtracting the mean)
-    reward_clip: Optional[float] = None  # clip scores to [-c, c] after normalisation, and token rewards after the KL
+    reward_clip: Optional[float] = None  # clip normalised scores and KL-penalised token rewards to [-c, c] (ROLL)
     missing_eos_penalty: float = 0.0  # subtracted from the score of a response that hits response_length without EOS
 
     # Advantages (verl algorithm.adv_estimator, ROLL adv_estimator, RLinf adv_type)
@@ -78,7 +78,7 @@ class Args:
     use_kl_in_reward: Annotated[bool, alias("--add-token-level-kl")] = True
     """token reward -= kl_coef * kl(logp, ref_logp); off when --use-kl-loss is given alone (verl: one or the other)"""
     kl_penalty: KLType = "kl"  # KL estimator in the reward (k1 = kl, k2 = mse, k3 = low_var_kl; +: k2's gradient)
-    kl_ctrl_type: Annotated[Literal["fixed", "adaptive"], alias("--kl-ctrl.type")] = "fixed"  # in-reward KL coef
+    kl_ctrl_type: Annotated[Literal["fixed", "adaptive"], alias("--kl-ctrl.type")] = "fixed"  # in-reward KL coefficient
     init_kl_coef: Annotated[float, alias("--kl-ctrl.kl-coef", "--kl-coef")] = 0.001  # (initial) in-reward KL coef
     target_kl: Annotated[Optional[float], alias("--kl-ctrl.target-kl")] = 0.1
     """adaptive controller's target sequence KL; a number given alone selects adaptive, None (ROLL's ~) fixed"""
@@ -158,7 +158,7 @@ class Args:
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # bf16 autocast (fp32 weights) or fp32; auto: bf16 on CUDA
     compile: bool = False  # torch.compile the forward of policy and critic
     strategy: Literal["fsdp2", "ddp"] = "fsdp2"  # under torchrun: FSDP2 shards the models, DDP replicates them
-    gradient_checkpointing: Annotated[bool, alias("--enable-gradient-checkpointing")] = False  # (large models)
+    gradient_checkpointing: Annotated[bool, alias("--enable-gradient-checkpointing")] = False  # recompute activations
     torch_threads: Count = 2  # torch CPU threads (2 suits the default 2M model; 1 models of a few 100k parameters)
     track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works without network)
     wandb_project_name: str = "ppo-reference"  # wandb project name
