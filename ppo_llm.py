@@ -13,45 +13,27 @@ Default run: a character tokenizer and a tiny Llama (2.0M parameters) built here
 until a third to a half of its answers are right, then PPO on the rule "response == sorted digits". A response is the
 episode, a token an action. Outline: Args -> task and tokenizer -> models -> generation and scoring -> reward ->
 advantages -> losses -> update -> main(), whose loop is the PPO note's steps (docs/reading_guide.md; formulas as verl's
-core_algos.py). The PPO part ends with main(); below its banner: run context, torchrun / FSDP2, checkpoints,
-evaluation, reward files, data files (datasets), local models and their checks, command line.
+core_algos.py); below main()'s banner, the plumbing.
 """
 
 from __future__ import annotations
 
-import contextlib
-import atexit
-import copy
-import dataclasses
-import fractions
-import functools
-import inspect
-import itertools
-import json
-import math
-import numbers
-import os
-import random
-import re
-import shutil
-import signal
-import sys
-import tempfile
-import time
-import typing
-import warnings
+import atexit, contextlib, copy, dataclasses, fractions, functools, inspect, itertools, json  # noqa: E401
+import math, numbers, os, random, re, shutil, signal, sys, tempfile, time, typing, warnings  # noqa: E401
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 
 SCRIPT = "ppo_llm.py"
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-KL_TYPES = ("kl", "abs", "mse", "low_var_kl", "full", "k1", "k2", "k3", "k1+", "k2+", "k3+")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+KLType = Literal["kl", "abs", "mse", "low_var_kl", "full", "k1", "k2", "k3", "k1+", "k2+", "k3+"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+ADV_ESTIMATORS, KL_TYPES, LOSS_AGG_MODES = (typing.get_args(t) for t in (AdvEstimator, KLType, LossAggMode))
 
 
 @dataclass
@@ -69,29 +51,22 @@ class Args:
     temperature: float = 1.0  # sampling temperature; log-probs for training are computed with the same temperature
     top_p: float = 1.0  # nucleus sampling threshold (1: off)
     top_k: Count = 0  # sample among the k most likely tokens (0: off)
-    rollout_micro_batch_size: Optional[Count] = None
-    """generate at most this many responses at a time (RLinf; memory only; None: the whole batch at once)"""
+    rollout_micro_batch_size: Optional[Count] = None  # generate this many responses at a time (RLinf; None: all)
     logprob_forward_micro_batch_size: Annotated[Optional[Count], alias("--log-prob-micro-batch-size-per-gpu")] = None
     """responses per no-grad scoring forward (RLinf; None: --micro-batch-size, so the first ratio is exactly 1)"""
 
-    # Reward: the rule (verl custom_reward_function, TRL reward_funcs), normalisation and clipping of the scores
-    # (ROLL), missing-EOS penalty
+    # Reward: the rule (verl custom_reward_function, TRL reward_funcs), normalisation, clipping (ROLL), no-EOS penalty
     reward_fn: Annotated[Optional[str], alias("--reward-funcs")] = None
     """exact, math or FILE.py:NAME(prompt, response, answer, **columns); a,b: weighted sum; None: exact or RM alone"""
-    reward_weights: Optional[list[float]] = None
-    """weights of the --reward-fn functions in their sum (TRL reward_weights; None: 1 each)"""
-    reward_norm: Literal["none", "batch", "group", "running", "null"] = "none"
-    """normalise scores over the batch, the prompt's group, or running statistics (ROLL; null: none)"""
+    reward_weights: Optional[list[float]] = None  # weights of the --reward-fn functions in their sum (None: 1 each)
+    reward_norm: Literal["none", "batch", "group", "running", "null"] = "none"  # score normalisation (ROLL; null: none)
     reward_shift: bool = False  # reward_norm subtracts the mean (given alone: without dividing by the std)
     reward_scale: bool = False  # reward_norm divides by the std (given alone: without subtracting the mean)
-    reward_clip: Optional[float] = None
-    """clip scores to [-c, c] after normalisation, and token rewards after the KL penalty (ROLL)"""
+    reward_clip: Optional[float] = None  # clip normalised scores and KL-penalised token rewards to [-c, c] (ROLL)
     missing_eos_penalty: float = 0.0  # subtracted from the score of a response that hits response_length without EOS
 
     # Advantages (verl algorithm.adv_estimator, ROLL adv_estimator, RLinf adv_type)
-    adv_estimator: Annotated[Literal["gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus",
-                                     "reinforce_plus_plus_baseline"], alias("--adv-type")] = "gae"
-    """advantage estimator"""
+    adv_estimator: Annotated[AdvEstimator, alias("--adv-type")] = "gae"  # advantage estimator
     gamma: float = 1.0  # discount factor over response tokens
     lam: Annotated[float, alias("--lambd", "--gae-lambda")] = 1.0  # GAE lambda
     norm_adv_by_std_in_grpo: bool = True  # grpo: divide by the group's std (off: Dr. GRPO)
@@ -102,20 +77,15 @@ class Args:
     # KL to the reference policy: a penalty in the reward (fixed or adaptive coefficient) and / or a loss
     use_kl_in_reward: Annotated[bool, alias("--add-token-level-kl")] = True
     """token reward -= kl_coef * kl(logp, ref_logp); off when --use-kl-loss is given alone (verl: one or the other)"""
-    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl", "full", "k1", "k2", "k3", "k1+", "k2+", "k3+"] = "kl"
-    """KL estimator in the reward (verl's names: k1 = kl, k2 = mse, k3 = low_var_kl; + forms: k2's gradient)"""
-    kl_ctrl_type: Annotated[Literal["fixed", "adaptive"], alias("--kl-ctrl.type")] = "fixed"
-    """in-reward KL coefficient: fixed, or adaptive towards target_kl"""
-    init_kl_coef: Annotated[float, alias("--kl-ctrl.kl-coef", "--kl-coef")] = 0.001
-    """(initial) in-reward KL coefficient (verl kl_ctrl.kl_coef)"""
+    kl_penalty: KLType = "kl"  # KL estimator in the reward (k1 = kl, k2 = mse, k3 = low_var_kl; +: k2's gradient)
+    kl_ctrl_type: Annotated[Literal["fixed", "adaptive"], alias("--kl-ctrl.type")] = "fixed"  # in-reward KL coefficient
+    init_kl_coef: Annotated[float, alias("--kl-ctrl.kl-coef", "--kl-coef")] = 0.001  # (initial) in-reward KL coef
     target_kl: Annotated[Optional[float], alias("--kl-ctrl.target-kl")] = 0.1
     """adaptive controller's target sequence KL; a number given alone selects adaptive, None (ROLL's ~) fixed"""
     kl_horizon: Annotated[Count, alias("--kl-ctrl.horizon")] = 10000  # adaptive controller: horizon in samples
     use_kl_loss: bool = False  # add kl_loss_coef * kl(logp, ref_logp) to the actor loss (GRPO style)
     kl_loss_coef: float = 0.001  # coefficient of the KL loss
-    kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl", "full", "k1", "k2", "k3", "k1+", "k2+", "k3+"] = \
-        "low_var_kl"
-    """KL estimator of the KL loss (k3+: the value of k3 with the gradient of k2, whose expected gradient is KL's)"""
+    kl_loss_type: KLType = "low_var_kl"  # KL estimator of the KL loss (k3+: k3's value, k2's unbiased gradient)
 
     # Policy loss (verl compute_policy_loss, agg_loss)
     clip_ratio: Annotated[Optional[float], alias("--pg-clip", "--epsilon", "--cliprange")] = None
@@ -124,26 +94,18 @@ class Args:
     clip_ratio_high: Annotated[float, alias("--epsilon-high")] = 0.2  # ratio upper clip: 1 + clip_ratio_high
     dual_clip_loss: bool = True  # dual-clip PPO: for A < 0 the loss is at most -A * clip_ratio_c
     clip_ratio_c: float = 3.0  # dual-clip bound (> 1)
-    loss_agg_mode: Annotated[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                     "seq-mean-token-sum-norm"], alias("--loss-agg-func")] = "token-mean"
-    """how token losses become one number (verl agg_loss)"""
+    loss_agg_mode: Annotated[LossAggMode, alias("--loss-agg-func")] = "token-mean"  # how token losses become one number
     entropy_coeff: Annotated[float, alias("--entropy-bonus")] = 0.0  # entropy bonus coefficient
 
     # Value model and value loss (verl critic, verl compute_value_loss, RLinf critic.use_critic_model / loss_type)
-    critic: Literal["separate", "shared", "none"] = "separate"
-    """value model: own copy of the trunk + value head (verl/RLinf), value head on the policy trunk, or none"""
+    critic: Literal["separate", "shared", "none"] = "separate"  # value model: own trunk, a head on the policy's, none
     use_critic_model: Annotated[Optional[bool], alias("--critic.use-critic-model")] = None
     """RLinf critic.use_critic_model: True = --critic separate, False = --critic shared (None: --critic decides)"""
-    loss_type: Optional[Literal["actor_critic", "actor"]] = None
-    """RLinf loss_type: actor_critic = --critic shared (one loss, one backward), actor = --critic separate"""
-    value_clip: Annotated[Optional[float], alias("--cliprange-value")] = 0.5
-    """clip the new value to old value +- value_clip (verl cliprange_value; None: off)"""
+    loss_type: Optional[Literal["actor_critic", "actor"]] = None  # RLinf: actor_critic=--critic shared, actor=separate
+    value_clip: Annotated[Optional[float], alias("--cliprange-value")] = 0.5  # clip value to old value +- c (None: off)
     huber_delta: Optional[float] = None  # Huber loss with this delta instead of 0.5 * squared error (RLinf)
-    vf_coef: float = 0.5
-    """value loss coefficient of --critic shared (one loss on one trunk); a separate critic's loss is its own"""
-    critic_loss_agg_mode: Annotated[Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                                     "seq-mean-token-sum-norm"]],
-                                    alias("--critic.loss-agg-mode")] = None
+    vf_coef: float = 0.5  # value loss coefficient of --critic shared; a separate critic's loss is its own, unscaled
+    critic_loss_agg_mode: Annotated[Optional[LossAggMode], alias("--critic.loss-agg-mode")] = None
     """how the value loss's token losses become one number (verl critic.loss_agg_mode; None: --loss-agg-mode)"""
     critic_warmup: Count = 0  # first N iterations update only the critic
 
@@ -152,52 +114,39 @@ class Args:
     ppo_mini_batch_size: Count = 8  # prompts per minibatch (each brings its n responses), as in verl
     micro_batch_size: Annotated[Count, alias("--ppo-micro-batch-size-per-gpu")] = 16
     """responses per forward/backward, accumulated; unless given, the largest size <= 16 that divides a minibatch"""
-    lr: Annotated[float, alias("--learning-rate")] = 5e-5
-    """actor learning rate (AdamW; 5e-5 suits the built-in 2M model, 1e-6 is verl's for billions of parameters)"""
-    critic_lr: float = 2.5e-4
-    """critic learning rate (AdamW; value head of the shared critic too; the built-in 2M model's, verl's is 1e-5)"""
-    lr_warmup_steps: Annotated[Count, alias("--warmup-steps")] = 5
-    """linear learning-rate warm-up over this many optimizer steps"""
+    lr: Annotated[float, alias("--learning-rate")] = 5e-5  # actor AdamW lr: the built-in 2M model's; verl's is 1e-6
+    critic_lr: float = 2.5e-4  # critic (or shared value head) AdamW lr: the built-in 2M model's; verl's is 1e-5
+    lr_warmup_steps: Annotated[Count, alias("--warmup-steps")] = 5  # linear lr warm-up over N optimizer steps
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: Annotated[float, alias("--grad-clip")] = 1.0  # gradient norm clip of actor and critic
 
     # Task and models: policy, reward model, data, supervised warm start
-    model_name_or_path: Optional[str] = None
-    """local Hugging Face causal LM + tokenizer directory (None: a tiny Llama built here)"""
-    tiny_hidden_size: Count = 256
-    """hidden size of the tiny Llama built without --model-name-or-path (4 attention heads, MLP 2x wider)"""
+    model_name_or_path: Optional[str] = None  # local Hugging Face causal LM + tokenizer dir (None: a tiny Llama)
+    tiny_hidden_size: Count = 256  # hidden size of the built-in tiny Llama (4 attention heads, MLP 2x wider)
     tiny_num_layers: Count = 3  # decoder layers of the tiny Llama built without --model-name-or-path
     trust_remote_code: bool = False  # allow custom model code from --model-name-or-path / --reward-model-path
-    reward_model_path: Optional[str] = None
-    """local sequence-classification reward model, num_labels=1; with --reward-fn the score is their sum (as TRL)"""
+    reward_model_path: Optional[str] = None  # local sequence-classifier, 1 label; with --reward-fn: their sum (TRL)
     dataset: Annotated[Optional[str], alias("--train-files", "--data.train-files")] = None
     """.jsonl, .json or .parquet file of prompts (+ answers), read by Hugging Face datasets (None: digit sorting)"""
     eval_dataset: Annotated[Optional[str], alias("--val-files", "--data.val-files")] = None
     """held-out rows with answers to evaluate on, same formats (verl data.val_files; None: first --dataset rows)"""
-    prompt_key: Annotated[str, alias("--data.prompt-key")] = "prompt"
-    """column of the prompt: a string, or a list of chat messages {"role", "content"} (then the chat template)"""
-    answer_key: str = "answer"
-    """column of the answer; a dotted path reaches into nested columns (verl's parquet: reward_model.ground_truth)"""
-    apply_chat_template: bool = False
-    """each prompt as a user turn in the tokenizer's chat template (instruct models); off: plain text (+ BOS)"""
+    prompt_key: Annotated[str, alias("--data.prompt-key")] = "prompt"  # column of the prompt: text or chat messages
+    answer_key: str = "answer"  # column of the answer; a.b reaches into nested columns (reward_model.ground_truth)
+    apply_chat_template: bool = False  # each prompt as a user turn of the chat template; off: plain text (+ BOS)
     lora_rank: Annotated[Count, alias("--lora-r")] = 0
     """LoRA adapters of this rank on the policy (peft; 0: none). A warm start (--sft-steps) trains every parameter"""
     lora_alpha: float = 16.0  # LoRA scaling alpha (the update is alpha / rank * B A)
     lora_target_modules: Annotated[str, alias("--target-modules")] = "all-linear"
     """modules that get adapters: all-linear (every linear layer but the output) or names, comma-separated"""
-    critic_lora: bool = False
-    """--critic separate: LoRA adapters (and its value head in full) on the critic too (off: a full model)"""
-    sft_steps: Optional[Count] = None
-    """supervised warm-start steps on the answers (None: 60 on the built-in task, 0 on a user's model or dataset)"""
+    critic_lora: bool = False  # --critic separate: LoRA (and the value head in full) on the critic too (off: full)
+    sft_steps: Optional[Count] = None  # warm-start steps (None: 60 on the built-in task, 0 on a user's model/data)
     sft_lr: float = 2.5e-4  # warm-start learning rate (the default 2M model learns worse, not faster, from 1e-3 and up)
     sft_batch_size: Count = 64  # warm-start batch size
 
     # Evaluation
     eval_prompts: Count = 256  # held-out prompts scored greedily and sampled (0: off)
-    eval_every: Count = 15
-    """evaluate every N iterations and after the last one (and before the first, unless the run is resumed)"""
-    eval_n: Count = 0
-    """also sample n responses per held-out prompt at --eval-temperature: eval/pass@1 and eval/pass@k (0: off)"""
+    eval_every: Count = 15  # evaluate every N iterations, after the last, before the first unless the run is resumed
+    eval_n: Count = 0  # also sample n per held-out prompt at --eval-temperature: eval/pass@1, pass@k (0: off)
     eval_temperature: float = 1.0  # sampling temperature of the --eval-n samples (top-p / top-k as the rollout's)
 
     # Run: seed, device and precision, speed paths, logging, checkpoints
@@ -206,25 +155,18 @@ class Args:
     torch_deterministic: bool = True  # deterministic torch algorithms (torch.use_deterministic_algorithms, warn-only)
     cuda: bool = dataclasses.field(default_factory=lambda: gpu_for_each_process())
     """run on CUDA (bf16 autocast unless --precision fp32): the default where torch sees a GPU for each local process"""
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """bf16 autocast with fp32 master weights, or fp32 throughout; auto: bf16 with --cuda, fp32 on the CPU"""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"  # bf16 autocast (fp32 weights) or fp32; auto: bf16 on CUDA
     compile: bool = False  # torch.compile the forward of policy and critic
-    strategy: Literal["fsdp2", "ddp"] = "fsdp2"
-    """under torchrun: shard policy, reference and critic with FSDP2 (fully_shard), or replicate them with DDP"""
-    gradient_checkpointing: Annotated[bool, alias("--enable-gradient-checkpointing")] = False
-    """recompute activations in the backward pass (large models)"""
-    torch_threads: Count = 2
-    """torch CPU threads (2 suits the default 2M model; 1 is faster for models of a few 100k parameters)"""
+    strategy: Literal["fsdp2", "ddp"] = "fsdp2"  # under torchrun: FSDP2 shards the models, DDP replicates them
+    gradient_checkpointing: Annotated[bool, alias("--enable-gradient-checkpointing")] = False  # recompute activations
+    torch_threads: Count = 2  # torch CPU threads (2 suits the default 2M model; 1 models of a few 100k parameters)
     track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works without network)
     wandb_project_name: str = "ppo-reference"  # wandb project name
     wandb_entity: Optional[str] = None  # wandb entity (team)
-    save_model: bool = True
-    """write checkpoint.pt and the save_pretrained dirs checkpoint-<iteration>/{policy,critic}/, ref/ at the end"""
+    save_model: bool = True  # at the end write checkpoint.pt and save_pretrained dirs checkpoint-<iteration>/
     checkpoint_every: Count = 0  # also write the checkpoint every N iterations (0: only at the end with --save-model)
-    resume: Optional[str] = None
-    """continue from this checkpoint.pt; flags not given on the command line take the checkpoint's values"""
-    stop_after: Count = 0
-    """stop this process after N iterations with a checkpoint (0: run to the end); --resume continues"""
+    resume: Optional[str] = None  # continue from this checkpoint.pt; flags not given take the checkpoint's values
+    stop_after: Count = 0  # stop after N iterations with a checkpoint (0: run to the end); --resume continues
     runs_dir: str = "runs"  # directory that holds the runs
 
 
@@ -233,9 +175,7 @@ def build_char_tokenizer():
     """A real Hugging Face tokenizer (save_pretrained / AutoTokenizer work): one token per printable ASCII char."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(32, 127)]
-    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>"] + chars)}
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>"] + [chr(c) for c in range(32, 127)])}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
@@ -245,8 +185,7 @@ def build_char_tokenizer():
 
 def make_problems(count: int, gen: torch.Generator, exclude=frozenset(), distinct: bool = False,
                   fits=None) -> list[dict]:
-    """Sort five digits: prompt "31415=", answer "11345". A prompt in `exclude`, one drawn before when `distinct`, or
-    one that does not `fits(prompt)` is drawn again."""
+    """Sort five digits: "31415=" -> "11345"; one in `exclude`, drawn before (`distinct`) or not `fits`: redrawn."""
     def prompt(digits):
         return "".join(map(str, digits)) + "="
     taken, rows = set(exclude), []
@@ -260,8 +199,7 @@ def make_problems(count: int, gen: torch.Generator, exclude=frozenset(), distinc
 
 
 def prompt_token_ids(tok, prompt, chat: bool = False) -> list[int]:
-    """A prompt's ids with the tokenizer's special tokens (BOS where its model wants one; a trailing EOS dropped). Chat
-    messages (verl's data), or any prompt with --apply-chat-template, go through the chat template."""
+    """A prompt's ids with the tokenizer's special tokens (no trailing EOS); chat messages via the chat template."""
     if chat or not isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -271,14 +209,12 @@ def prompt_token_ids(tok, prompt, chat: bool = False) -> list[int]:
 
 
 def encode_batch(tok, rows: list[dict], prompt_length: int, chat: bool = False):
-    """Prompts left-padded to the longest of these rows (longer than prompt_length: its last tokens; load_dataset drops
-    them first, as verl's filter_overlong_prompts)."""
+    """Prompts left-padded to the longest of these rows (a prompt over prompt_length: its last tokens)."""
     return left_pad([prompt_token_ids(tok, r["prompt"], chat)[-prompt_length:] for r in rows], tok.pad_token_id)
 
 
 def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
-    """(sample_rows(k), held-out rows with answers (a whole share per rank), whether every training row has an answer):
-    --dataset / --eval-dataset, or the synthetic task."""
+    """(sample_rows(k), held-out rows with answers, whether all rows have answers): --dataset or the synthetic task."""
     def n_tokens(prompt):
         return len(prompt_token_ids(tok, prompt, args.apply_chat_template))
     keys = {"prompt_key": args.prompt_key, "answer_key": args.answer_key}
@@ -298,9 +234,8 @@ def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
     else:
         eval_rows = make_problems(args.eval_prompts, torch.Generator().manual_seed(10_000 + args.seed), distinct=True)
         held_out = frozenset(r["prompt"] for r in eval_rows)
-        # A tokenizer that merges digits gives some prompts more tokens than others. Checked here: every held-out
-        # prompt and 256 others, and all 2,002 answers (sorted digit strings) with room for EOS; a training prompt
-        # that would still be cut is drawn again (never with the built-in tokenizer)
+        # A tokenizer that merges digits gives some prompts more tokens: checked are every held-out prompt, 256 others
+        # and all 2,002 answers (+ EOS); a training prompt still cut is redrawn (never with the built-in tokenizer)
         probe = make_problems(256, torch.Generator().manual_seed(20_000 + args.seed), distinct=True)
         prompt = max((r["prompt"] for r in probe + eval_rows), key=n_tokens)
         answers = ["".join(c) for c in itertools.combinations_with_replacement("0123456789", 5)]
@@ -332,19 +267,15 @@ def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
 # --- Models: policy, frozen reference (a copy, or the policy with its LoRA adapters off), critic ---------------------
 def build_tiny_model(tok, seed: int, hidden_size: int, num_layers: int, max_positions: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                      num_hidden_layers=num_layers,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=max_positions,
-                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                      tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=max_positions, tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id))
 
 
 def stop_token_ids(tok, model) -> list[int]:
-    """The ids that end a response, as Hugging Face's generate stops: the tokenizer's EOS first, then those of the
-    model's generation config (a chat model's end of turn: Qwen2.5's <|im_end|>, Llama 3 Instruct's <|eot_id|>)."""
+    """The ids that end a response, as HF generate: the tokenizer's EOS, then the generation config's (<|im_end|>)."""
     ids = [tok.eos_token_id]
     extra = getattr(getattr(getattr(model, "module", model), "generation_config", None), "eos_token_id", None)
     for i in [extra] if isinstance(extra, int) else list(extra or []):
@@ -366,8 +297,7 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 
 
 def build_policy(args: Args, ckpt: Optional[dict], device):
-    """Tokenizer, policy, stop tokens and (on resume) the frozen reference: the checkpoint's, --model-name-or-path's
-    or the tiny Llama's. With --lora-rank the policy is the base model; its adapters come in reference_policy."""
+    """Tokenizer, policy, stop tokens and (on resume) the reference; with --lora-rank the policy is the base model."""
     from transformers import AutoModelForCausalLM
 
     def causal_lm(path):
@@ -405,7 +335,6 @@ def build_policy(args: Args, ckpt: Optional[dict], device):
 def value_model(config):
     """A token-classification model of the policy's class with one label, the value: a separate critic's, untrained."""
     from transformers import AutoModelForTokenClassification
-
     cfg = copy.deepcopy(config)
     cfg.num_labels = 1
     try:
@@ -429,7 +358,6 @@ def make_critic(policy):
 def build_critic(args: Args, policy, ckpt: Optional[dict], device):
     """(critic, value_head): a separate critic (its own trunk) or a value head on the policy's trunk."""
     from transformers import AutoModelForTokenClassification
-
     critic, value_head, saved = None, None, saved_model_dir(args, ckpt, "critic")
     if args.critic == "separate":
         if args.critic_lora:  # the policy's trunk as PPO starts (on resume: ref/) + new or saved LoRA adapters
@@ -452,8 +380,7 @@ def kl_reads_reference(args: Args) -> bool:  # whether a KL term reads the refer
 
 
 def reference_policy(args: Args, policy, ref, ckpt: Optional[dict], device):
-    """(policy, frozen reference, None where no KL term reads it): a copy of the policy as PPO starts (on resume ref/);
-    with --lora-rank the policy gets its adapters and the reference is it with them off (AdaptersOff)."""
+    """(policy, frozen reference or None): a copy of the policy as PPO starts, or with LoRA it with adapters off."""
     if not args.lora_rank:
         if not kl_reads_reference(args):
             return policy, None
@@ -468,16 +395,14 @@ def reference_policy(args: Args, policy, ref, ckpt: Optional[dict], device):
 
 def frozen_in_bf16(model, args: Args):
     """A bf16 run: the parameters not trained stored in bf16, as autocast would cast them at every forward."""
-    if use_bf16(args):
-        for p in model.parameters():
-            if not p.requires_grad:
-                p.data = p.data.to(torch.bfloat16)
+    for p in model.parameters() if use_bf16(args) else ():
+        if not p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
     return model
 
 
 class AdaptersOff(nn.Module):
     """--lora-rank's reference: the policy's forward with its adapters off; no parameters of its own, no second copy."""
-
     def __init__(self, policy):
         super().__init__()
         self.__dict__["policy"] = policy
@@ -488,10 +413,8 @@ class AdaptersOff(nn.Module):
 
 
 def with_lora(model, args: Args, task_type: str, saved: Optional[str] = None):
-    """peft LoRA adapters on model (dropout 0): new (B = 0: the model computes what it did) or saved in `saved`. A
-    critic (TOKEN_CLS) trains its value head in full (modules_to_save), outside the adapters' targets."""
+    """LoRA adapters (dropout 0), new (B = 0: the same function) or `saved`; a critic's value head trains in full."""
     from peft import LoraConfig, PeftModel, get_peft_model
-
     head = ["classifier", "score"] if task_type == "TOKEN_CLS" else None
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                         target_modules=lora_targets(args), exclude_modules=head, task_type=task_type)
@@ -517,18 +440,14 @@ def lora_targets(args: Args):
 def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id, pad_id: int, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False, all_done=None, bf16: bool = False,
              check_every: Optional[int] = None):
-    """Batched sampling with KV cache (eos_id: one stop id or a list) until every row has stopped: (B, L) tokens, pad
-    after the stop, L <= max_new_tokens. Only the last position's logits are computed. Whether all rows are done is
-    asked every check_every tokens (a host sync on a GPU: 8 there, 1 on the CPU); all_done(done): whether every rank is
-    (FSDP2: each forward is a collective, so all ranks take the same steps). bf16: under bf16 autocast."""
+    """KV-cache sampling until every row stops (all_done: every rank, FSDP2): (B, L) tokens, pad after the stop."""
     B, device = prompt_ids.shape[0], prompt_ids.device
-    check_every = check_every or (1 if device.type == "cpu" else 8)
+    check_every = check_every or (1 if device.type == "cpu" else 8)  # (asking "all done?" is a host sync on a GPU)
     stop_ids = torch.as_tensor(eos_id, device=device)  # (on the device once, not once a token)
     was_training = model.training
     model.eval()  # KV cache on (HF turns it off in training mode under gradient checkpointing)
     mask = F.pad(prompt_mask, (0, max_new_tokens), value=1)  # (the response columns, as the steps reach them)
-    P = prompt_ids.shape[1]
-    pos = position_ids_from(prompt_mask)
+    P, pos = prompt_ids.shape[1], position_ids_from(prompt_mask)
     tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     # bf16 autocast as in scoring and training (the log-probs used in the loss are recomputed there)
@@ -547,13 +466,9 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id, pad_id
                         past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
             next_pos = next_pos + 1
     model.train(was_training)
-    return trim_responses(tokens[:, :t + 1], eos_id)
-
-
-def trim_responses(responses: torch.Tensor, stops) -> torch.Tensor:
-    """Responses cut after the column where the longest one ends (its stop token, or the last column)."""
-    length = response_mask_from(responses, stops).sum(-1).max() if responses.numel() else 0
-    return responses[:, :max(int(length), 1)]
+    tokens = tokens[:, :t + 1]  # then cut after the column where the longest response ends
+    length = response_mask_from(tokens, eos_id).sum(-1).max() if tokens.numel() else 0
+    return tokens[:, :max(int(length), 1)]
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen, greedy: bool = False):
@@ -565,15 +480,14 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: 
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix whose mass reaches top_p
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
     return sample_categorical(logits.softmax(-1), gen)
 
 
 def sample_categorical(probs: torch.Tensor, gen=None) -> torch.Tensor:
-    """One index per row drawn with probability probs (B, V) by inverting the cumulative sum at one uniform number per
-    row: torch.multinomial's distribution without its cost over 10^5 tokens. A token of probability 0 is never drawn."""
+    """One index per row drawn from probs (B, V) by inverse CDF: multinomial's law, cheaper over 10^5 tokens."""
     cdf = probs.double().cumsum(-1)
     u = torch.rand(cdf.shape[:-1] + (1,), generator=gen, device=probs.device, dtype=torch.float64) * cdf[..., -1:]
     last = torch.searchsorted(cdf, cdf[..., -1:].contiguous())  # (the last token of probability > 0)
@@ -581,7 +495,6 @@ def sample_categorical(probs: torch.Tensor, gen=None) -> torch.Tensor:
 
 
 def is_stop(tokens: torch.Tensor, stops) -> torch.Tensor:
-    """Whether each token is a stop token; stops: one id or a list of ids (stop_token_ids)."""
     return torch.isin(tokens, torch.as_tensor(stops, device=tokens.device))
 
 
@@ -604,8 +517,7 @@ def left_pad(seqs: list[list[int]], pad_id: int, length: Optional[int] = None):
     mask = torch.zeros((len(seqs), length), dtype=torch.long)
     for i, s in enumerate(seqs):
         if s:
-            ids[i, length - len(s):] = torch.tensor(s)
-            mask[i, length - len(s):] = 1
+            ids[i, length - len(s):], mask[i, length - len(s):] = torch.tensor(s), 1
     return ids, mask
 
 
@@ -615,8 +527,7 @@ def position_ids_from(mask: torch.Tensor) -> torch.Tensor:
 
 
 def sample_responses(policy, tok, rows: list[dict], args: Args, stops, gen, device, all_done=None, world: int = 1):
-    """The rollout's responses, in chunks of --rollout-micro-batch-size (as many on every rank): responses (B, R) on
-    the CPU, [prompt | response] ids and mask on the device, padded to the longest prompt and response."""
+    """The rollout, in chunks of --rollout-micro-batch-size: responses (B, R), [prompt | response] ids and mask."""
     policy.eval()
     p_ids, p_mask = encode_batch(tok, rows, args.prompt_length, args.apply_chat_template)
     size = args.rollout_micro_batch_size or p_ids.shape[0]
@@ -632,12 +543,10 @@ def sample_responses(policy, tok, rows: list[dict], args: Args, stops, gen, devi
 
 def model_forward(model, input_ids, attention_mask, resp_len: int, temperature: float, shared_value_head=None,
                   full: bool = False, entropy: bool = False, entropy_grad: bool = False):
-    """One forward over [prompt | response]: per response token the log-prob (logits / temperature), optionally the
-    entropy (with gradients if entropy_grad), the log-distribution (--kl-penalty full) and the shared-trunk value.
-    Logits only at response positions (logit t predicts token t+1); no float32 (B, R, V) the backward does not need."""
+    """Per response token: log-prob, optionally entropy, log-distribution (full KL) and shared-trunk value."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
                 use_cache=False, output_hidden_states=shared_value_head is not None, logits_to_keep=resp_len + 1)
-    logits = out.logits[:, :-1]
+    logits = out.logits[:, :-1]  # (response positions only: logit t predicts token t + 1)
     logits = logits / temperature if temperature != 1.0 else logits
     res = {"logp": token_logprobs(logits, input_ids[:, -resp_len:])}
     if entropy:
@@ -652,8 +561,7 @@ def model_forward(model, input_ids, attention_mask, resp_len: int, temperature: 
 
 
 def in_row_chunks(fn, logits: torch.Tensor, *more, elements: int = 1 << 25):
-    """fn(logits[rows], *more[rows]) over chunks of at most `elements` logits, concatenated: without gradients the
-    float32 temporaries take (chunk, R, V), not (B, R, V). With gradients, one call."""
+    """fn over row chunks of at most `elements` logits without gradients: float32 temporaries (chunk, R, V)."""
     if torch.is_grad_enabled() and logits.requires_grad:
         return fn(logits, *more)
     rows = max(1, elements // max(1, logits[0].numel()))
@@ -668,7 +576,6 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) in float32: logsumexp(x) - sum softmax(x) * x."""
     x = logits.float()
     return torch.logsumexp(x, -1) - (x.softmax(-1) * x).sum(-1)
 
@@ -681,11 +588,9 @@ def critic_values(critic, input_ids, attention_mask, resp_len: int):
 
 @torch.no_grad()
 def score_responses(policy, ref, critic, value_head, ids, attn, R: int, args: Args, autocast=contextlib.nullcontext):
-    """Per response token, on the CPU: old log-probs, reference log-probs (None without a reference), values (None
-    without a critic), the exact KL with --kl-penalty full. Forwards of --logprob-forward-micro-batch-size responses
-    (default --micro-batch-size, the update's: the first ratio is exactly 1)."""
-    R, full, size = R, args.kl_penalty == "full" and ref is not None, (args.logprob_forward_micro_batch_size
-                                                                      or args.micro_batch_size)
+    """Per response token, on the CPU: old and reference log-probs, values, full KL (None where not computed)."""
+    full = args.kl_penalty == "full" and ref is not None
+    size = args.logprob_forward_micro_batch_size or args.micro_batch_size
     old_logp, ref_logp, values, kl_full = [], [], [], []
     with autocast():
         for s in range(0, ids.shape[0], size):
@@ -697,16 +602,13 @@ def score_responses(policy, ref, critic, value_head, ids, attn, R: int, args: Ar
                 ref_logp.append(r["logp"])
             if full:  # the (B, R, V) distributions are not kept
                 kl_full.append(kl_penalty(o["logp_all"], r["logp_all"], "full"))
-            if args.critic == "shared":
-                values.append(o["values"])
-            elif args.critic == "separate":
-                values.append(critic_values(critic, ids[sl], attn[sl], R))
+            if args.critic != "none":
+                values.append(o["values"] if args.critic == "shared" else critic_values(critic, ids[sl], attn[sl], R))
     return tuple(torch.cat(x).cpu() if x else None for x in (old_logp, ref_logp, values, kl_full))
 
 
 # --- Reward: the score (rule or reward model), normalisation, the KL penalty and its coefficient ---------------------
 def rule_reward(response: str, answer: Optional[str]) -> float:
-    """Verifiable reward: 1 if the response (up to EOS, stripped) equals the answer, else 0."""
     return float(answer is not None and response.strip() == answer.strip())
 
 
@@ -735,17 +637,15 @@ def unbraced(text: str) -> str:
     return s
 
 
-# A number in a response: a minus sign only where no digit or letter precedes it (3-2 and 2023-11-25 hold no negative
-# number), commas only in groups of thousands, a decimal part, a fraction, and an exponent kept with its number (1e5
-# is one token, never a 5): 1,234.5  -3  .5  7/8  1e5
+# A number in a response: a minus only after no digit or letter (3-2, 2023-11-25: no negative number), commas only in
+# thousands, a decimal part, a fraction, an exponent kept with its number (1e5, never a 5): 1,234.5  -3  .5  7/8  1e5
 NUMBER = re.compile(r"(?:(?<!\w)-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?(?:[eE][-+]?\d+)?"
                     r"|(?:(?<!\w)-)?\.\d+")
 THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:,|\{,\}|\\,)\d{3})+(?!\d)")  # 1,234  1{,}234  1\,234 (LaTeX)
 
 
 def math_number(text: str) -> Optional[fractions.Fraction]:
-    """A final answer as an exact number: "1,234" "$5" "-3.50" "42." "7/8" "\frac{1}{2}" "50%" "{5}" "−3"; None for
-    anything else ("x+1", "\sqrt{2}", "1e5", "1,2")."""
+    """A final answer as an exact number ("1,234" "$5" "7/8" "\frac{1}{2}" "50%"); None for anything else."""
     s = THOUSANDS.sub(lambda m: re.sub(r"\D", "", m[0]), unbraced(text.replace("\u2212", "-")))
     for junk in ("\\$", "$", "\\%", "%"):  # currency, percent
         s = s.replace(junk, "")
@@ -765,17 +665,13 @@ def math_number(text: str) -> Optional[fractions.Fraction]:
 
 
 def math_reward(response: str, answer: Optional[str]) -> float:
-    """GSM8K / MATH rule: 1 if the final answers are equal, else 0. The reference's: after the last "####", else its
-    last \boxed{}, else all of it; the response's: its last \boxed{}, else its last number. Equal as exact numbers
-    ("1,234" = "1234.0", "\frac{1}{2}" = "0.5") where both are numbers, else as stripped strings."""
+    """GSM8K / MATH: 1 if the final answers ("####", \boxed{}, last number) are equal as numbers or strings."""
     if answer is None:
         return 0.0
     response, answer = response.replace("\u2212", "-"), answer.replace("\u2212", "-")  # (a Unicode minus: "−3")
     ref = answer.rpartition("####")[2] if "####" in answer else boxed_content(answer) or answer
     got = boxed_content(response)
-    if got is None:
-        numbers = NUMBER.findall(response)
-        got = numbers[-1] if numbers else None
+    got = (NUMBER.findall(response) or [None])[-1] if got is None else got
     if got is None:
         return 0.0
     got, ref = unbraced(got), unbraced(ref)
@@ -789,14 +685,13 @@ REWARD_RULES = {"exact": lambda prompt, response, answer, **columns: rule_reward
 
 def weighted_sum(fns: list, weights: list[float]):
     """The weighted sum of fns' scores (TRL's reward_funcs / reward_weights), each given the columns it takes."""
-    def takes(fn):
+    def takes(fn):  # the names of the columns fn takes (None: all)
         try:
             params = inspect.signature(fn).parameters.values()
         except (TypeError, ValueError):
             return None
-        if any(p.kind is p.VAR_KEYWORD for p in params):
-            return None  # (all)
-        return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        named = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        return None if any(p.kind is p.VAR_KEYWORD for p in params) else named
     accepted = [takes(fn) for fn in fns]
 
     def total(prompt, response, answer, **columns):
@@ -812,8 +707,7 @@ def weighted_sum(fns: list, weights: list[float]):
 
 
 def rule_scores(fn, rows: list[dict], texts: list[str], name: str) -> tuple[torch.Tensor, Optional[str]]:
-    """fn(prompt, response, answer) of each response. A function that raises (SystemExit too) or returns no finite
-    number gives (zeros, why, naming the prompt): the run stops."""
+    """fn(prompt, response, answer) of each response; a raise or a non-finite score: (zeros, why), the run stops."""
     scores = []
     for row, text in zip(rows, texts):
         try:
@@ -841,14 +735,11 @@ def finite_number(value) -> Optional[float]:
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased pass@k (Chen et al. 2021) of n samples, c correct: 1 - C(n-c, k) / C(n, k), as a product."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+    return 1.0 if n - c < k else 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 def reward_model_inputs(rm_tok, prompts: list, responses: list[str], chat: bool = False) -> dict:
-    """Prompt + response for the reward model, right-padded: a user / assistant exchange in its chat template (with
-    --apply-chat-template or chat prompts, if it has one), else plain text with its own special tokens."""
+    """Prompt + response for the reward model, right-padded: its chat template where it applies, else plain text."""
     def messages(p):
         return [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
     templated = bool((chat or any(not isinstance(p, str) for p in prompts)) and rm_tok.chat_template)
@@ -863,9 +754,7 @@ def reward_model_inputs(rm_tok, prompts: list, responses: list[str], chat: bool 
 @torch.no_grad()
 def reward_model_scores(rm, rm_tok, prompts: list[str], responses: list[str], chat: bool = False, device="cpu",
                         autocast=contextlib.nullcontext) -> torch.Tensor:
-    """Each prompt + response's score, read at its last real token as the mask says (Hugging Face's classifiers look for
-    config.pad_token_id: where that is not the pad written, a row's score depends on its batch). A decoder's head is
-    called on every position; encoder classifiers, which pool their first token, are called as they are."""
+    """Each prompt + response's score, read at its last real token as the mask says (not config.pad_token_id)."""
     enc = reward_model_inputs(rm_tok, prompts, responses, chat)
     ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     head, per_position = getattr(rm, "score", None), []
@@ -897,7 +786,6 @@ def sequence_scores(rule: torch.Tensor, rm, rm_tok, rows: list[dict], texts: lis
 
 class RunningMoments:
     """Running mean / std over all scores seen (--reward-norm running), as ROLL's: std with Bessel's correction."""
-
     def __init__(self):
         self.mean, self.var, self.count = 0.0, 1.0, 1e-24  # (a prior of no weight)
 
@@ -912,9 +800,6 @@ class RunningMoments:
     def std(self) -> float:
         return math.sqrt(self.var * self.count / (self.count - 1)) if self.count > 1 else math.sqrt(self.var)
 
-    def state_dict(self):
-        return {"mean": self.mean, "var": self.var, "count": self.count}
-
 
 def group_stats(scores, group_ids):
     """Per response: the mean, the std (unbiased, as torch.std) and the size of its prompt's group of responses."""
@@ -927,8 +812,7 @@ def group_stats(scores, group_ids):
 
 def normalize_scores(scores, group_ids, norm: str, shift: bool, scale: bool, clip: Optional[float],
                      running: Optional[RunningMoments] = None, eps: float = 1e-6):
-    """ROLL reward_norm: (s - mean) / (std + eps) over the batch, the group (sample std) or running stats; shift
-    alone: - mean; scale alone: / std. Then reward_clip."""
+    """ROLL reward_norm: (s - mean) / (std + eps) over batch, group or running stats (shift / scale alone), clip."""
     if norm != "none":
         if norm == "batch":
             mean, std = scores.mean(), scores.std()
@@ -958,8 +842,7 @@ def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> tor
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """verl core_algos.kl_penalty, per token ('full': over the vocabulary). k1 / k2 / k3 are kl / mse / low_var_kl;
-    a trailing + is the straight-through form: the estimator's value, k2's gradient."""
+    """verl core_algos.kl_penalty per token ('full': over the vocabulary); k1/k2/k3 and straight-through + forms."""
     if kind.endswith("+"):
         k2 = 0.5 * (logp - ref_logp).square()
         return k2 - k2.detach() + kl_penalty(logp, ref_logp, kind[:-1]).detach()
@@ -988,7 +871,6 @@ class FixedKLController:
 
 class AdaptiveKLController:
     """Ziegler et al. 2019 (verl/TRL): coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon."""
-
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
         self.value, self.target, self.horizon = init_kl_coef, target_kl, horizon
 
@@ -1019,19 +901,16 @@ def masked_whiten(x, mask, shift_mean: bool = True, eps: float = 1e-8):
 def compute_gae(token_rewards, values, mask, gamma: float, lam: float):
     """Token-level GAE over the response mask: tokens past EOS neither contribute nor carry values (verl)."""
     values = values * mask
-    T = token_rewards.shape[1]
     adv = torch.zeros_like(token_rewards)
-    lastgaelam = torch.zeros(token_rewards.shape[0])
-    nextvalues = torch.zeros(token_rewards.shape[0])
-    for t in reversed(range(T)):
+    lastgaelam = nextvalues = torch.zeros(token_rewards.shape[0])
+    for t in reversed(range(token_rewards.shape[1])):
         delta = token_rewards[:, t] + gamma * nextvalues - values[:, t]
         new = delta + gamma * lam * lastgaelam
         m = mask[:, t].float()
         nextvalues = values[:, t] * m + (1 - m) * nextvalues
         lastgaelam = new * m + (1 - m) * lastgaelam
         adv[:, t] = lastgaelam
-    returns = adv + values
-    return adv * mask, returns * mask
+    return adv * mask, (adv + values) * mask  # (advantages, returns)
 
 
 def compute_grpo(token_rewards, mask, group_ids, norm_by_std: bool = True, eps: float = 1e-6):
@@ -1104,10 +983,7 @@ def compute_advantages(estimator: str, token_rewards, mask, group_ids, values=No
 
 def rewards_and_advantages(raw, maskf, values, kld, args: Args, kl_ctrl, running: RunningMoments,
                            rank: int = 0, world: int = 1):
-    """Reward (normalised, on the last token, minus the KL penalty) and advantages of one rollout. raw: (B,) scores;
-    maskf, values, kld: (B, R). Under torchrun the ranks' rows (whole groups) are gathered first, so normalisation,
-    group statistics, whitening and the KL controller see the global batch; each rank gets its rows back. Returns
-    advantages, returns (B, R), the global scores and the mean sequence KL."""
+    """Token rewards and advantages of one rollout, over the global batch under torchrun (each rank: its rows)."""
     B = raw.shape[0]
     raw, maskf, values, kld = (all_gather_cat(x, world) for x in (raw, maskf, values, kld))
     group_ids = torch.arange(raw.shape[0] // args.n).repeat_interleave(args.n)  # response i answers prompt i // n
@@ -1129,8 +1005,7 @@ def rewards_and_advantages(raw, maskf, values, kld, args: Args, kl_ctrl, running
 
 # --- Losses: verl agg_loss, clipped / dual-clip policy loss, clipped / Huber value loss ------------------------------
 def agg_loss(loss_mat, mask, mode: str, n_tokens=None, n_seqs=None, norm_len=None):
-    """Token losses -> one number. Pass the minibatch's n_tokens / n_seqs to sum micro-batch losses into exactly the
-    minibatch loss."""
+    """Token losses -> one number; the minibatch's n_tokens / n_seqs make micro-batch losses sum to its loss."""
     mask = mask.float()
     n_tokens = mask.sum().clamp(min=1) if n_tokens is None else n_tokens
     n_seqs = mask.shape[0] if n_seqs is None else n_seqs
@@ -1154,8 +1029,7 @@ def policy_loss(logp, old_logp, advantages, mask, clip_ratio_low=0.2, clip_ratio
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
     clipped = torch.maximum(loss1, loss2)
-    losses = clipped
-    clipfrac_lower = torch.zeros((), device=logp.device)
+    losses, clipfrac_lower = clipped, torch.zeros((), device=logp.device)
     if dual_clip:
         loss3 = -advantages * clip_ratio_c
         losses = torch.where(advantages < 0, torch.minimum(clipped, loss3), clipped)
@@ -1168,14 +1042,11 @@ def policy_loss(logp, old_logp, advantages, mask, clip_ratio_low=0.2, clip_ratio
     return agg_loss(losses, mask, loss_agg_mode, **agg), stats
 
 
-def huber(x, delta: float):
-    return torch.where(x.abs() <= delta, 0.5 * x**2, delta * (x.abs() - 0.5 * delta))
-
-
 def value_loss(vpreds, old_values, returns, mask, value_clip=None, huber_delta=None, loss_agg_mode="token-mean",
                **agg):
     """verl compute_value_loss (0.5 * max(unclipped, clipped) squared error) or RLinf's Huber version."""
-    err = (lambda x: huber(x, huber_delta)) if huber_delta is not None else (lambda x: 0.5 * x**2)
+    err = (lambda x: 0.5 * x**2) if huber_delta is None else (  # squared error, or Huber's
+        lambda x: torch.where(x.abs() <= huber_delta, 0.5 * x**2, huber_delta * (x.abs() - 0.5 * huber_delta)))
     losses = err(returns - vpreds)
     clipfrac = torch.zeros((), device=vpreds.device)
     if value_clip is not None:
@@ -1187,8 +1058,7 @@ def value_loss(vpreds, old_values, returns, mask, value_clip=None, huber_delta=N
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - Var(returns - values) / Var(returns) over response tokens; NaN where the returns do not vary (within a
-    tolerance: all-zero rewards give returns of the values' rounding, a variance of ~1e-18)."""
+    """1 - Var(returns - values) / Var(returns) over response tokens; NaN where returns do not vary."""
     var_r = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
     err = returns - values
     var_e = masked_mean((err - masked_mean(err, mask)) ** 2, mask)
@@ -1199,9 +1069,10 @@ def explained_variance(values, returns, mask) -> float:
 # --- Update: E epochs of shuffled minibatches, each accumulated over micro-batches; the optimisers -------------------
 def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_actor: bool = True,
                        autocast=contextlib.nullcontext, world: int = 1, ref=None):
-    """Forward/backward of one minibatch in micro-batches, each loss normalised by the minibatch's totals: the summed
-    gradients are one big batch's. Under torchrun token-mean divides by the global count / world (DDP / FSDP2 average).
-    ref: the reference, for --kl-loss-type full (recomputed per micro-batch, never stored)."""
+    """Forward/backward in micro-batches, each normalised by the minibatch's totals: one big batch's gradients."""
+    def critic_loss(v, m):  # verl compute_value_loss, the critic's aggregation over the minibatch's totals (agg)
+        return value_loss(v, m["values"], m["returns"], m["response_mask"], args.value_clip, args.huber_delta,
+                          args.critic_loss_agg_mode or args.loss_agg_mode, **agg)
     R = mb["response_mask"].shape[1]
     n_tokens = all_ranks_sum(mb["response_mask"].sum(), world).clamp(min=1).float() / world
     agg = {"n_tokens": n_tokens, "n_seqs": mb["response_mask"].shape[0], "norm_len": args.response_length}
@@ -1213,8 +1084,7 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
     for s in range(0, mb["input_ids"].shape[0], args.micro_batch_size):
         m = {k: v[s:s + args.micro_batch_size] for k, v in mb.items()}
         mask = m["response_mask"]
-        loss = torch.zeros(())
-        stats = {}
+        loss, stats = torch.zeros(()), {}
         with autocast():
             if update_actor or args.critic == "shared":  # (a separate critic's warm-up needs no policy forward)
                 out = model_forward(policy, m["input_ids"], m["attention_mask"], R, args.temperature,
@@ -1239,17 +1109,14 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
                     loss = loss + args.kl_loss_coef * kl_loss
                     stats["kl_loss"] = kl_loss.detach()
             if args.critic == "shared":  # one loss on one trunk: one backward
-                vl, vstats = value_loss(out["values"], m["values"], m["returns"], mask, args.value_clip,
-                                        args.huber_delta, args.critic_loss_agg_mode or args.loss_agg_mode, **agg)
+                vl, vstats = critic_loss(out["values"], m)
                 loss = loss + args.vf_coef * vl
                 stats.update(value_loss=vl.detach(), **vstats)
         if loss.requires_grad:
             loss.backward()
         if args.critic == "separate":  # its own loss (no vf_coef, as verl's critic), forward and backward
             with autocast():
-                v = critic_values(critic, m["input_ids"], m["attention_mask"], R)
-                vl, vstats = value_loss(v, m["values"], m["returns"], mask, args.value_clip, args.huber_delta,
-                                        args.critic_loss_agg_mode or args.loss_agg_mode, **agg)
+                vl, vstats = critic_loss(critic_values(critic, m["input_ids"], m["attention_mask"], R), m)
             vl.backward()
             stats.update(value_loss=vl.detach(), **vstats)
         for k, val in stats.items():  # losses add up over micro-batches; ratios/fractions are averaged
@@ -1260,8 +1127,7 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
 
 def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, args: Args, gen,
                update_actor: bool = True, autocast=contextlib.nullcontext, world: int = 1, ref=None):
-    """ppo_epochs x shuffled minibatches (this rank's share); this rank's mean stats and the first minibatch's (ratio
-    exactly 1: approx_kl 0, clipfrac 0)."""
+    """ppo_epochs x shuffled minibatches: this rank's mean stats and the first minibatch's (ratio exactly 1)."""
     N = batch["input_ids"].shape[0]
     mb_size = args.ppo_mini_batch_size // world * args.n
     all_stats, first = [], None
@@ -1273,9 +1139,8 @@ def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, 
                 o.zero_grad(set_to_none=True)
             stats = minibatch_backward(policy, critic, value_head, {k: v[idx] for k, v in batch.items()}, args,
                                        update_actor, autocast, world, ref)
-            # optimizers[0] is the actor's, optimizers[1] the critic's (separate model or shared value head); during
-            # critic warm-up the actor neither steps nor advances its learning-rate warm-up (a shared trunk's value
-            # gradients are dropped)
+            # optimizers[0] is the actor's: during critic warm-up it neither steps nor advances its lr warm-up (a
+            # shared trunk's value gradients are dropped); the critic's (separate model or shared head) steps
             for i, (o, sch) in enumerate(zip(optimizers, schedulers)):
                 if i == 0 and not update_actor:
                     continue
@@ -1294,28 +1159,24 @@ def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, 
 
 
 def build_optimizers(args: Args, policy, critic, value_head):
-    """AdamW for the actor and one for the critic (or the shared head); lr rises over --lr-warmup-steps, then stays."""
     def trained(m):  # (with LoRA the adapters, and a LoRA critic's value head)
         return [p for p in m.parameters() if p.requires_grad]
     optimizers = [torch.optim.AdamW(trained(policy), lr=args.lr, weight_decay=args.weight_decay)]
-    for m in (critic, value_head):
-        if m is not None:
-            optimizers.append(torch.optim.AdamW(trained(m), lr=args.critic_lr, weight_decay=args.weight_decay))
+    optimizers += [torch.optim.AdamW(trained(m), lr=args.critic_lr, weight_decay=args.weight_decay)
+                   for m in (critic, value_head) if m is not None]  # (a separate critic or the shared value head)
     warm = max(args.lr_warmup_steps, 1)
     return optimizers, [torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / warm)) for o in optimizers]
 
 
 # --- Warm start (supervised, before PPO) and the training loop -------------------------------------------------------
 def sft_steps(args: Args) -> int:
-    """--sft-steps, or its default: 60 on the built-in task, none on a user's model or data."""
     if args.sft_steps is not None:
         return args.sft_steps
     return 0 if args.model_name_or_path or args.dataset else 60
 
 
 def warm_start(policy, tok, sample_rows, args: Args, device, autocast=contextlib.nullcontext, stop=None) -> None:
-    """Supervised fine-tuning on answers + EOS in the run's precision, a progress line every ~5 s; stop() (a signal,
-    asked every 10 steps) ends it."""
+    """Supervised fine-tuning on answers + EOS, a progress line every ~5 s; stop() (every 10 steps) ends it."""
     opt = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr)
     policy.train()
     steps, t0, last = sft_steps(args), time.time(), time.time()
@@ -1324,16 +1185,11 @@ def warm_start(policy, tok, sample_rows, args: Args, device, autocast=contextlib
         if stop is not None and step % 10 == 0 and stop():
             return
         rows = sample_rows(args.sft_batch_size)
-        targets = []
-        for r in rows:
-            targets.append(tok.encode(r["answer"], add_special_tokens=False)[:args.response_length - 1]
-                           + [tok.eos_token_id])
+        targets = [tok.encode(r["answer"], add_special_tokens=False)[:args.response_length - 1] + [tok.eos_token_id]
+                   for r in rows]
         p_ids, p_mask = encode_batch(tok, rows, args.prompt_length, args.apply_chat_template)
-        R = max(len(t) for t in targets)
-        r_ids = torch.full((len(rows), R), tok.pad_token_id, dtype=torch.long)
-        r_mask = torch.zeros((len(rows), R), dtype=torch.long)
-        for i, t in enumerate(targets):
-            r_ids[i, :len(t)], r_mask[i, :len(t)] = torch.tensor(t), 1
+        r_ids, r_mask = (x.flip(-1) for x in left_pad([t[::-1] for t in targets], tok.pad_token_id))  # right-padded
+        R = r_ids.shape[1]
         ids, mask = torch.cat([p_ids, r_ids], 1).to(device), torch.cat([p_mask, r_mask], 1).to(device)
         with autocast():
             logp = model_forward(policy, ids, mask, R, 1.0)["logp"]
@@ -1350,22 +1206,16 @@ def warm_start(policy, tok, sample_rows, args: Args, device, autocast=contextlib
 
 # --- torchrun (statistics over the global batch, FSDP2 / DDP), bf16 autocast, torch.compile ---------------------
 def use_bf16(args: Args) -> bool:
-    """--precision: bf16 autocast (fp32 master weights) in warm-start, generation, scoring and training, or fp32."""
     return args.precision == "bf16" or (args.precision == "auto" and args.cuda)
 
 
 def collective_device() -> torch.device:
     """Where tensors must be for a collective: the rank's GPU under nccl, the CPU under gloo."""
-    import torch.distributed as dist
-
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Sum of x over ranks (a new tensor on x's device; x itself with one process)."""
     if world > 1:
-        import torch.distributed as dist
-
         y = x.to(collective_device(), copy=True)
         dist.all_reduce(y)
         x = y.to(x.device)
@@ -1373,11 +1223,8 @@ def all_ranks_sum(x: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Every rank's x concatenated in rank order along dim 0 (x itself with one process)."""
     if world == 1:
         return x
-    import torch.distributed as dist
-
     y = x.to(collective_device()).contiguous()
     parts = [torch.empty_like(y) for _ in range(world)]
     dist.all_gather(parts, y)
@@ -1385,21 +1232,15 @@ def all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, trainable: bool = True):
-    """FSDP2: each transformer block (_no_split_modules), then the model, becomes a fully_shard unit, in place. DDP: a
-    DistributedDataParallel replica for the update (generation and scoring use the bare module). Either way gradients
-    are averaged over ranks."""
+    """FSDP2: every transformer block, then the model, a fully_shard unit; DDP: a replica for the update."""
     if model is None:
         return None
-    import torch.distributed as dist
-
     for p in model.parameters():  # the same start on every rank, whatever each rank's warm-start did
         dist.broadcast(p.data, 0)
     if strategy == "fsdp2":
         from torch.distributed.fsdp import fully_shard
-
         # HF heads return views; this script never modifies a model output in place, which is what FSDP2 warns about
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-
         blocks = set(getattr(model, "_no_split_modules", None) or [])
         for m in model.modules():
             if type(m).__name__ in blocks:
@@ -1408,36 +1249,30 @@ def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, 
     if not trainable:
         return model
     from torch.nn.parallel import DistributedDataParallel
-
     # find_unused_parameters: the critic warm-up trains the shared trunk through the value loss, not lm_head
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                    find_unused_parameters=True)
 
 
 def prepare_models(args: Args, policy, critic, value_head, ref, device, world: int):
-    """Gradient checkpointing, torch.compile and under torchrun FSDP2 / DDP: none changes what is computed. Returns
-    the modules the update calls and generation's all_done (FSDP2: the ranks stop generating together)."""
-    if args.gradient_checkpointing:
-        for m in (policy, critic):
-            if m is not None:
-                getattr(m, "activation_checkpointing_enable", m.gradient_checkpointing_enable)()
-    if args.compile:
-        for m in (policy, critic):
-            if m is not None:
-                compile_forward(m)
+    """Gradient checkpointing, torch.compile, FSDP2 / DDP (none changes what is computed) and all_done."""
+    for m in (m for m in (policy, critic) if m is not None):
+        if args.gradient_checkpointing:
+            getattr(m, "activation_checkpointing_enable", m.gradient_checkpointing_enable)()
+        if args.compile:
+            compile_forward(m)
     if world == 1:
         return policy, critic, value_head, None
     train = [distribute(m, args.strategy, device) for m in (policy, critic, value_head)]
     distribute(ref, args.strategy, device, trainable=False)
-    all_done = None
-    if args.strategy == "fsdp2":
-        all_done = lambda done: bool(all_ranks_sum(done.all().float()[None], world) == world)  # noqa: E731
-    return (*train, all_done)
+
+    def all_done(done):  # FSDP2: each forward is a collective, so the ranks stop generating together
+        return bool(all_ranks_sum(done.all().float()[None], world) == world)
+    return (*train, all_done if args.strategy == "fsdp2" else None)
 
 
 def compile_forward(model, backend: str = "inductor"):
-    """--compile: the forward through torch.compile with dynamic shapes, for generation, scoring and the update (the
-    tests use backend "aot_eager": no inductor kernels to compile on a CPU)."""
+    """--compile: torch.compile the forward, dynamic shapes (the tests use backend aot_eager on the CPU)."""
     model.forward = torch.compile(model.forward, dynamic=True, backend=backend)
     return model
 
@@ -1502,9 +1337,8 @@ def main(args: Args) -> dict:
             return stopped_before_training(args, signals, world, run_dir, writer)
         clock = {"start": time.time(), "steps": global_step, "first": start_iteration, "printed": 0.0, "warned": 0}
         for iteration in range(start_iteration, args.num_iterations + 1):
-            # 1. Collect rollout: rollout_batch_size prompts x n responses (response i answers prompt i // n),
-            #    sampled and scored by the policy (old log-probs), the frozen reference and the critic; under
-            #    torchrun every rank draws the same prompts and takes its share of whole groups
+            # 1. Collect rollout: rollout_batch_size prompts x n responses (response i answers prompt i // n), sampled
+            #    and scored by policy (old log-probs), reference and critic; torchrun: each rank, its share of groups
             t0 = time.time()
             rows = [r for r in sample_rows(args.rollout_batch_size) for _ in range(args.n)]
             rows = rows[rank * len(rows) // world:(rank + 1) * len(rows) // world]
@@ -1649,8 +1483,6 @@ def setup_distributed(args: Args) -> tuple[int, int, torch.device]:  # a process
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if world == 1:
         return 0, 1, torch.device("cuda" if args.cuda else "cpu")
-    import torch.distributed as dist
-
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.cuda else torch.device("cpu")
     if args.cuda:
         torch.cuda.set_device(device)
@@ -1761,8 +1593,7 @@ def log_scalars(writer, scalars: dict, step: int) -> None:
 
 
 def log_iteration(writer, args: Args, iteration: int, global_step: int, m: dict, samples: list, clock: dict) -> None:
-    """An iteration's scalars and charts/SPS; its sample completions to TensorBoard text and samples.jsonl; every
-    ~5 s (and at the first and the last iteration) the progress line, which ends with the time left."""
+    """Scalars, charts/SPS, sample completions (TensorBoard text, samples.jsonl); every ~5 s the progress line + ETA."""
     now, nan = time.time(), float("nan")
     m["charts/SPS"] = (global_step - clock["steps"]) / max(now - clock["start"], 1e-9)  # this process's steps/s
     log_scalars(writer, m, global_step)
@@ -1838,11 +1669,9 @@ def shard_optimizer_state(opt) -> None:  # after load_state_dict of a full state
 def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimizers, schedulers, args: Args,
                     global_step: int, iteration: int, gen, kl_ctrl, running: RunningMoments, tracker: dict,
                     gen_dev=None, rank: int = 0, world: int = 1) -> str:
-    """Atomic: the models go to a new checkpoint-<iteration>/ directory, then checkpoint.pt, which names it, is
-    replaced in one rename (the commit point); older checkpoint-* directories are removed after. A kill at any moment
-    leaves a checkpoint.pt whose models are complete; a failed write removes what this save wrote (Failure, exit 1).
-    Every rank calls it (FSDP2 shards are gathered), rank 0 writes. With LoRA policy/ (and a LoRA critic/) holds the
-    adapters and ref/ the base model they go on."""
+    """Atomic: models to a new checkpoint-<iteration>/, then checkpoint.pt naming it replaced in one rename (a kill
+    leaves complete models; older checkpoint-* go after; a failed write removes this save's, exit 1). Every rank calls
+    it (FSDP2 shards gathered), rank 0 writes; with LoRA policy/ (and critic/) hold the adapters, ref/ their base."""
     sub, path = f"checkpoint-{iteration}", os.path.join(run_dir, "checkpoint.pt")
     lora, has_ref = bool(args.lora_rank), bool(args.lora_rank) or ref is not None  # (no KL term: no reference)
     write_ref = has_ref and gather_objects(not os.path.isdir(os.path.join(run_dir, "ref")), world)[0]  # written once
@@ -1879,7 +1708,7 @@ def save_checkpoint(run_dir: str, policy, ref, critic, value_head, tok, optimize
                 "global_step": global_step, "iteration": iteration,
                 # gen: tasks and shuffles (the same on every rank); gen_dev: token sampling on CUDA / torchrun, per rank
                 "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state(), "gen_dev": dev_states},
-                "args": dataclasses.asdict(args), "kl_coef": kl_ctrl.value, "reward_running": running.state_dict(),
+                "args": dataclasses.asdict(args), "kl_coef": kl_ctrl.value, "reward_running": dict(vars(running)),
                 "tracker": tracker}
             target = path
             with open(path + ".tmp", "wb") as f:  # (into a file object: a refused write raises from its OSError)
@@ -1986,10 +1815,9 @@ def restore_trainer_state(ckpt: dict, args: Args, optimizers, schedulers, gen, g
 @torch.no_grad()
 def evaluate(policy, tok, rows: list[dict], args: Args, rule, stops, gen, device, rank: int = 0, world: int = 1,
              all_done=None, stop=None) -> Optional[dict]:
-    """Accuracy on held-out prompts: greedy, and sampled once as the rollout samples; with --eval-n n, n samples per
-    prompt at --eval-temperature give pass@1 and pass@k for k = 2, 4, ..., n. Correct: the --reward-fn rule scores it
-    1 or more. Under torchrun each rank scores an equal share and the sums are added. stop() is asked before each
-    micro-batch (a signal came: None). "problem": why the rule failed (the user's function), else None."""
+    """Held-out accuracy (the rule scores >= 1), greedy and sampled once; --eval-n: pass@1, pass@k (k = 2, 4, .., n)
+    at --eval-temperature. torchrun: each rank an equal share, sums added. None when stop() (asked each micro-batch)
+    says a signal came; "problem": why the user's rule failed, else None."""
     per_rank = len(rows) // world
     mine = rows[rank * per_rank:(rank + 1) * per_rank]
     # micro-batches of the rollout's size (--rollout-micro-batch-size, else a rank's share of a rollout)
@@ -2053,8 +1881,7 @@ def load_reward_fn(spec: Optional[str], weights: Optional[list[float]] = None): 
 
 
 def load_one_reward_fn(spec: Optional[str]):
-    """exact (the default), math, or NAME(prompt, response, answer, **columns) -> float of FILE.py (verl's
-    custom_reward_function.path / .name, TRL's reward_funcs)."""
+    """exact (the default), math, or NAME(prompt, response, answer, **columns) -> float of FILE.py (verl, TRL)."""
     spec = spec or "exact"
     if spec in REWARD_RULES:
         return REWARD_RULES[spec]
@@ -2077,8 +1904,7 @@ DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # ext
 
 
 def read_rows(path: str, flag: str) -> list[dict]:
-    """Every row of a local data file through Hugging Face datasets, offline, its cache removed (nothing is left in
-    ~/.cache); a UTF-8 byte-order mark is allowed."""
+    """Every row of a local data file via Hugging Face datasets, offline, its cache removed; a UTF-8 BOM is allowed."""
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
         os.environ.setdefault(var, "1")
     import datasets
@@ -2179,8 +2005,7 @@ def load_tokenizer(path: str, trust_remote_code: bool):
 
 
 def check_positions(model, length: int, source: str) -> None:
-    """Learned absolute positions (GPT-2, OPT, ...) end at their table: a longer prompt + response is one line, exit 2.
-    A rotary or ALiBi model runs past max_position_embeddings (untrained positions): a note."""
+    """Learned absolute positions (GPT-2, OPT) end at their table: past it, exit 2; rotary / ALiBi models: a note."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if not isinstance(limit, int) or length <= limit:
         return
@@ -2283,8 +2108,7 @@ def given_fields(argv: list[str]) -> set[str]:  # the Args fields set on it, by 
 
 
 def parse_args(argv: Optional[list[str]] = None) -> Args:
-    """tyro.cli (its own message on a flag it cannot parse, exit 2; with --resume the checkpoint's arguments are the
-    defaults), then the implied options and validate()."""
+    """tyro.cli (exit 2 on a bad flag; --resume: the checkpoint's arguments as defaults), implied options, validate."""
     argv = sys.argv[1:] if argv is None else argv
     resume = next((a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
                    if (a == "--resume" and i + 1 < len(argv)) or a.startswith("--resume=")), None)

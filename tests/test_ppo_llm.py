@@ -835,10 +835,10 @@ def test_default_model_has_a_few_million_parameters():
 
 
 def field_help(name: str) -> str:
-    """The help text of an Args field, as --help shows it: the docstring under the field in ppo_llm.py."""
+    """The help text of an Args field, as --help shows it: the comment after the field or the docstring under it."""
     source = open(SCRIPT).read()
-    found = re.search(rf"^    {name}: [^\n]*\n    \"\"\"(.*?)\"\"\"", source, re.M | re.S)
-    return " ".join(found.group(1).split())
+    found = re.search(rf"^    {name}: [^\n]*?  # ([^\n]*)$|^    {name}: [^\n]*\n    \"\"\"(.*?)\"\"\"", source, re.M | re.S)
+    return " ".join((found.group(1) or found.group(2)).split())
 
 
 def test_help_texts_say_what_the_options_do():
