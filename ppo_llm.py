@@ -18,8 +18,27 @@ core_algos.py); below main()'s banner, the plumbing.
 
 from __future__ import annotations
 
-import atexit, contextlib, copy, dataclasses, fractions, functools, inspect, itertools, json  # noqa: E401
-import math, numbers, os, random, re, shutil, signal, sys, tempfile, time, typing, warnings  # noqa: E401
+import atexit
+import contextlib
+import copy
+import dataclasses
+import fractions
+import functools
+import inspect
+import itertools
+import json
+import math
+import numbers
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import typing
+import warnings
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
@@ -1130,7 +1149,7 @@ def ppo_update(policy, critic, value_head, optimizers, schedulers, batch: dict, 
     """ppo_epochs x shuffled minibatches: this rank's mean stats and the first minibatch's (ratio exactly 1)."""
     N = batch["input_ids"].shape[0]
     mb_size = args.ppo_mini_batch_size // world * args.n
-    all_stats, first = [], None
+    all_stats = []
     for _ in range(args.ppo_epochs):
         perm = torch.randperm(N, generator=gen)
         for s in range(0, N, mb_size):
