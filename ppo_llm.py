@@ -1645,10 +1645,9 @@ def log_iteration(writer, args: Args, iteration: int, global_step: int, m: dict,
 
 
 def eta_text(seconds: float) -> str:  # [SHARED] 2h05m, 13m20s or 45s ("?" before the speed is known)
-    if not math.isfinite(seconds) or seconds < 0:
-        return "?"
-    s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+    s = int(seconds) if 0 <= seconds < math.inf else -1
+    h, m = s // 3600, s // 60 % 60
+    return "?" if s < 0 else f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s" if m else f"{s}s"
 
 
 def close_run(writer, args: Args, world: int) -> None:  # the events flushed; no rank leaves while another works
@@ -1783,10 +1782,9 @@ def load_checkpoint(path: str, keep: bool = False) -> dict:
 def checkpoint_fits(path: str):  # [SHARED] what torch or the envs raise on a checkpoint that does not fit: one line
     try:
         yield
-    except Failure:
-        raise
-    except Exception as e:
-        raise Failure(f"checkpoint {path} does not fit this run: {type(e).__name__}: {first_line(e)}") from None
+    except Exception as e:  # (a Failure goes on as it is)
+        raise e if isinstance(e, Failure) else Failure(
+            f"checkpoint {path} does not fit this run: {type(e).__name__}: {first_line(e)}") from None
 
 
 def first_line(e: BaseException) -> str:  # [SHARED]

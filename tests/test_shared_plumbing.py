@@ -1,6 +1,6 @@
 """The three RL scripts stand alone, so each carries its own copy of the plumbing below its banner. A helper that does
 the same job in each is the same text in each: this test compares their source, so that the copies cannot drift
-apart (a fix made in one script and not in the others fails here)."""
+apart (a fix made in one script and not in the others fails here). ppo_llm.py marks the few it copies from ppo.py."""
 
 import ast
 import os
@@ -81,3 +81,12 @@ def test_gae_on_the_host_is_the_same_text_in_the_continuous_and_atari_scripts():
 def test_the_comparison_can_fail():
     a, b = definitions("ppo.py"), definitions("ppo_continuous.py")
     assert a["Args"] != b["Args"]  # a helper that differs is seen as different
+
+
+def test_the_helpers_ppo_llm_marks_shared_are_ppo_py_text():
+    with open(os.path.join(ROOT, "ppo_llm.py")) as f:
+        llm = definitions(f.read(), parsed=True)
+    rl = definitions("ppo.py")
+    marked = [n for n, text in llm.items() if "# [SHARED]" in text.splitlines()[0]]
+    assert len(marked) >= 3, marked  # Failure, StopSignals, eta_text, ...
+    assert [n for n in marked if llm[n] != rl.get(n)] == [], "ppo_llm.py's copy differs from ppo.py's"
