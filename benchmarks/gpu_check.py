@@ -545,7 +545,7 @@ def stage2_figures(items: list) -> dict:
 def stage3(ctx: Ctx) -> list:
     prefix = os.path.join(ctx.out, "llm_throughput")
     if ctx.dry:
-        tp = ["--preset", "tiny", "--device", "cpu", "--estimators", "gae", "grpo", "--iterations", "2"]
+        tp = ["--preset", "tiny", "--device", "cpu", "--estimators", "gae", "--iterations", "2"]
         llm = ["--num-iterations", "2", "--no-cuda", "--sft-steps", "1", "--sft-batch-size", "4", "--eval-prompts", "4",
                "--train-batch-size", "4", "--ppo-mini-batch-size", "2", "--tiny-hidden-size", "32", "--tiny-num-layers",
                "1", "--torch-threads", "1"]

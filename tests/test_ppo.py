@@ -125,6 +125,22 @@ def test_normalize_advantages():
     std = math.sqrt(sum((x - mean) ** 2 for x in a.tolist()) / 3)
     np.testing.assert_allclose(n.numpy(), [(x - mean) / (std + 1e-8) for x in a.tolist()], rtol=1e-6)
     assert abs(n.mean().item()) < 1e-6
+    # a minibatch of equal advantages (a constant reward, say) has std 0: the eps keeps it at 0, not NaN
+    assert ppo.normalize_advantages(torch.full((4,), 0.5)).tolist() == [0.0] * 4
+
+
+def test_evaluation_plays_the_policy_on_the_environments_observations():
+    """A hand-set controller (push the way the pole falls: theta + theta_dot / 2 > 0) holds CartPole for 500 steps;
+    fed anything but the real observation (negated, zeros, another step's) it drops the pole within a few dozen."""
+    agent = ppo.Agent(4, 2)
+    with torch.no_grad():
+        for p in agent.actor.parameters():
+            p.zero_()
+        agent.actor[0].weight[0, 2:] = torch.tensor([10.0, 5.0])
+        agent.actor[2].weight[0, 0] = 1.0
+        agent.actor[4].weight[:, 0] = torch.tensor([-1.0, 1.0])
+    args = ppo.parse_args(["--eval-deterministic"])
+    assert ppo.evaluate(agent, args, torch.device("cpu"), 2) == [500.0, 500.0]
 
 
 # --------------------------------------------------------------------------------------------------------------
