@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import datetime
 import difflib
 import math
@@ -598,8 +597,8 @@ def save_checkpoint(path: str, state: dict) -> None:  # [SHARED] through a tempo
     except Exception as e:
         with contextlib.suppress(OSError):
             os.remove(f"{path}.tmp")
-        cause = e if isinstance(e, OSError) else e.__context__  # (torch's RuntimeError carries the OSError)
-        if not isinstance(cause, OSError):
+        cause = next((c for c in (e, e.__cause__, e.__context__) if isinstance(c, OSError)), None)  # (torch wraps it)
+        if cause is None:
             raise
         kept = "the previous checkpoint is kept" if os.path.exists(path) else "no checkpoint was written"
         raise Failure(f"cannot write {path}: {cause.strerror or cause} ({kept})", code=1) from None
@@ -619,9 +618,10 @@ def load_checkpoint(path: str) -> dict:  # [SHARED]
 def checkpoint_fits(path: str):  # [SHARED] what torch or the envs raise on a checkpoint that does not fit: one line
     try:
         yield
-    except Exception as e:  # (a Failure goes on as it is)
-        raise e if isinstance(e, Failure) else Failure(
-            f"checkpoint {path} does not fit this run: {type(e).__name__}: {first_line(e)}") from None
+    except Failure:
+        raise
+    except Exception as e:
+        raise Failure(f"checkpoint {path} does not fit this run: {type(e).__name__}: {first_line(e)}") from None
 
 
 def first_line(e: BaseException) -> str:  # [SHARED]
@@ -643,7 +643,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: 
     # Adam's moments, steps and lr under this run's settings (fused, capturable; torch then puts the step on the
     # parameter's device); the moments take the parameter's memory layout (a fused kernel pairs raw memory)
     groups = [{**g, "params": saved["params"], "lr": torch.tensor(float(saved["lr"]), device=device)}
-              for g, saved in zip(optimizer.state_dict()["param_groups"], state["param_groups"])]
+              for g, saved in zip(optimizer.state_dict()["param_groups"], state["param_groups"], strict=True)]
     optimizer.load_state_dict({"state": state["state"], "param_groups": groups})
     for p, st in optimizer.state.items():
         st.update({k: torch.empty_like(p).copy_(v) for k, v in st.items() if k != "step"})

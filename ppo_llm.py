@@ -1782,9 +1782,10 @@ def load_checkpoint(path: str, keep: bool = False) -> dict:
 def checkpoint_fits(path: str):  # [SHARED] what torch or the envs raise on a checkpoint that does not fit: one line
     try:
         yield
-    except Exception as e:  # (a Failure goes on as it is)
-        raise e if isinstance(e, Failure) else Failure(
-            f"checkpoint {path} does not fit this run: {type(e).__name__}: {first_line(e)}") from None
+    except Failure:
+        raise
+    except Exception as e:
+        raise Failure(f"checkpoint {path} does not fit this run: {type(e).__name__}: {first_line(e)}") from None
 
 
 def first_line(e: BaseException) -> str:  # [SHARED]
