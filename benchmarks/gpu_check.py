@@ -488,12 +488,14 @@ def stage2(ctx: Ctx) -> list:
     variants = {f"ours_{p}": f for p, f in OUR_PATHS.items()}
     variants["ours_no_torch_deterministic"] = ["--no-torch-deterministic"]
     # The compiled commands first run side by side for 2 iterations at the same sizes, which fills torch.compile's
-    # cache on disk: the timed runs below then compile from it in seconds (their warm-up iterations are not timed)
+    # cache on disk: the timed runs below then compile from it in seconds (their warm-up iterations are not timed).
+    # Each one's output is in warmup/warm<i>.log; the item fails if any of them does
     warm_cmds = [[PY, leanrl, *dev_flag(ctx), *f, *lean_args[:4], "--total-timesteps", str(2 * batch), *small]
                  for n, f in lean.items() if f and not lean_skip_reason] + [
                 [PY, ours, *dev_flag(ctx), *f, *common_args[:4], "--total-timesteps", str(2 * batch), *small,
                  "--runs-dir", ctx.stage_dir(2, "warmup_runs")] for f in OUR_PATHS.values() if f]
-    script = " & ".join(" ".join(shlex.quote(a) for a in c) + " >/dev/null 2>&1" for c in warm_cmds) + " & wait"
+    script = "".join(f"{shlex.join(c)} > warm{i}.log 2>&1 & p{i}=$!; " for i, c in enumerate(warm_cmds)) + (
+        "s=0; for p in " + " ".join(f"$p{i}" for i in range(len(warm_cmds))) + "; do wait $p || s=1; done; exit $s")
     items.append(Item("compile_warmup", ["bash", "-c", script], timeout=150, cwd=ctx.stage_dir(2, "warmup"),
                       skip=no_envpool or needs_cuda(ctx)))
     order = ["leanrl_compile_cudagraphs", "ours_compile_cudagraphs", "ours_eager", "ours_compile",
