@@ -229,6 +229,13 @@ def test_rollout_kl_is_the_mean_kl_over_the_rollouts_states():
     assert want > 0.01  # (not a trivial case)
 
 
+def test_clipped_policy_loss_is_the_pessimistic_bound():
+    """Per sample max(-A r, -A clip(r, 1 - eps, 1 + eps)), by hand: r = 1.5 / 0.5 with A = +1 / -1, eps = 0.2."""
+    ratio, adv, z = torch.tensor([1.5, 0.5, 1.5, 0.5]), torch.tensor([1.0, 1.0, -1.0, -1.0]), torch.zeros(4)
+    _, stats = pc.ppo_loss(ratio.log(), z, adv, z, z, z, z, 0.2, False, 0.0, 0.0, False)
+    assert stats["policy_loss"].item() == pytest.approx((-1.2 - 0.5 + 1.5 + 0.8) / 4)  # (the min would give -0.15)
+
+
 def test_kl_penalty_policy_loss_and_adaptive_coefficient():
     """The KL-penalty variant: -r*A + beta*KL(pi_old(.|s)||pi(.|s)) averaged, the Gaussians' KL exact, no clipping;
     beta follows the paper's rule."""
@@ -383,6 +390,22 @@ def test_deterministic_evaluation_plays_the_mean_action(monkeypatch):
         torch.manual_seed(seed)
         runs.append(pc.evaluate(agent, args, torch.device("cpu"), 1, rms))
     assert runs[0] == runs[1] != sampled
+
+
+def test_evaluation_feeds_the_policy_the_environments_observations(monkeypatch):
+    agent, seen = pc.Agent(3, 1), []
+
+    def act(x, deterministic=False):
+        seen.append(x[0].clone())
+        return torch.zeros(1, 1)
+
+    monkeypatch.setattr(agent, "act", act)
+    args = pc.Args(env_id="Pendulum-v1", eval_deterministic=True)
+    pc.evaluate(agent, args, torch.device("cpu"), 1, pc.RunningMeanStd((3,)))  # (fresh statistics: mean 0, var 1)
+    env = gym.make("Pendulum-v1")
+    expected = [env.reset(seed=args.seed + 10_000)[0]]
+    expected += [env.step(np.zeros(1, np.float32))[0] for _ in seen[1:]]
+    np.testing.assert_allclose(torch.stack(seen).numpy(), np.array(expected), atol=1e-4)
 
 
 def test_an_action_box_that_is_not_flat_is_one_line_error(capsys):

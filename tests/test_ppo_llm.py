@@ -938,6 +938,15 @@ def test_option_combinations_run(tmp_path, monkeypatch, extra, effect):
         assert check(res["metrics"], updates), check.__name__
 
 
+def test_a_resumed_run_goes_on_with_the_adapted_kl_coefficient(tmp_path):
+    argv = [*TINY, "--use-kl-in-reward", "--kl-ctrl-type", "adaptive"]
+    whole = P.main(P.parse_args([*argv, "--runs-dir", str(tmp_path / "whole")]))
+    first = P.main(P.parse_args([*argv, "--runs-dir", str(tmp_path / "parts"), "--stop-after", "1"]))
+    assert torch.load(first["checkpoint"], weights_only=False)["kl_coef"] != P.Args().init_kl_coef  # adapted once
+    rest = P.main(P.parse_args(["--resume", first["checkpoint"], "--stop-after", "0"]))
+    assert rest["metrics"]["kl/kl_coef"] == whole["metrics"]["kl/kl_coef"]
+
+
 def test_bf16_precision_runs_under_autocast_on_the_cpu(tmp_path, monkeypatch):
     """--precision bf16 (the default with --cuda): generation, scoring and the update under bf16 autocast, fp32
     master weights; run here on the CPU, where the same code path can be tested without a GPU."""
