@@ -1543,6 +1543,9 @@ def launcher(world: int) -> str:
 def stopped_before_training(args: Args, signals: StopSignals, world: int, run_dir=None, writer=None) -> dict:
     if writer is not None:
         writer.close()
+        if args.track:  # (wandb writes into the run directory)
+            import wandb
+            wandb.finish()
     if run_dir is not None and not args.resume:  # a new run directory holds nothing of value
         shutil.rmtree(run_dir, ignore_errors=True)
     print(f"stopped before training ({signal_name(signals)}); nothing written" + (

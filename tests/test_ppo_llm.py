@@ -1457,6 +1457,21 @@ def test_ctrl_c_before_training_stops_cleanly_and_leaves_no_run_directory(tmp_pa
     assert os.listdir(tmp_path) == []
 
 
+def test_a_stop_before_training_finishes_wandb_before_it_removes_the_run_directory(tmp_path, monkeypatch, capsys):
+    import types
+
+    run_dir, seen = tmp_path / "run", []
+    run_dir.mkdir()
+    wandb = types.SimpleNamespace(finish=lambda: seen.append(run_dir.exists()))  # (wandb writes into run_dir)
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    writer = types.SimpleNamespace(close=lambda: None)
+    with P.StopSignals() as signals:
+        signals.received.append(signal.SIGINT)
+        P.stopped_before_training(P.parse_args(["--track"]), signals, 1, str(run_dir), writer)
+    assert seen == [True] and not run_dir.exists()
+    assert "stopped before training" in capsys.readouterr().out
+
+
 def test_sigterm_before_training_of_a_resumed_run_leaves_its_checkpoint_alone(tmp_path, monkeypatch, capsys):
     part = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--stop-after", "1"]))
     before = sorted(os.listdir(part["run_dir"])), os.stat(part["checkpoint"]).st_mtime_ns
