@@ -265,11 +265,23 @@ def test_clipped_value_loss():
 
 
 def test_total_loss_combines_terms():
-    g = torch.Generator().manual_seed(1)
-    new, old, adv = torch.randn(8, generator=g) * 0.1, torch.randn(8, generator=g) * 0.1, torch.randn(8, generator=g)
+    g = torch.Generator().manual_seed(3)
+    new, old, adv = torch.randn(8, generator=g) * 0.3, torch.randn(8, generator=g) * 0.3, torch.randn(8, generator=g)
     nv, ov, ret, ent = (torch.randn(8, generator=g) for _ in range(4))
-    loss, s = ppo.ppo_loss(new, old, adv, nv, ov, ret, ent, 0.2, True, 0.01, 0.5, True)
-    assert loss.item() == pytest.approx((s["policy_loss"] - 0.01 * s["entropy"] + 0.5 * s["value_loss"]).item())
+    r, a = (new - old).exp(), adv - adv.mean()
+    assert ((r > 1.2) & (a > 0)).any() and ((r < 0.8) & (a < 0)).any()  # both clip bounds bind
+    loss, _ = ppo.ppo_loss(new, old, adv, nv, ov, ret, ent, 0.2, True, 0.01, 0.5, True)
+    # The reference, in plain Python from the inputs: CleanRL's clipped surrogate on advantages normalised with the
+    # unbiased std, the clipped value loss, the entropy bonus.
+    new, old, adv, nv, ov, ret, ent = (t.tolist() for t in (new, old, adv, nv, ov, ret, ent))
+    n = len(adv)
+    mean = sum(adv) / n
+    std = math.sqrt(sum((a - mean) ** 2 for a in adv) / (n - 1))
+    a_hat = [(a - mean) / (std + 1e-8) for a in adv]
+    ratio = [math.exp(lp - lo) for lp, lo in zip(new, old)]
+    pg = sum(max(-a * r, -a * min(max(r, 0.8), 1.2)) for a, r in zip(a_hat, ratio)) / n
+    v = 0.5 * sum(max((x - r) ** 2, (o + min(max(x - o, -0.2), 0.2) - r) ** 2) for x, o, r in zip(nv, ov, ret)) / n
+    assert loss.item() == pytest.approx(pg - 0.01 * sum(ent) / n + 0.5 * v, rel=1e-5)
 
 
 def test_agent_sampling_matches_categorical_and_entropy():
