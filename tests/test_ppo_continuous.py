@@ -381,15 +381,38 @@ def test_stop_resume_eval_keeps_normalisation_statistics(tmp_path, capsys):
 def test_deterministic_evaluation_plays_the_mean_action(monkeypatch):
     torch.manual_seed(0)
     agent = pc.Agent(3, 1)
+    with torch.no_grad():
+        agent.actor_mean[-1].weight.mul_(1000)  # means inside and beyond Pendulum's action bounds [-2, 2]
     args = pc.Args(env_id="Pendulum-v1", eval_deterministic=True)
     rms = pc.RunningMeanStd((3,))
+    rms.mean, rms.var = np.array([0.5, -0.2, 1.0]), np.array([0.3, 2.0, 4.0])  # normalisation changes the input
     sampled = pc.evaluate(agent, pc.Args(env_id="Pendulum-v1"), torch.device("cpu"), 1, rms)
+    seen, make_env = [], pc.make_env  # (the observation the policy saw, the action the environment got)
+
+    class Recorder(gym.Wrapper):
+        def reset(self, **kwargs):
+            self.obs, info = self.env.reset(**kwargs)
+            return self.obs, info
+
+        def step(self, action):
+            seen.append((self.obs, np.array(action)))
+            self.obs, *rest = self.env.step(action)
+            return self.obs, *rest
+
+    monkeypatch.setattr(pc, "make_env", lambda *a, **k: lambda: Recorder(make_env(*a, **k)()))
     monkeypatch.setattr(agent, "get_action_and_value", lambda *a, **k: pytest.fail("sampled an action"))
     runs = []
     for seed in (1, 2):  # torch's RNG plays no part
         torch.manual_seed(seed)
         runs.append(pc.evaluate(agent, args, torch.device("cpu"), 1, rms))
     assert runs[0] == runs[1] != sampled
+    # The reference: the Gaussian's mean at the normalised observation, clipped to the action bounds.
+    obs, played = (np.array(x) for x in zip(*seen))
+    x = np.clip((obs - rms.mean) / np.sqrt(rms.var + 1e-8), -args.obs_clip, args.obs_clip)
+    with torch.no_grad():
+        mean = agent.actor_mean(torch.tensor(x, dtype=torch.float32)).numpy()
+    assert len(seen) == 400 and (abs(mean) > 2).any() and (abs(mean) < 2).any()
+    np.testing.assert_allclose(played, np.clip(mean, -2.0, 2.0), rtol=1e-5, atol=1e-5)
 
 
 def test_evaluation_feeds_the_policy_the_environments_observations(monkeypatch):
