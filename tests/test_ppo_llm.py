@@ -828,10 +828,14 @@ def test_tiny_model_size_flags(tmp_path):
     assert sum(p.numel() for p in saved.parameters()) == sum(p.numel() for p in small.parameters())
 
 
-def test_default_model_has_a_few_million_parameters():
-    a = P.Args()
-    m = P.build_tiny_model(P.build_char_tokenizer(), 0, a.tiny_hidden_size, a.tiny_num_layers)
-    assert 1.5e6 < sum(p.numel() for p in m.parameters()) < 1e7
+def test_default_model_has_the_2_0m_parameters_the_docs_say():
+    a, tok = P.Args(), P.build_char_tokenizer()
+    count = sum(p.numel() for p in P.build_tiny_model(tok, 0, a.tiny_hidden_size, a.tiny_num_layers).parameters())
+    h, layers = 256, 3  # the docs' model: a Llama of 3 layers, hidden 256, MLP 2 * 256, tied embeddings
+    per_layer = 4 * h * h + 3 * h * (2 * h) + 2 * h  # q, k, v, o; gate, up, down; two RMSNorms
+    assert count == len(tok) * h + layers * per_layer + h == 1_993_216  # embeddings (= the output layer), final norm
+    for text in (P.__doc__, open(os.path.join(os.path.dirname(SCRIPT), "docs", "ppo_llm.md")).read()):
+        assert f"{count / 1e6:.1f}M parameters" in re.sub(r"\s+", " ", text)
 
 
 def field_help(name: str) -> str:
