@@ -706,16 +706,48 @@ def test_torchrun_two_ranks_stop_then_resume(tmp_path):
         assert [s for s, _ in scalars(run_dir, tag)] == [128, 256, 384], tag
 
 
-def test_cudagraph_skips_reads_torchs_count_of_graphs_run_without_cuda_graphs():
-    """(--cudagraphs prints a note after its first iteration when this is not 0: a fall-back is never silent)"""
+class NoWriter:  # a SummaryWriter that keeps nothing
+    def add_scalar(self, *a):
+        pass
+
+
+def log_first_iterations(name: str, cudagraphs: bool) -> None:
+    """The script's log_iteration after iterations 1 and 2 of 2, as its main calls it (rank 0, one process)."""
     import ppo
     import ppo_continuous
+
+    mod = dict(ppo=ppo, ppo_continuous=ppo_continuous, ppo_atari_envpool=pae)[name]
+    args = mod.Args(cudagraphs=cudagraphs)
+    stats = dict.fromkeys(("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
+                           "explained_variance", "grad_norm", "signals"), 0.0)
+    clock, last_print = {"start": time.time() - 1.0, "steps": 0, "printed": 0.0}, 0.0
+    for it in (1, 2):
+        if name == "ppo":
+            mod.log_iteration(None, args, stats, 1e-3, None, it, 2, 128 * it, [], clock, 0, 1)
+        elif name == "ppo_continuous":
+            mod.log_iteration(NoWriter(), args, stats, 1e-3, None, 128 * it, it, 2, 128, [], clock)
+        else:
+            last_print = mod.log_iteration(NoWriter(), args, stats, it, 2, 128 * it, 100, 1e-3, [], None, last_print)
+
+
+@pytest.mark.parametrize("name", ["ppo", "ppo_continuous", "ppo_atari_envpool"])
+def test_cudagraphs_says_once_how_many_compiled_graphs_ran_without_cuda_graphs(name, capsys):
+    """--cudagraphs prints a note after its first iteration when torch ran compiled graphs without CUDA graphs (its
+    count, cudagraph_skips): a fall-back is never silent; none without the flag or when every graph had them."""
     from torch._dynamo.utils import counters
 
     before = counters["inductor"]["cudagraph_skips"]
     try:
-        counters["inductor"]["cudagraph_skips"] = before + 2
-        assert pae.cudagraph_skips() == ppo.cudagraph_skips() == ppo_continuous.cudagraph_skips() == before + 2
+        counters["inductor"]["cudagraph_skips"] = 3
+        log_first_iterations(name, cudagraphs=True)
+        out = capsys.readouterr().out
+        notes = re.findall(r"^note: .*$", out, re.M)  # one, before the first progress line
+        assert len(notes) == 1 and notes[0].startswith("note: 3 compiled graph(s) run without CUDA graphs (TORCH_LOGS")
+        assert out.index("note: 3") < out.index("iter 1/2") < out.index("iter 2/2")
+        log_first_iterations(name, cudagraphs=False)
+        counters["inductor"]["cudagraph_skips"] = 0
+        log_first_iterations(name, cudagraphs=True)
+        assert "note:" not in capsys.readouterr().out
     finally:
         counters["inductor"]["cudagraph_skips"] = before
 
