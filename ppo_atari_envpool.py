@@ -28,8 +28,8 @@ from typing import Annotated, Literal, Optional
 
 # Run as a script, before torch loads OpenMP: spinning OpenMP threads collapse on a shared CPU (Breakout at the
 # default settings on 2 loaded cores: 75 vs 12-15 SPS; no change without load). A user's value wins.
-if __name__ == "__main__" and "OMP_WAIT_POLICY" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
