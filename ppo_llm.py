@@ -23,7 +23,6 @@ import contextlib
 import copy
 import dataclasses
 import fractions
-import functools
 import inspect
 import itertools
 import json
@@ -1300,7 +1299,9 @@ def main(args: Args) -> dict:
     with StopSignals() as signals:  # SIGTERM / SIGINT are noted, then honoured where nothing is half-written
         rank, world, device = setup_distributed(args)  # torchrun: one process per rank (gloo, or NCCL per GPU)
         ckpt = load_checkpoint(args.resume) if args.resume else None
-        stop = functools.partial(stop_requested, signals, world)  # a signal came to any rank (a collective)
+
+        def stop() -> bool:  # a signal came to any rank (a collective: all ranks ask alike)
+            return all_ranks_sum(torch.tensor([float(len(signals.received))]), world).item() > 0
         random.seed(args.seed)
         torch.manual_seed(args.seed)
         torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
@@ -1528,10 +1529,6 @@ class StopSignals:  # [SHARED] while active, SIGTERM / SIGINT are noted (main st
             signal.signal(s, handler)
 
 
-def stop_requested(signals: StopSignals, world: int) -> bool:  # a signal came to any rank (all ranks ask alike)
-    return all_ranks_sum(torch.tensor([float(len(signals.received))]), world).item() > 0
-
-
 def signal_name(signals: StopSignals) -> str:
     return signal.Signals(signals.received[0]).name if signals.received else "a signal to another rank"
 
@@ -1577,14 +1574,6 @@ def make_run_dir(args: Args, rank: int, world: int) -> str:  # the resumed run's
     return gather_objects(run_dir, world)[0]
 
 
-@contextlib.contextmanager
-def tensorboard_writes(run_dir: str):  # a refused write of the events (in tensorboard's writer thread): exit 1
-    try:
-        yield
-    except OSError as e:
-        raise Failure(f"cannot write the TensorBoard events in {run_dir}: {e.strerror or e}", code=1) from None
-
-
 def open_logs(args: Args, run_dir: str, rank: int, resumed: bool):  # TensorBoard (wandb with --track), rank 0
     if rank != 0:
         return None
@@ -1594,24 +1583,17 @@ def open_logs(args: Args, run_dir: str, rank: int, resumed: bool):  # TensorBoar
         import wandb
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
                    name=os.path.basename(run_dir), id=os.path.basename(run_dir), resume="allow", dir=run_dir)
-    with tensorboard_writes(run_dir):
-        writer = SummaryWriter(run_dir)
-        atexit.register(close_quietly, writer)  # a run that ends on a Failure still writes its last scalars
-        if not resumed:
-            table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-            writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    writer = SummaryWriter(run_dir)
+    atexit.register(writer.close)  # a run that ends on a Failure still writes its last scalars
+    if not resumed:
+        table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
     return writer
-
-
-def close_quietly(writer) -> None:
-    with contextlib.suppress(OSError):
-        writer.close()
 
 
 def log_scalars(writer, scalars: dict, step: int) -> None:
     for k, v in scalars.items() if writer is not None else ():
-        with tensorboard_writes(writer.log_dir):
-            writer.add_scalar(k, v, step)
+        writer.add_scalar(k, v, step)
 
 
 def log_iteration(writer, args: Args, iteration: int, global_step: int, m: dict, samples: list, clock: dict) -> None:
@@ -1620,16 +1602,11 @@ def log_iteration(writer, args: Args, iteration: int, global_step: int, m: dict,
     m["charts/SPS"] = (global_step - clock["steps"]) / max(now - clock["start"], 1e-9)  # this process's steps/s
     log_scalars(writer, m, global_step)
     if writer is not None and samples:
-        path = os.path.join(writer.log_dir, "samples.jsonl")
-        try:
-            with open(path, "a", encoding="utf-8") as f:
-                f.write("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in samples))
-        except OSError as e:
-            raise Failure(f"cannot write {path}: {e.strerror or e}", code=1) from None
+        with open(os.path.join(writer.log_dir, "samples.jsonl"), "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in samples))
         cell = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-        with tensorboard_writes(writer.log_dir):
-            writer.add_text("samples/completions", "|prompt|response|reward|\n|-|-|-|\n" + "\n".join(
-                f"|{cell(x['prompt'])}|{cell(x['response'])}|{x['reward']:g}|" for x in samples), global_step)
+        writer.add_text("samples/completions", "|prompt|response|reward|\n|-|-|-|\n" + "\n".join(
+            f"|{cell(x['prompt'])}|{cell(x['response'])}|{x['reward']:g}|" for x in samples), global_step)
     if m["response/clip_ratio"] > 0.5 and not clock["warned"]:
         clock["warned"] = 1
         print(f"warning: {m['response/clip_ratio']:.0%} of the responses hit --response-length "
@@ -1655,12 +1632,10 @@ def eta_text(seconds: float) -> str:  # [SHARED] 2h05m, 13m20s or 45s ("?" befor
 
 def close_run(writer, args: Args, world: int) -> None:  # the events flushed; no rank leaves while another works
     if writer is not None:
-        with tensorboard_writes(writer.log_dir):
-            writer.close()
-    if writer is not None and args.track:
-        import wandb
-
-        wandb.finish()
+        writer.close()
+        if args.track:
+            import wandb
+            wandb.finish()
     if world > 1:
         torch.distributed.barrier()  # (rank 0 may still be writing)
         torch.distributed.destroy_process_group()
