@@ -436,7 +436,7 @@ def main(args: Args) -> dict:
                 eval_returns = evaluate(agent, args, device, args.eval_episodes, os.path.join(run_dir, "videos"),
                                         stop=lambda: bool(signals.received))
                 eval_returns = log_evaluation(writer, args, eval_returns, global_step, signals.received, ckpt_path)
-    close_run(envs, writer, args, world)
+    close_run([envs], writer, args, world)
     return {"global_step": global_step, "run_dir": run_dir, "stats": stats, "returns": recent_returns,
             **({"eval_returns": eval_returns} if eval_returns is not None else {})}
 
@@ -685,8 +685,9 @@ def log_iteration(writer, args: Args, stats: dict, lr: float, kl_penalty, iterat
               f"eta={eta_text(eta)}", flush=True)
 
 
-def close_run(envs, writer, args: Args, world: int) -> None:
-    envs.close()
+def close_run(envs: list, writer, args: Args, world: int) -> None:  # envs: the vector envs (Atari: its pools)
+    for env in envs:
+        env.close()
     if writer is not None:
         writer.close()
         if args.track:

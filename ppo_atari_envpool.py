@@ -65,6 +65,7 @@ class Args:  # Count: an int that also reads 1e7 (defined with the command line,
     total_timesteps: Count = 10_000_000  # total environment steps of the run
     num_envs: Count = 8  # number of parallel environments (per process under torchrun)
     num_threads: Count = 0  # envpool worker threads (0: envpool's default); per process under torchrun
+    overlap_envs: bool = False  # two envpools of half the envs: one steps while the other's actions are computed
     sticky_actions: bool = False  # repeat the previous action with probability 0.25 (Machado et al. 2018); off: 0
     max_episode_steps: Count = 27_000  # truncate a game after this many agent steps (27000 = 108000 frames)
 
@@ -325,8 +326,7 @@ def main(args: Args) -> dict:
         check_resume(ckpt, args, world)  # the same env, rollout size and processes (the iterations hold for them)
         run_dir = make_run_dir(args, rank, world)
 
-        # Seeding (each rank its own stream)
-        random.seed(args.seed + rank)
+        random.seed(args.seed + rank)  # seeding: each rank its own stream
         np.random.seed(args.seed + rank)
         torch.manual_seed(args.seed + rank)
         set_torch_determinism(args.torch_deterministic)
@@ -336,17 +336,17 @@ def main(args: Args) -> dict:
         minibatch_size = batch_size // args.num_minibatches
         num_iterations = args.total_timesteps // (batch_size * world)
         first_iteration, global_step = (ckpt["iteration"] + 1, ckpt["global_step"]) if ckpt else (1, 0)
-
-        # envpool seeds env i with seed + i: each process's envs get seeds of their own, a resumed run fresh ones
-        envs = make_envs(args, args.num_envs, args.seed + global_step + rank * args.num_envs)
-        next_obs_np, info = envs.reset()
-        obs_shape, n_actions = envs.single_observation_space.shape, int(envs.single_action_space.n)  # (4, 84, 84)
+        # env i gets seed + i (each process its own, a resumed run fresh ones), in one pool or two (--overlap-envs)
+        seed, n = args.seed + global_step + rank * args.num_envs, args.num_envs // (2 if args.overlap_envs else 1)
+        pools, parts = zip(*[(make_envs(args, n, seed + i), slice(i, i + n)) for i in range(0, args.num_envs, n)])
+        resets = [pool.reset() for pool in pools]
+        next_obs_np, lives = np.concatenate([o for o, _ in resets]), np.concatenate([i["lives"] for _, i in resets])
+        obs_shape, n_actions = pools[0].single_observation_space.shape, int(pools[0].single_action_space.n)
 
         agent = Agent(n_actions).to(device)
         if not args.cuda:  # oneDNN's convolutions run faster on NHWC weights on the CPU (measured: +30% SPS)
             agent = agent.to(memory_format=torch.channels_last)
-        # lr in a tensor: annealing it recompiles nothing; on CUDA `capturable` keeps the step counters on the GPU
-        # (CUDA graphs, resume); on the CPU the fused Adam is faster (4 alternated pairs: median +12% SPS, noisy)
+        # lr in a tensor (annealing recompiles nothing); capturable on CUDA (CUDA graphs), fused on the CPU (+12% SPS)
         optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
                                      capturable=args.cuda, fused=not args.cuda or None)
         kl_penalty = KLPenalty(args, device) if (args.kl_penalty_coef, args.kl_penalty_target) != (None, None) else None
@@ -358,14 +358,13 @@ def main(args: Args) -> dict:
                 if kl_penalty and args.kl_penalty_target is not None and ckpt["kl_coef"] is not None:
                     kl_penalty.set(ckpt["kl_coef"])  # the adapted coefficient goes on
         writer = open_logs(args, run_dir, rank, resumed=ckpt is not None)  # TensorBoard; wandb with --track
-        # under torchrun DDP averages the gradients of the update (every rank steps its own envs)
+        # under torchrun DDP averages the gradients of the update (each rank its own envs; ranks weigh equally)
         train_agent = agent if world == 1 else nn.parallel.DistributedDataParallel(
             agent, device_ids=[device.index] if args.cuda else None)
         norm_per_minibatch = args.norm_adv and args.norm_adv_scope == "minibatch"
 
         def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_mask, mb_old_logp_all):
-            # one gradient step (under torchrun DDP averages the ranks' gradients: ranks weigh equally, as in CleanRL)
-            optimizer.zero_grad(set_to_none=False)
+            optimizer.zero_grad(set_to_none=False)  # one gradient step on one minibatch
             _, newlogprob, entropy, newvalue, logp_all = train_agent(mb_obs, mb_actions)
             penalty = kl_penalty.loss_terms(mb_old_logp_all, logp_all) if kl_penalty else {}
             loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
@@ -385,33 +384,40 @@ def main(args: Args) -> dict:
         logprobs, values = (torch.zeros((args.num_steps, args.num_envs), device=device) for _ in range(2))
         old_logp_all = torch.zeros((args.num_steps, args.num_envs, n_actions), device=device)
         rewards, dones, truncs = (np.zeros((args.num_steps, args.num_envs), dtype=np.float32) for _ in range(3))
-        next_obs, lives = obs_tensor(next_obs_np, device), info["lives"]
-        next_done = np.zeros(args.num_envs, dtype=bool)
-        games, recent_returns, stats, result = EpisodeStats(args.num_envs), [], {}, {}  # result: + eval_returns
+        next_obs, next_done = obs_tensor(next_obs_np, device), np.zeros(args.num_envs, dtype=bool)
+        games, recent_returns, stats, result = [EpisodeStats(n) for _ in pools], [], {}, {}  # result: + eval_returns
         start_time, start_step, last_print = time.time(), global_step, 0.0
         last_checkpoint = os.path.abspath(args.resume) if args.resume else None
         final_save = args.save_model or args.checkpoint_every or args.stop_after or args.eval_episodes or args.resume
+
+        def receive(p: int, part: slice, step: int) -> None:  # pool p's results of `step`, before its next actions
+            next_obs_np, rewards[step, part], term, trunc, infos = pools[p].recv()
+            # Truncation is not termination: the steps cut by the time limit, bootstrapped in step 2
+            truncs[step, part] = to_bootstrap(term, trunc, lives[part], infos["lives"], infos["terminated"])
+            lives[part], next_done[part] = infos["lives"], term | trunc  # detail: a life loss is terminal for GAE
+            log_games(writer, games[p].update(infos["reward"], term, trunc, infos["terminated"]), recent_returns,
+                      global_step)  # whole games: all lives, unclipped score
+            next_obs[part] = obs_tensor(next_obs_np, device)
 
         for iteration in range(first_iteration, num_iterations + 1):
             frac = 1.0 - (iteration - 1.0) / num_iterations if args.anneal_lr else 1.0  # detail: lr annealed to 0
             lr_now = frac * args.learning_rate
             optimizer.param_groups[0]["lr"].fill_(lr_now)
 
-            # 1. Collect rollout
+            # 1. Collect rollout: each pool of envs steps while the next pool's actions are computed (receive: above)
             for step in range(args.num_steps):
+                for p, (pool, part) in enumerate(zip(pools, parts)):
+                    if step > 0:
+                        receive(p, part, step - 1)
+                    obs[step, part], dones[step, part] = next_obs[part], next_done[part]
+                    with torch.inference_mode():
+                        action, logprob, _, value, logp_all = policy(obs[step, part])  # the rollout's action sampling
+                    actions[step, part], logprobs[step, part], values[step, part] = action, logprob, value
+                    old_logp_all[step, part] = logp_all  # (the KL-penalty variant's)
+                    pool.send(action.cpu().numpy())  # (envpool's step is send, then recv)
                 global_step += args.num_envs * world  # environment steps of all processes
-                obs[step], dones[step] = next_obs, next_done
-                with torch.inference_mode():
-                    action, logprob, _, value, logp_all = policy(obs[step])  # the rollout's action sampling
-                actions[step], logprobs[step], values[step], old_logp_all[step] = action, logprob, value, logp_all
-                next_obs_np, rewards[step], terminations, truncations, infos = envs.step(action.cpu().numpy())
-                # Truncation is not termination: the steps cut by the time limit, bootstrapped in step 2
-                truncs[step] = to_bootstrap(terminations, truncations, lives, infos["lives"], infos["terminated"])
-                lives = infos["lives"]
-                next_done = np.logical_or(terminations, truncations)  # detail: a life loss is terminal for GAE
-                log_games(writer, games.update(infos["reward"], terminations, truncations, infos["terminated"]),
-                          recent_returns, global_step)  # whole games: all lives, unclipped score
-                next_obs = obs_tensor(next_obs_np, device)
+            for p, part in enumerate(parts):
+                receive(p, part, args.num_steps - 1)
 
             # 2. Compute advantages and returns (GAE), on the host: the values come over once per rollout
             with torch.no_grad():
@@ -457,25 +463,21 @@ def main(args: Args) -> dict:
             if kl_penalty:
                 kl_penalty.adapt(stats["kl"])  # the coefficient of the next update
 
-            signalled = stats.pop("signals") > 0  # a signal to any rank
-            stop = signalled or 0 < args.stop_after <= iteration - first_iteration + 1
+            stop = stats["signals"] > 0 or 0 < args.stop_after <= iteration - first_iteration + 1  # (to any rank)
             if stop or (args.checkpoint_every and iteration % args.checkpoint_every == 0) or (
                     iteration == num_iterations and final_save):
                 last_checkpoint = save_state(run_dir, args, agent, optimizer, kl_penalty, iteration, global_step,
                                              rank, world)
             if stop and iteration < num_iterations:
                 if rank == 0:
-                    why = signal.Signals(signals.received[0]).name if signals.received else (
-                        "a signal to another rank" if signalled else f"--stop-after {args.stop_after}")
-                    print(f"stopped at iteration {iteration} ({why}); continue with: {launcher(world)} --resume "
-                          f"{last_checkpoint}", flush=True)
+                    say_stopped(iteration, signals, stats, args, world, last_checkpoint)  # and how to continue
                 break
         else:  # the trained model is on disk before the evaluation starts; a signal stops the evaluation cleanly
             if args.eval_episodes and rank == 0:
                 result["eval_returns"] = evaluate(agent, args, device, args.eval_episodes,
                                                   os.path.join(run_dir, "videos"), stop=lambda: bool(signals.received))
                 log_evaluation(writer, args, result, signals, last_checkpoint, global_step)
-        close_run(envs, writer, args, world)
+        close_run(pools, writer, args, world)
     return {"global_step": global_step, "run_dir": run_dir, "stats": stats, "returns": recent_returns, **result}
 
 
@@ -722,6 +724,12 @@ def log_iteration(writer, args: Args, stats: dict, iteration: int, num_iteration
     return time.time()
 
 
+def say_stopped(iteration: int, signals: StopSignals, stats: dict, args: Args, world: int, path: str) -> None:
+    why = signal.Signals(signals.received[0]).name if signals.received else (
+        "a signal to another rank" if stats["signals"] > 0 else f"--stop-after {args.stop_after}")
+    print(f"stopped at iteration {iteration} ({why}); continue with: {launcher(world)} --resume {path}", flush=True)
+
+
 def save_state(run_dir: str, args: Args, agent: Agent, optimizer, kl_penalty, iteration: int, global_step: int,
                rank: int, world: int) -> str:  # every rank calls it, rank 0 writes: the learner, every rank's RNG
     rngs, path = gather_objects(rng_state(), world), os.path.join(run_dir, "checkpoint.pt")
@@ -733,8 +741,9 @@ def save_state(run_dir: str, args: Args, agent: Agent, optimizer, kl_penalty, it
     return path
 
 
-def close_run(envs, writer, args: Args, world: int) -> None:
-    envs.close()
+def close_run(envs: list, writer, args: Args, world: int) -> None:  # envs: the vector envs (Atari: its pools)
+    for env in envs:
+        env.close()
     if writer is not None:
         writer.close()
         if args.track:
@@ -841,6 +850,8 @@ def validate(args: Args) -> None:  # bad values, an unknown game, --cuda without
              args.num_threads) < 0, "counts (--total-timesteps, --eval-episodes, ...) must be >= 0"),
         (batch % max(args.num_minibatches, 1), f"num_envs*num_steps = {batch} is not divisible by --num-minibatches "
                                                f"{args.num_minibatches}"),
+        (args.overlap_envs and args.num_envs % 2, f"--overlap-envs splits the envs in two: --num-envs {args.num_envs} "
+                                                  "is odd"),
         (not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1), "--gamma and --gae-lambda must lie in [0, 1]"),
         (min(args.learning_rate, args.clip_coef, args.max_grad_norm) <= 0,
          "--learning-rate, --clip-coef and --max-grad-norm must be positive"),

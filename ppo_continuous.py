@@ -645,7 +645,7 @@ def main(args: Args) -> dict:
                 eval_returns = evaluate(agent, args, device, args.eval_episodes, norm.obs_rms,
                                         os.path.join(run_dir, "videos"), stop=lambda: bool(signals.received))
                 eval_returns = log_evaluation(writer, args, eval_returns, global_step, signals, last_checkpoint)
-    close_run(envs, writer, args, world)
+    close_run([envs], writer, args, world)
     return {"global_step": global_step, "run_dir": run_dir, "stats": stats, "returns": episodes["recent"],
             "agent": agent, "obs_rms": norm.obs_rms, "return_rms": norm.reward_scaler.rms,
             **({"eval_returns": eval_returns} if eval_returns is not None else {})}
@@ -843,8 +843,9 @@ def log_evaluation(writer, args: Args, returns: list, step: int, signals: StopSi
     return returns
 
 
-def close_run(envs, writer, args: Args, world: int) -> None:
-    envs.close()
+def close_run(envs: list, writer, args: Args, world: int) -> None:  # envs: the vector envs (Atari: its pools)
+    for env in envs:
+        env.close()
     if writer is not None:
         writer.close()
         if args.track:

@@ -9,8 +9,9 @@ Stages, in this order, each under its own share of --minutes (the last stage run
                  `pytest -m gpu -q tests/test_gpu.py`
   2 atari_speed  Breakout-v5 with 8 envs, SPS warm-up excluded: envpool alone (random actions), CleanRL --cuda, the
                  compiled commands side by side for 2 iterations (this fills torch.compile's cache on disk, so the
-                 timed runs compile in seconds), LeanRL --compile --cudagraphs, ours --compile --cudagraphs / eager /
-                 --compile / --no-torch-deterministic, LeanRL --compile / eager; each as SPS and as ratios to envpool
+                 timed runs compile in seconds), LeanRL --compile --cudagraphs, ours --compile --cudagraphs (also
+                 with --overlap-envs) / eager / --compile / --no-torch-deterministic, LeanRL --compile / eager; each
+                 as SPS and as ratios to envpool
                  alone and to CleanRL; last, ours --compile --cudagraphs under cProfile (its top functions, in its log)
   3 ppo_llm      ppo_llm.py's default task for 20 iterations on CUDA (the held-out accuracy must rise from the first
                  evaluation to the last), then benchmarks/llm_throughput.py at 0.5B for gae and grpo, eager, then
@@ -487,19 +488,22 @@ def stage2(ctx: Ctx) -> list:
                                             ("leanrl_compile", ["--compile"]), ("leanrl_eager", []))}
     variants = {f"ours_{p}": f for p, f in OUR_PATHS.items()}
     variants["ours_no_torch_deterministic"] = ["--no-torch-deterministic"]
+    # two envpools of 4 envs: one steps while the other's actions are computed (the goal: past LeanRL's best)
+    variants["ours_compile_cudagraphs_overlap"] = [*OUR_PATHS["compile_cudagraphs"], "--overlap-envs"]
     # The compiled commands first run side by side for 2 iterations at the same sizes, which fills torch.compile's
     # cache on disk: the timed runs below then compile from it in seconds (their warm-up iterations are not timed).
     # Each one's output is in warmup/warm<i>.log; the item fails if any of them does
     warm_cmds = [[PY, leanrl, *dev_flag(ctx), *f, *lean_args[:4], "--total-timesteps", str(2 * batch), *small]
                  for n, f in lean.items() if f and not lean_skip_reason] + [
                 [PY, ours, *dev_flag(ctx), *f, *common_args[:4], "--total-timesteps", str(2 * batch), *small,
-                 "--runs-dir", ctx.stage_dir(2, "warmup_runs")] for f in OUR_PATHS.values() if f]
+                 "--runs-dir", ctx.stage_dir(2, "warmup_runs")]
+                for f in [*OUR_PATHS.values(), variants["ours_compile_cudagraphs_overlap"]] if f]
     script = "".join(f"{shlex.join(c)} > warm{i}.log 2>&1 & p{i}=$!; " for i, c in enumerate(warm_cmds)) + (
         "s=0; for p in " + " ".join(f"$p{i}" for i in range(len(warm_cmds))) + "; do wait $p || s=1; done; exit $s")
     items.append(Item("compile_warmup", ["bash", "-c", script], timeout=150, cwd=ctx.stage_dir(2, "warmup"),
                       skip=no_envpool or needs_cuda(ctx)))
-    order = ["leanrl_compile_cudagraphs", "ours_compile_cudagraphs", "ours_eager", "ours_compile",
-             "ours_no_torch_deterministic", "leanrl_compile", "leanrl_eager"]
+    order = ["leanrl_compile_cudagraphs", "ours_compile_cudagraphs", "ours_compile_cudagraphs_overlap", "ours_eager",
+             "ours_compile", "ours_no_torch_deterministic", "leanrl_compile", "leanrl_eager"]
     for name in order:
         if name.startswith("leanrl"):
             flags = lean[name]

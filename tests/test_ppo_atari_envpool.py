@@ -434,9 +434,12 @@ class StatelessGames:
     def reset(self):
         return self.obs, self.info
 
-    def step(self, action):
-        reward = (np.asarray(action) == 2).astype(np.float32)
-        no = np.zeros(len(action), dtype=bool)
+    def send(self, action):  # (main steps envpool's envs by send, then recv)
+        self.action = np.asarray(action)
+
+    def recv(self):
+        reward = (self.action == 2).astype(np.float32)
+        no = np.zeros(len(self.action), dtype=bool)
         return self.obs, reward, no, no, {**self.info, "reward": reward}
 
     def close(self):
@@ -463,6 +466,23 @@ def test_stopped_and_resumed_learner_equals_the_uninterrupted_one(tmp_path, monk
             assert torch.equal(b["optimizer"]["state"][i][k], v), (i, k)
     assert torch.equal(a["rng"][0]["torch"], b["rng"][0]["torch"])
     assert not torch.equal(a["model"]["actor.weight"], stopped["model"]["actor.weight"])  # (it trained on)
+
+
+def test_overlapped_pools_step_the_same_games_as_one_pool(tmp_path):
+    """--overlap-envs: two envpools of half the envs, one stepping while the other's actions are computed. Env i keeps
+    its seed and the actions are drawn in the same order, so on the CPU the run is the one-pool run: the same games
+    (the logged returns), and parameters equal up to the float sums of half-size batches."""
+    made, real = [], pae.make_envs
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(pae, "make_envs", lambda args, n, seed, **k: made.append((n, seed)) or real(args, n, seed, **k))
+        one, two = (pae.main(tiny(tmp_path / str(o), num_envs=4, num_steps=64, total_timesteps=1024, overlap_envs=o,
+                                  save_model=True)) for o in (False, True))
+    assert made == [(4, 1), (2, 1), (2, 3)]  # env i seeded with 1 + i either way
+    assert len(one["returns"]) > 0 and one["returns"] == two["returns"]
+    a, b = (torch.load(os.path.join(r["run_dir"], "checkpoint.pt"), weights_only=True)["model"] for r in (one, two))
+    for k, v in a.items():
+        torch.testing.assert_close(b[k], v, rtol=1e-4, atol=1e-5, msg=k)
+    assert scalars(one["run_dir"], "charts/episodic_return") == scalars(two["run_dir"], "charts/episodic_return")
 
 
 def test_load_policy_plays_the_saved_agent(tmp_path):

@@ -74,8 +74,9 @@ def test_the_error_boundary_is_the_same_text():
     assert len(tails) == 1
 
 
-def test_gae_on_the_host_is_the_same_text_in_the_continuous_and_atari_scripts():
-    assert definitions("ppo_continuous.py")["compute_gae"] == definitions("ppo_atari_envpool.py")["compute_gae"]
+@pytest.mark.parametrize("name", ["compute_gae", "say_stopped"])  # GAE on the host; the line of a stopped run
+def test_a_helper_of_the_continuous_and_atari_scripts_is_the_same_text(name):
+    assert definitions("ppo_continuous.py")[name] == definitions("ppo_atari_envpool.py")[name]
 
 
 def test_the_comparison_can_fail():
