@@ -244,8 +244,6 @@ def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, en
     """Clipped policy loss + c_v * value loss - c_H * entropy, and statistics (tensors, no host sync). With kl_coef,
     the KL-penalty policy loss -r*A + kl_coef * kl instead (kl: categorical_kl of each sample's state). Every mean
     is over mask 1 (real transitions; 0: envpool's reset steps), so that the shapes stay static for compilation."""
-    if kl_coef is not None and kl is None:
-        raise ValueError("ppo_loss: kl_coef needs kl, the KL(pi_old(.|s) || pi(.|s)) of each sample")
     logratio = newlogprob - oldlogprob
     ratio = logratio.exp()
     with torch.no_grad():

@@ -318,8 +318,6 @@ def ppo_loss(newlogprob, oldlogprob, advantages, newvalue, oldvalue, returns, en
              kl=None):
     """Clipped policy loss + c_v * value loss - c_H * entropy, with statistics (all tensors, no host sync). kl_coef
     selects the KL-penalty policy loss instead: -r*A + kl_coef * kl, kl: each state's exact KL (gaussian_kl)."""
-    if kl_coef is not None and kl is None:
-        raise ValueError("ppo_loss: kl_coef needs kl, the KL(pi_old(.|s) || pi(.|s)) of each sample")
     logratio = newlogprob - oldlogprob
     ratio = logratio.exp()
     with torch.no_grad():

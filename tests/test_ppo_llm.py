@@ -2361,7 +2361,6 @@ def test_a_separate_critic_has_its_own_loss_aggregation_and_no_vf_coef(acc_setup
 
 
 def test_reward_functions_get_the_row_columns_and_several_are_summed_with_weights(tmp_path, capsys):
-    fns = write_reward_fn(tmp_path / "r.py", "return 0.0")
     (tmp_path / "r.py").write_text(
         "def level(prompt, response, answer, difficulty):\n    return float(difficulty)\n"
         "def anything(prompt, response, answer, **columns):\n    return float(len(columns))\n"
