@@ -282,6 +282,90 @@ def build_task(args: Args, tok, gen: torch.Generator, world: int = 1):
     return sample_rows, eval_rows[:len(eval_rows) - len(eval_rows) % world], has_answers
 
 
+DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension -> datasets' builder
+
+
+def read_rows(path: str, flag: str) -> list[dict]:
+    """Every row of a local data file via Hugging Face datasets, offline, its cache removed; a UTF-8 BOM is allowed."""
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        os.environ.setdefault(var, "1")
+    import datasets
+
+    kind, verbosity = DATA_FORMATS[os.path.splitext(path)[1].lower()], datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # (its log of a failed read: the one line below)
+    try:
+        with tempfile.TemporaryDirectory(prefix="ppo_llm_data_") as cache:
+            data = datasets.load_dataset(kind, data_files=path, split="train", cache_dir=cache, keep_in_memory=True,
+                                         **({"encoding": "utf-8-sig"} if kind == "json" else {}))
+            return data.to_list()
+    except Exception as e:  # noqa: BLE001 - whatever the reader raises, the file is bad input
+        with open(path, "rb") as f:
+            if kind == "json" and not f.read().removeprefix(b"\xef\xbb\xbf").strip():
+                raise Failure(f"{flag} {path}: empty (no rows)")
+        raise Failure(f"{flag} {path}: cannot read it as {kind} ({reason(exception_chain(e)[-1])})")
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
+def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: str = "--dataset",
+                 prompt_key: str = "prompt", answer_key: str = "answer") -> list[dict]:
+    """Rows {"prompt" (text or chat messages), "answer" (text or None), "columns" (the others)}; a key may be a dotted
+    path into nested columns (reward_model.ground_truth). Prompts longer than prompt_length are dropped with a note."""
+    def column(row, key):
+        if key in row:
+            return row[key]
+        for part in key.split("."):
+            row = row.get(part) if isinstance(row, dict) else None
+        return row
+
+    def where(i):  # a .jsonl row by its line (the reader skips blank lines), others by their number
+        if not path.lower().endswith(".jsonl"):
+            return f"row {i + 1}"
+        with open(path, encoding="utf-8-sig") as f:
+            return f"line {[n for n, line in enumerate(f, 1) if line.strip()][i]}"
+    table, rows = read_rows(path, flag), []
+    for key, name, default in ((prompt_key, "--prompt-key", None), (answer_key, "--answer-key", Args.answer_key)):
+        if table and key != default and all(column(r, key) is None for r in table):  # (a mistyped key, say)
+            raise Failure(f"{flag} {path}: no column {key!r} ({name}); its columns: "
+                          f"{', '.join(column_names(table[0]))}")
+    for i, row in enumerate(table):
+        prompt, answer = column(row, prompt_key), column(row, answer_key)
+        if isinstance(prompt, list) and prompt and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in prompt):
+            if not tok.chat_template:
+                raise Failure(f"{flag} {path}: its prompts are chat messages, but the policy's tokenizer has no chat "
+                              "template")
+        elif not isinstance(prompt, str):
+            raise Failure(f"{flag} {path} {where(i)}: {prompt_key!r} is {prompt!r:.40}, neither text nor a list of "
+                          "chat messages {'role', 'content'}")
+        elif not prompt:
+            raise Failure(f"{flag} {path} {where(i)}: empty prompt")
+        columns = {k: v for k, v in row.items() if k not in (prompt_key, answer_key, "prompt", "response", "answer")}
+        rows.append({"prompt": prompt, "answer": answer_text(answer), "columns": columns})
+    if not rows:
+        raise Failure(f"{flag} {path}: empty (no rows)")
+    kept = [r for r in rows if len(prompt_token_ids(tok, r["prompt"], chat)) <= prompt_length]
+    if len(kept) < len(rows):
+        print(f"note: dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than --prompt-length {prompt_length}")
+    if not kept:
+        raise Failure(f"{flag} {path}: no prompt fits --prompt-length {prompt_length}")
+    return kept
+
+
+def column_names(row: dict, prefix: str = "") -> list[str]:  # nested ones by their dotted path, as keys reach them
+    return [name for key, value in row.items() for name in (column_names(value, f"{prefix}{key}.")
+                                                            if isinstance(value, dict) and value else [prefix + key])]
+
+
+def answer_text(value) -> Optional[str]:
+    """Text as it is; a number as text, whole floats as integers (datasets reads 72 in a column with 2.5 as 72.0)."""
+    if value is None or isinstance(value, str):
+        return value
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
 # --- Models: policy, frozen reference (a copy, or the policy with its LoRA adapters off), critic ---------------------
 def build_tiny_model(tok, seed: int, hidden_size: int, num_layers: int, max_positions: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -722,6 +806,34 @@ def weighted_sum(fns: list, weights: list[float]):
             score += w * float(value)
         return score
     return total
+
+
+def load_reward_fn(spec: Optional[str], weights: Optional[list[float]] = None):  # several: their weighted sum
+    specs = (spec or "exact").split(",")  # (as many weights: validate)
+    return weighted_sum([load_one_reward_fn(s.strip()) for s in specs], weights or [1.0] * len(specs))
+
+
+def load_one_reward_fn(spec: str):
+    """exact, math, or NAME(prompt, response, answer, **columns) -> float of FILE.py (verl, TRL); else one line."""
+    if spec in REWARD_RULES:
+        return REWARD_RULES[spec]
+    import importlib.util
+
+    path, _, name = spec.rpartition(":")
+    if not (path.endswith(".py") and name.isidentifier()):
+        raise Failure(f"--reward-fn {spec!r}: choose exact, math or FILE.py:NAME (the function NAME(prompt, response, "
+                      "answer) -> float in FILE.py)")
+    if not os.path.isfile(path):
+        raise Failure(f"--reward-fn {spec}: no such file {path}")
+    try:
+        module_spec = importlib.util.spec_from_file_location("reward_fn", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's file: whatever stops it from importing is bad input
+        raise Failure(f"--reward-fn {spec}: cannot import {path}: {reason(e)}")
+    if not callable(getattr(module, name, None)):
+        raise Failure(f"--reward-fn {spec}: {path} has no function {name!r}")
+    return getattr(module, name)
 
 
 def rule_scores(fn, rows: list[dict], texts: list[str], name: str) -> tuple[torch.Tensor, Optional[str]]:
@@ -1459,8 +1571,7 @@ def main(args: Args) -> dict:
 
 # =========================================================================================================
 # Plumbing: nothing below this line changes what PPO computes. torchrun, signals, the run directory and logging,
-# checkpoints and exact resume, evaluation, --reward-fn files, data files, local models and their checks, the command
-# line and its one error boundary.
+# checkpoints and exact resume, evaluation, local models and their checks, the command line and its one error boundary.
 # =========================================================================================================
 class Failure(Exception):  # [SHARED] one line from __main__: exit 2 bad input / a checkpoint that does not fit, else 1
     def __init__(self, message: str, code: int = 2):
@@ -1870,116 +1981,6 @@ def evaluate_and_log(policy, tok, rows, args: Args, rule, stops, device, rank: i
     return False
 
 
-# --- Reward functions: --reward-fn FILE.py:NAME, imported once -----------------------------------------------------
-def load_reward_fn(spec: Optional[str], weights: Optional[list[float]] = None):  # several: their weighted sum
-    specs = (spec or "exact").split(",")  # (as many weights: validate)
-    return weighted_sum([load_one_reward_fn(s.strip()) for s in specs], weights or [1.0] * len(specs))
-
-
-def load_one_reward_fn(spec: Optional[str]):
-    """exact (the default), math, or NAME(prompt, response, answer, **columns) -> float of FILE.py (verl, TRL)."""
-    spec = spec or "exact"
-    if spec in REWARD_RULES:
-        return REWARD_RULES[spec]
-    import importlib.util
-
-    path, _, name = spec.rpartition(":")
-    try:
-        module_spec = importlib.util.spec_from_file_location("reward_fn", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - the user's file: whatever stops it from importing is bad input
-        raise Failure(f"--reward-fn {spec}: cannot import {path}: {reason(e)}")
-    if not callable(getattr(module, name, None)):
-        raise Failure(f"--reward-fn {spec}: {path} has no function {name!r}")
-    return getattr(module, name)
-
-
-# --- Data files: .jsonl, .json, .parquet through Hugging Face datasets; prompt and answer columns ------------------
-DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension -> datasets' builder
-
-
-def read_rows(path: str, flag: str) -> list[dict]:
-    """Every row of a local data file via Hugging Face datasets, offline, its cache removed; a UTF-8 BOM is allowed."""
-    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
-        os.environ.setdefault(var, "1")
-    import datasets
-
-    kind, verbosity = DATA_FORMATS[os.path.splitext(path)[1].lower()], datasets.logging.get_verbosity()
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # (its log of a failed read: the one line below)
-    try:
-        with tempfile.TemporaryDirectory(prefix="ppo_llm_data_") as cache:
-            data = datasets.load_dataset(kind, data_files=path, split="train", cache_dir=cache, keep_in_memory=True,
-                                         **({"encoding": "utf-8-sig"} if kind == "json" else {}))
-            return data.to_list()
-    except Exception as e:  # noqa: BLE001 - whatever the reader raises, the file is bad input
-        with open(path, "rb") as f:
-            if kind == "json" and not f.read().removeprefix(b"\xef\xbb\xbf").strip():
-                raise Failure(f"{flag} {path}: empty (no rows)")
-        raise Failure(f"{flag} {path}: cannot read it as {kind} ({reason(exception_chain(e)[-1])})")
-    finally:
-        datasets.logging.set_verbosity(verbosity)
-
-
-def load_dataset(path: str, tok, prompt_length: int, chat: bool = False, flag: str = "--dataset",
-                 prompt_key: str = "prompt", answer_key: str = "answer") -> list[dict]:
-    """Rows {"prompt" (text or chat messages), "answer" (text or None), "columns" (the others)}; a key may be a dotted
-    path into nested columns (reward_model.ground_truth). Prompts longer than prompt_length are dropped with a note."""
-    def column(row, key):
-        if key in row:
-            return row[key]
-        for part in key.split("."):
-            row = row.get(part) if isinstance(row, dict) else None
-        return row
-
-    def where(i):  # a .jsonl row by its line (the reader skips blank lines), others by their number
-        if not path.lower().endswith(".jsonl"):
-            return f"row {i + 1}"
-        with open(path, encoding="utf-8-sig") as f:
-            return f"line {[n for n, line in enumerate(f, 1) if line.strip()][i]}"
-    table, rows = read_rows(path, flag), []
-    for key, name, default in ((prompt_key, "--prompt-key", None), (answer_key, "--answer-key", Args.answer_key)):
-        if table and key != default and all(column(r, key) is None for r in table):  # (a mistyped key, say)
-            raise Failure(f"{flag} {path}: no column {key!r} ({name}); its columns: "
-                          f"{', '.join(column_names(table[0]))}")
-    for i, row in enumerate(table):
-        prompt, answer = column(row, prompt_key), column(row, answer_key)
-        if isinstance(prompt, list) and prompt and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in prompt):
-            if not tok.chat_template:
-                raise Failure(f"{flag} {path}: its prompts are chat messages, but the policy's tokenizer has no chat "
-                              "template")
-        elif not isinstance(prompt, str):
-            raise Failure(f"{flag} {path} {where(i)}: {prompt_key!r} is {prompt!r:.40}, neither text nor a list of "
-                          "chat messages {'role', 'content'}")
-        elif not prompt:
-            raise Failure(f"{flag} {path} {where(i)}: empty prompt")
-        columns = {k: v for k, v in row.items() if k not in (prompt_key, answer_key, "prompt", "response", "answer")}
-        rows.append({"prompt": prompt, "answer": answer_text(answer), "columns": columns})
-    if not rows:
-        raise Failure(f"{flag} {path}: empty (no rows)")
-    kept = [r for r in rows if len(prompt_token_ids(tok, r["prompt"], chat)) <= prompt_length]
-    if len(kept) < len(rows):
-        print(f"note: dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than --prompt-length {prompt_length}")
-    if not kept:
-        raise Failure(f"{flag} {path}: no prompt fits --prompt-length {prompt_length}")
-    return kept
-
-
-def column_names(row: dict, prefix: str = "") -> list[str]:  # nested ones by their dotted path, as keys reach them
-    return [name for key, value in row.items() for name in (column_names(value, f"{prefix}{key}.")
-                                                            if isinstance(value, dict) and value else [prefix + key])]
-
-
-def answer_text(value) -> Optional[str]:
-    """Text as it is; a number as text, whole floats as integers (datasets reads 72 in a column with 2.5 as 72.0)."""
-    if value is None or isinstance(value, str):
-        return value
-    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
-
-
 # --- Local models: loaded, with the checks that turn a model that cannot work here into one line (exit 2) ----------
 def load_pretrained(what: str, path: str, from_pretrained, trust_remote_code: bool, **kwargs):  # or one line
     try:
@@ -2204,7 +2205,7 @@ def validate(args: Args) -> None:  # bad values: one line, exit 2, before anythi
             raise Failure(message)
     world, local_world = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     files = [(k, values[k]) for k in ("--dataset", "--eval-dataset") if values[k] is not None]
-    specs = [s.strip() for s in (args.reward_fn or "exact").split(",")]
+    functions = (args.reward_fn or "exact").count(",") + 1
     checks = [
         ((args.sft_steps or 0) < 0, f"--sft-steps must be >= 0, got {args.sft_steps}"),
         (not 0 <= args.seed < 2**31, f"--seed must lie in [0, 2**31), got {args.seed}"),
@@ -2249,13 +2250,8 @@ def validate(args: Args) -> None:  # bad values: one line, exit 2, before anythi
         (args.cuda and world > 1 and torch.cuda.device_count() < local_world,
          f"--cuda: {local_world} processes on this machine, {torch.cuda.device_count()} GPU(s): one GPU each "
          "(--no-cuda runs them on the CPU)"),
-        *[(s not in REWARD_RULES and not (s.rpartition(":")[0].endswith(".py") and s.rpartition(":")[2].isidentifier()),
-           f"--reward-fn {s!r}: choose exact, math or FILE.py:NAME (the function NAME(prompt, response, answer) -> "
-           "float in FILE.py)") for s in specs],
-        *[(s not in REWARD_RULES and not os.path.isfile(s.rpartition(":")[0]),
-           f"--reward-fn {s}: no such file {s.rpartition(':')[0]}") for s in specs],
-        (args.reward_weights is not None and len(args.reward_weights) != len(specs),
-         f"--reward-weights: {len(args.reward_weights or [])} weights for the {len(specs)} functions of --reward-fn"),
+        (args.reward_weights is not None and len(args.reward_weights) != functions,
+         f"--reward-weights: {len(args.reward_weights or [])} weights for the {functions} functions of --reward-fn"),
         (args.critic_lora and (args.critic != "separate" or not args.lora_rank),
          "--critic-lora puts LoRA adapters on the separate critic: it needs --critic separate and --lora-rank"),
         (args.lora_rank and world > 1, "--lora-rank is not supported under torchrun yet (FSDP2 / DDP of a model whose "

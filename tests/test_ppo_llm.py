@@ -750,16 +750,18 @@ def test_whitening_would_make_rloo_the_same_as_reinforce_plus_plus_baseline():
 
 def test_what_ppo_computes_lies_above_the_banner():
     """The banner says that nothing below it changes what PPO computes: the KL reference (with LoRA, the policy with
-    its adapters off) is above it, main() stays short, and generation comes early in the file."""
+    its adapters off), the task's data and the --reward-fn functions are above it, main() stays short, and generation
+    comes early in the file."""
     import ast
 
     source = open(SCRIPT).read()
     banner = next(i for i, line in enumerate(source.splitlines(), 1)
                   if line.startswith("# Plumbing: nothing below this line changes what PPO computes"))
     defs = {n.name: n for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    for name in ("reference_policy", "AdaptersOff", "with_lora", "lora_targets", "build_critic", "main"):
+    for name in ("reference_policy", "AdaptersOff", "with_lora", "lora_targets", "build_critic", "load_dataset",
+                 "load_reward_fn", "main"):
         assert defs[name].lineno < banner, name
-    for name in ("save_checkpoint", "parse_args", "load_dataset", "check_models"):
+    for name in ("save_checkpoint", "parse_args", "check_models"):
         assert defs[name].lineno > banner, name
     assert defs["main"].end_lineno - defs["main"].lineno + 1 <= 170 and defs["generate"].lineno < 600
 
@@ -1715,13 +1717,12 @@ def test_a_reward_function_that_cannot_be_imported_is_exit_2_before_anything_is_
     (tmp_path / "broken.py").write_text("import no_such_module_here\n")
     fn = write_reward_fn(tmp_path / "r.py", "return 1.0")
     runs = tmp_path / "runs"
-    for spec, needle, call in [
-            (str(tmp_path / "none.py:score"), "no such file", P.parse_args),
-            ("exactly", "choose exact, math or FILE.py:NAME", P.parse_args),
-            (fn.replace(":score", ":scor"), "has no function 'scor'", None),
-            (f"{tmp_path / 'broken.py'}:score", "cannot import", None)]:
+    for spec, needle in [(str(tmp_path / "none.py:score"), "no such file"),
+                         ("exactly", "choose exact, math or FILE.py:NAME"),
+                         (fn.replace(":score", ":scor"), "has no function 'scor'"),
+                         (f"{tmp_path / 'broken.py'}:score", "cannot import")]:
         argv = [*TINY, "--runs-dir", str(runs), "--reward-fn", spec]
-        err = one_line_exit(capsys, 2, call or (lambda a: P.main(P.parse_args(a))), argv)
+        err = one_line_exit(capsys, 2, lambda a: P.main(P.parse_args(a)), argv)
         assert needle in err and not runs.exists(), err
 
 
