@@ -436,7 +436,8 @@ def write_curve(ctx: Ctx, steps: list, returns: list, last_step: int) -> dict:
 def stage1(ctx: Ctx) -> list:
     return [Item("versions", [PY, os.path.abspath(__file__), "--print-versions"], timeout=60, weight=10, device="-",
                  read=read_versions),
-            Item("pytest_gpu", [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+            # (-o addopts=: one process, without pytest.ini's pytest-xdist workers, which the GPU machine may lack)
+            Item("pytest_gpu", [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                                 os.path.join(REPO, "tests", "test_gpu.py")], timeout=None, weight=240, read=read_pytest,
                  device="cuda" if ctx.cuda else "cpu (every test skips without CUDA)")]
 
@@ -551,7 +552,8 @@ def stage2_figures(items: list) -> dict:
 def stage3(ctx: Ctx) -> list:
     prefix = os.path.join(ctx.out, "llm_throughput")
     if ctx.dry:
-        tp = ["--preset", "tiny", "--device", "cpu", "--estimators", "gae", "--iterations", "2"]
+        tp = ["--preset", "tiny", "--device", "cpu", "--estimators", "gae", "--iterations", "2", "--vocab-size", "99",
+              "--rollout-batch-size", "4", "--n", "2", "--response-length", "6", "--micro-batch-size", "4"]
         llm = ["--num-iterations", "2", "--no-cuda", "--sft-steps", "1", "--sft-batch-size", "4", "--eval-prompts", "4",
                "--train-batch-size", "4", "--ppo-mini-batch-size", "2", "--tiny-hidden-size", "32", "--tiny-num-layers",
                "1", "--torch-threads", "1"]

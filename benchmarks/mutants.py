@@ -300,7 +300,8 @@ def end_live_runs() -> None:
 
 
 def run_selection(repo: str, args: list[str], timeout: float) -> tuple[str, str]:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
+    # (-o addopts=: one process, without pytest.ini's workers; a selection is a few tests)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=", *args]
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("PYTEST_ADDOPTS", None)
     if STOPPING:

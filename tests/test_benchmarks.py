@@ -309,8 +309,8 @@ def test_llm_throughput_tool_on_a_tiny_model(tmp_path):
     out = tmp_path / "llm"
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "llm_throughput.py"), "--paths", "eager",
                           "--iterations", "2", "--hidden", "64", "--layers", "1", "--intermediate", "128",
-                          "--rollout-batch-size", "4", "--n", "2", "--response-length", "6", "--micro-batch-size",
-                          "4", "--out", str(out)], capture_output=True, text=True, timeout=300)
+                          "--vocab-size", "99", "--rollout-batch-size", "4", "--n", "2", "--response-length", "6",
+                          "--micro-batch-size", "4", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     data = json.loads((tmp_path / "llm.json").read_text())
     (row,) = data["rows"]
