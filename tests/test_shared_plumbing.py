@@ -36,12 +36,13 @@ def definitions(script: str, parsed: bool = False) -> dict:
     else:
         with open(os.path.join(ROOT, script)) as f:
             src = f.read()
-    out = {}
+    out, lines = {}, src.splitlines(keepends=True)
+    text = lambda node: "".join(lines[node.lineno - 1:node.end_lineno])  # its whole lines (ast's segment: slow)
     for node in ast.parse(src).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            out[node.name] = ast.get_source_segment(src, node)
+            out[node.name] = text(node)
         elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            out[node.targets[0].id] = ast.get_source_segment(src, node)
+            out[node.targets[0].id] = text(node)
     return out
 
 
