@@ -10,9 +10,9 @@ Stages, in this order, each under its own share of --minutes (the last stage run
   2 atari_speed  Breakout-v5 with 8 envs, SPS warm-up excluded: envpool alone (random actions), CleanRL --cuda, the
                  compiled commands side by side for 2 iterations (this fills torch.compile's cache on disk, so the
                  timed runs compile in seconds), LeanRL --compile --cudagraphs, ours --compile --cudagraphs (also
-                 with --overlap-envs) / eager / --compile / --no-torch-deterministic, LeanRL --compile / eager; each
-                 as SPS and as ratios to envpool
-                 alone and to CleanRL; last, ours --compile --cudagraphs under cProfile (its top functions, in its log)
+                 captured by hand: capture_trial.py; also with --overlap-envs) / eager / --compile /
+                 --no-torch-deterministic, LeanRL --compile / eager; each as SPS and as ratios to envpool alone and
+                 to CleanRL; last, ours --compile --cudagraphs under cProfile (its top functions, in its log)
   3 ppo_llm      ppo_llm.py's default task for 20 iterations on CUDA (the held-out accuracy must rise from the first
                  evaluation to the last), then benchmarks/llm_throughput.py at 0.5B for gae and grpo, eager, then
                  --compile
@@ -491,6 +491,7 @@ def stage2(ctx: Ctx) -> list:
     variants["ours_no_torch_deterministic"] = ["--no-torch-deterministic"]
     # two envpools of 4 envs: one steps while the other's actions are computed (the goal: past LeanRL's best)
     variants["ours_compile_cudagraphs_overlap"] = [*OUR_PATHS["compile_cudagraphs"], "--overlap-envs"]
+    variants["ours_hand_captured"] = OUR_PATHS["compile_cudagraphs"]  # (its compiled code: ours_compile's warm-up)
     # The compiled commands first run side by side for 2 iterations at the same sizes, which fills torch.compile's
     # cache on disk: the timed runs below then compile from it in seconds (their warm-up iterations are not timed).
     # Each one's output is in warmup/warm<i>.log; the item fails if any of them does
@@ -503,8 +504,9 @@ def stage2(ctx: Ctx) -> list:
         "s=0; for p in " + " ".join(f"$p{i}" for i in range(len(warm_cmds))) + "; do wait $p || s=1; done; exit $s")
     items.append(Item("compile_warmup", ["bash", "-c", script], timeout=150, cwd=ctx.stage_dir(2, "warmup"),
                       skip=no_envpool or needs_cuda(ctx)))
-    order = ["leanrl_compile_cudagraphs", "ours_compile_cudagraphs", "ours_compile_cudagraphs_overlap", "ours_eager",
-             "ours_compile", "ours_no_torch_deterministic", "leanrl_compile", "leanrl_eager"]
+    order = ["leanrl_compile_cudagraphs", "ours_compile_cudagraphs", "ours_hand_captured",
+             "ours_compile_cudagraphs_overlap", "ours_eager", "ours_compile", "ours_no_torch_deterministic",
+             "leanrl_compile", "leanrl_eager"]
     for name in order:
         if name.startswith("leanrl"):
             flags = lean[name]
@@ -514,11 +516,13 @@ def stage2(ctx: Ctx) -> list:
                               cwd=ctx.stage_dir(2, name), read=read_leanrl(lean_skip), skip=skip))
             continue
         flags, runs = variants[name], ctx.stage_dir(2, name, "runs")
+        # ours_hand_captured: capture_trial.py, the script with each hot function captured whole in one CUDA graph
+        program = os.path.join(REPO, "benchmarks", "capture_trial.py") if name == "ours_hand_captured" else ours
         skip = no_envpool or (needs_cuda(ctx) if "--cudagraphs" in flags else None) or (
             "dry run: torch.compile takes minutes on a CPU" if ctx.dry and "--compile" in flags else None) or (
             "dry run: ours_eager with one flag more" if ctx.dry and name == "ours_no_torch_deterministic" else None)
         threads = ["--torch-threads", "1"] if ctx.dry else []
-        items.append(Item(name, [PY, ours, *dev_flag(ctx), *flags, *common_args, *threads, "--exp-name", name,
+        items.append(Item(name, [PY, program, *dev_flag(ctx), *flags, *common_args, *threads, "--exp-name", name,
                                  "--runs-dir", runs],
                           timeout=60, read=tb_or_stdout_sps(runs, warm, batch, "ours"), skip=skip))
     # Where our fastest path spends its host time (it ran at 0.75x LeanRL's on an H100): Python's profiler over a

@@ -295,6 +295,18 @@ def test_progress_line_parsing():
     assert job.global_step == 0 and "iter 3/10" in job.status()
 
 
+def test_the_capture_trial_runs_the_atari_script_and_keeps_its_errors(tmp_path):
+    """benchmarks/capture_trial.py (its CUDA graphs: tests/test_gpu.py) on the CPU: the script's eager run to its end
+    through the trial's compile helper, and the script's one-line refusal of --cudagraphs without CUDA."""
+    trial = [sys.executable, os.path.join(ROOT, "benchmarks", "capture_trial.py"), "--no-cuda", "--num-envs", "2",
+             "--num-steps", "32", "--num-minibatches", "2", "--update-epochs", "1", "--runs-dir", str(tmp_path)]
+    ok = subprocess.run(trial + ["--total-timesteps", "128"], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "iter 2/2" in ok.stdout, ok.stdout[-2000:] + ok.stderr[-2000:]
+    bad = subprocess.run(trial + ["--total-timesteps", "128", "--cudagraphs"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and bad.stderr == "error: --cudagraphs needs --cuda (CUDA graphs exist only on a GPU)\n"
+
+
 def test_llm_throughput_names_the_precision_of_its_runs():
     import llm_throughput  # (benchmarks/ is on the path)
 

@@ -62,6 +62,12 @@ def path_cmd(script: str, path: str, runs_dir, device: str = "cuda") -> list:
             str(runs_dir)]
 
 
+def trial_cmd(runs_dir, device: str = "cuda") -> list:
+    """benchmarks/capture_trial.py: the Atari script's --compile --cudagraphs with each function captured whole."""
+    cmd = path_cmd("ppo_atari_envpool.py", "compile_cudagraphs", runs_dir, device)
+    return [cmd[0], os.path.join(REPO, "benchmarks", "capture_trial.py"), *cmd[2:]]
+
+
 def stop_cmd(script: str, runs_dir, device: str) -> list:
     """Eager, stopped with a checkpoint after half the iterations."""
     return path_cmd(script, "eager", runs_dir, device) + ["--stop-after", str(ITERATIONS // 2)]
@@ -120,6 +126,7 @@ def runs(tmp_path_factory):
     first = {("path", s, p): path_cmd(s, p, tmp / f"{s[:-3]}_{p}") for s in SCRIPTS for p in PATHS}
     first.update({("stop", s, d): stop_cmd(s, tmp / f"{s[:-3]}_stop_{d}", d) for s in SCRIPTS for d in ("cuda", "cpu")})
     first[("llm_stop",)] = llm_stop_cmd(tmp / "llm")
+    first[("trial",)] = trial_cmd(tmp / "trial")
     dirs = {k: c[c.index("--runs-dir") + 1] for k, c in first.items()}
     res = run_all(first)
     second = {}  # (a stopped run that failed or left no checkpoint has no resume: its test says so)
@@ -158,8 +165,21 @@ def test_compiled_parameters_equal_eager(runs, script, path):
     res, dirs = runs
     finished(res[("path", script, "eager")], f"{script} eager")
     finished(res[("path", script, path)], f"{script} {path}")
-    eager = torch.load(checkpoint_in(dirs[("path", script, "eager")]), map_location="cpu", weights_only=True)["model"]
-    other = torch.load(checkpoint_in(dirs[("path", script, path)]), map_location="cpu", weights_only=True)["model"]
+    assert_same_parameters(dirs[("path", script, "eager")], dirs[("path", script, path)], script, path)
+
+
+def test_the_hand_captured_trial_ends_with_the_eager_parameters(runs):
+    res, dirs = runs
+    script = "ppo_atari_envpool.py"
+    finished(res[("path", script, "eager")], f"{script} eager")
+    text = finished(res[("trial",)], "benchmarks/capture_trial.py --compile --cudagraphs")
+    assert f"iter {ITERATIONS}/{ITERATIONS}" in text, text[-2000:]
+    assert_same_parameters(dirs[("path", script, "eager")], dirs[("trial",)], script, "compile_cudagraphs")
+
+
+def assert_same_parameters(eager_runs, other_runs, script: str, path: str) -> None:
+    eager = torch.load(checkpoint_in(eager_runs), map_location="cpu", weights_only=True)["model"]
+    other = torch.load(checkpoint_in(other_runs), map_location="cpu", weights_only=True)["model"]
     assert eager.keys() == other.keys()
     tol = dict(SAME_AS_EAGER[path], **({"atol": ATOL[script]} if script in ATOL else {}))
     for k in eager:

@@ -183,6 +183,8 @@ def test_gpu_test_command_lines_on_the_cpu(tmp_path):
     built += [test_gpu.stop_cmd(s, tmp_path, d) for s in test_gpu.SCRIPTS for d in ("cuda", "cpu")]
     built += [test_gpu.resume_cmd(s, ckpt, d) for s in test_gpu.SCRIPTS for d in ("cuda", "cpu")]
     built += [test_gpu.llm_stop_cmd(tmp_path, d) for d in ("cuda", "cpu")] + [test_gpu.llm_resume_cmd(ckpt, "cpu")]
+    built.append(test_gpu.trial_cmd(tmp_path, "cpu"))
+    known["capture_trial.py"] = known["ppo_atari_envpool.py"]  # (it runs that script)
     for c in built:
         script = os.path.basename(c[1])
         unknown = [a for a in c[2:] if a.startswith("--") and a not in known[script]]
