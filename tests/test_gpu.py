@@ -3,6 +3,7 @@ no compiled graph falls back from CUDA graphs, the compiled paths end with the e
 checkpoints cross between CUDA and the CPU both ways; ppo_llm.py runs in bf16 on CUDA and resumes on the CPU.
 
     pytest -m gpu -q tests/test_gpu.py        # on a GPU machine; benchmarks/gpu_check.py stage 1 runs this
+    pytest -m gpu -q -o addopts= tests/test_gpu.py    # the same without pytest-xdist (pytest.ini's -n 2 needs it)
 
 All the runs start at once (one module fixture: the GPU and 16 cores take them side by side), then the resumes; the
 whole file takes a few minutes on one H100. tests/test_gpu_check.py builds the same command lines with --no-cuda and
