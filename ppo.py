@@ -115,12 +115,12 @@ def env_state(envs) -> Optional[list]:
         return {k: torch.from_numpy(np.array(v)) if isinstance(v, (np.ndarray, np.generic)) else v for k, v in d.items()
                 if isinstance(v, (bool, int, float, str, type(None)))
                 or isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biuf"}
-    return [{"np_random": env.np_random.bit_generator.state, "layers": [plain(vars(e)) for e in layers(env)]}
+    return [{"np_random": env.np_random.bit_generator.state, "layers": [plain(vars(e)) for e in wrapper_layers(env)]}
             for env in envs.envs]
 
 
-def layers(env) -> list:  # a wrapper and the envs inside it, to the unwrapped one
-    return [env, *layers(env.env)] if hasattr(env, "env") else [env]
+def wrapper_layers(env) -> list:  # the wrappers of an env, outermost first, then the env itself
+    return [env, *wrapper_layers(env.env)] if hasattr(env, "env") else [env]
 
 
 def episodes_state(envs, next_obs, next_done, ep_return, ep_length) -> dict:  # the episodes in flight
@@ -133,7 +133,7 @@ def restore_episodes(envs, saved: dict, next_obs, next_done, ep_return, ep_lengt
     if saved["envs"] is None or env_state(envs) is None:
         return False
     for env, state in zip(envs.envs, saved["envs"], strict=True):
-        for layer, plain in zip(layers(env), state["layers"], strict=True):
+        for layer, plain in zip(wrapper_layers(env), state["layers"], strict=True):
             vars(layer).update({k: v.numpy().copy() if isinstance(v, torch.Tensor) else v for k, v in plain.items()})
         env.np_random.bit_generator.state = state["np_random"]
     next_obs.copy_(saved["next_obs"]), next_done.copy_(saved["next_done"])

@@ -432,10 +432,7 @@ def load_env_state(envs, snapshot: list) -> None:
 
 
 def wrapper_layers(env) -> list:  # the wrappers of an env, outermost first, then the env itself
-    layers = [env]
-    while hasattr(layers[-1], "env"):
-        layers.append(layers[-1].env)
-    return layers
+    return [env, *wrapper_layers(env.env)] if hasattr(env, "env") else [env]
 
 
 def mujoco_state(env) -> Optional[dict]:

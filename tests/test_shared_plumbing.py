@@ -80,6 +80,10 @@ def test_a_helper_of_the_continuous_and_atari_scripts_is_the_same_text(name):
     assert definitions("ppo_continuous.py")[name] == definitions("ppo_atari_envpool.py")[name]
 
 
+def test_the_wrapper_walk_of_the_episodes_in_flight_is_the_same_text_in_ppo_and_continuous():
+    assert definitions("ppo.py")["wrapper_layers"] == definitions("ppo_continuous.py")["wrapper_layers"]
+
+
 def test_the_comparison_can_fail():
     a, b = definitions("ppo.py"), definitions("ppo_continuous.py")
     assert a["Args"] != b["Args"]  # a helper that differs is seen as different
