@@ -26,30 +26,39 @@ import ppo_atari_envpool as script  # noqa: E402
 script_compile = script.compile_hot_functions
 
 
-def cuda_graphed(fn, warmup: int = 2):
+def cuda_graphed(fn, name: str, warmup: int = 2):
     """fn, run as it is for its first `warmup` calls (on a side stream: they create the optimizer's state and
-    compile), then captured whole in one CUDA graph at the next call and replayed from then on. Each call copies its
-    tensor arguments (of the shapes of the first call) into the captured inputs and returns the captured outputs,
-    which the next call overwrites. Every call runs fn's work once, so results equal eager's."""
+    compile), then captured whole in one CUDA graph at the next call and replayed from then on. fn always gets the
+    same input tensors, made at the first call (so that torch.compile sees the same kind of tensor at every call):
+    each call copies its tensor arguments into them, and a replay returns the captured outputs, which the next call
+    overwrites. Every call runs fn's work once."""
     stream, state = torch.cuda.Stream(), {"calls": 0}
 
     def run(*args):
         flat, spec = _pytree.tree_flatten(args)
+        if "inputs" not in state:
+            state["inputs"], state["spec"] = [x.clone() if isinstance(x, torch.Tensor) else x for x in flat], spec
+        plain = [(x, c) for x, c in zip(flat, state["inputs"]) if not isinstance(c, torch.Tensor)]
+        if spec != state["spec"] or any(x != c for x, c in plain):
+            raise ValueError(f"{name}: called with other arguments than at its first call")
+        for captured, x in zip(state["inputs"], flat):
+            if isinstance(captured, torch.Tensor):
+                if (x.shape, x.dtype) != (captured.shape, captured.dtype):
+                    raise ValueError(f"{name}: a {x.dtype} {tuple(x.shape)} input, captured {tuple(captured.shape)}")
+                captured.copy_(x)
+        inputs = _pytree.tree_unflatten(state["inputs"], spec)
         if state["calls"] < warmup:
             state["calls"] += 1
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                out = fn(*args)
+                out = fn(*inputs)
             torch.cuda.current_stream().wait_stream(stream)
             return out
         if "graph" not in state:
-            state["inputs"] = [x.clone() if isinstance(x, torch.Tensor) else x for x in flat]
             state["graph"] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(state["graph"]):  # records fn's kernels without running them
-                state["outputs"] = fn(*_pytree.tree_unflatten(state["inputs"], spec))
-        for captured, x in zip(state["inputs"], flat):
-            if isinstance(captured, torch.Tensor):
-                captured.copy_(x)
+                state["outputs"] = fn(*inputs)
+            print(f"capture_trial: {name} captured in one CUDA graph", flush=True)
         state["graph"].replay()
         return state["outputs"]
     return run
@@ -59,7 +68,7 @@ def compile_hot_functions(policy, update, agent, args):
     """The script's helper without reduce-overhead (compiled in the default mode with --compile, else eager), then,
     with --cudagraphs, each function captured by hand."""
     policy, update = script_compile(policy, update, agent, dataclasses.replace(args, cudagraphs=False))
-    return (cuda_graphed(policy), cuda_graphed(update)) if args.cudagraphs else (policy, update)
+    return (cuda_graphed(policy, "policy"), cuda_graphed(update, "update")) if args.cudagraphs else (policy, update)
 
 
 if __name__ == "__main__":

@@ -491,7 +491,7 @@ def stage2(ctx: Ctx) -> list:
     variants["ours_no_torch_deterministic"] = ["--no-torch-deterministic"]
     # two envpools of 4 envs: one steps while the other's actions are computed (the goal: past LeanRL's best)
     variants["ours_compile_cudagraphs_overlap"] = [*OUR_PATHS["compile_cudagraphs"], "--overlap-envs"]
-    variants["ours_hand_captured"] = OUR_PATHS["compile_cudagraphs"]  # (its compiled code: ours_compile's warm-up)
+    variants["ours_hand_captured"] = list(OUR_PATHS["compile_cudagraphs"])  # (compiled: ours_compile's warm-up)
     # The compiled commands first run side by side for 2 iterations at the same sizes, which fills torch.compile's
     # cache on disk: the timed runs below then compile from it in seconds (their warm-up iterations are not timed).
     # Each one's output is in warmup/warm<i>.log; the item fails if any of them does

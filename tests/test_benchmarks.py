@@ -307,6 +307,19 @@ def test_the_capture_trial_runs_the_atari_script_and_keeps_its_errors(tmp_path):
     assert bad.returncode == 2 and bad.stderr == "error: --cudagraphs needs --cuda (CUDA graphs exist only on a GPU)\n"
 
 
+def test_the_capture_trial_wraps_both_hot_functions_with_cudagraphs_alone(monkeypatch):
+    import capture_trial  # (benchmarks/ is on the path)
+    import torch
+
+    wrapped = []
+    monkeypatch.setattr(capture_trial, "cuda_graphed", lambda fn, name: wrapped.append((fn, name)) or fn)
+    agent, policy, update = torch.nn.Linear(2, 2), object(), object()
+    for cudagraphs in (False, True):  # (the script's helper, compile off: the functions as they are)
+        args = capture_trial.script.Args(cuda=False, cudagraphs=cudagraphs)
+        assert capture_trial.compile_hot_functions(policy, update, agent, args) == (policy, update)
+    assert wrapped == [(policy, "policy"), (update, "update")]
+
+
 def test_llm_throughput_names_the_precision_of_its_runs():
     import llm_throughput  # (benchmarks/ is on the path)
 

@@ -175,6 +175,8 @@ def test_the_hand_captured_trial_ends_with_the_eager_parameters(runs):
     finished(res[("path", script, "eager")], f"{script} eager")
     text = finished(res[("trial",)], "benchmarks/capture_trial.py --compile --cudagraphs")
     assert f"iter {ITERATIONS}/{ITERATIONS}" in text, text[-2000:]
+    for name in ("policy", "update"):  # (else the run was the script's own path)
+        assert f"capture_trial: {name} captured in one CUDA graph" in text, text[-2000:]
     assert_same_parameters(dirs[("path", script, "eager")], dirs[("trial",)], script, "compile_cudagraphs")
 
 
