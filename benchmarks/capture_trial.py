@@ -36,8 +36,9 @@ def cuda_graphed(fn, name: str, warmup: int = 2):
 
     def run(*args):
         flat, spec = _pytree.tree_flatten(args)
-        if "inputs" not in state:
+        if "inputs" not in state:  # (flat, and as fn takes them)
             state["inputs"], state["spec"] = [x.clone() if isinstance(x, torch.Tensor) else x for x in flat], spec
+            state["args"] = _pytree.tree_unflatten(state["inputs"], spec)
         plain = [(x, c) for x, c in zip(flat, state["inputs"]) if not isinstance(c, torch.Tensor)]
         if spec != state["spec"] or any(x != c for x, c in plain):
             raise ValueError(f"{name}: called with other arguments than at its first call")
@@ -46,18 +47,17 @@ def cuda_graphed(fn, name: str, warmup: int = 2):
                 if (x.shape, x.dtype) != (captured.shape, captured.dtype):
                     raise ValueError(f"{name}: a {x.dtype} {tuple(x.shape)} input, captured {tuple(captured.shape)}")
                 captured.copy_(x)
-        inputs = _pytree.tree_unflatten(state["inputs"], spec)
         if state["calls"] < warmup:
             state["calls"] += 1
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                out = fn(*inputs)
+                out = fn(*state["args"])
             torch.cuda.current_stream().wait_stream(stream)
             return out
         if "graph" not in state:
             state["graph"] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(state["graph"]):  # records fn's kernels without running them
-                state["outputs"] = fn(*inputs)
+                state["outputs"] = fn(*state["args"])
             print(f"capture_trial: {name} captured in one CUDA graph", flush=True)
         state["graph"].replay()
         return state["outputs"]

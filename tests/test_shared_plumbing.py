@@ -37,7 +37,9 @@ def definitions(script: str, parsed: bool = False) -> dict:
         with open(os.path.join(ROOT, script)) as f:
             src = f.read()
     out, lines = {}, src.splitlines(keepends=True)
-    text = lambda node: "".join(lines[node.lineno - 1:node.end_lineno])  # its whole lines (ast's segment: slow)
+
+    def text(node) -> str:  # its whole lines (ast.get_source_segment splits the file again at every call: slow)
+        return "".join(lines[node.lineno - 1:node.end_lineno])
     for node in ast.parse(src).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             out[node.name] = text(node)
