@@ -2432,4 +2432,7 @@ def test_the_throughput_benchmark_writes_its_contract(tmp_path):
     row = data["results"]["grpo"]["eager"]
     assert all(row[k] > 0 for k in ("gen_tokens_per_s", "hf_generate_tokens_per_s", "train_tokens_per_s"))
     assert row["peak_gpu_mem_gib"] is None and data["torch"] == torch.__version__ and data["device"] and data["date"]
-    assert "| grpo | eager |" in (tmp_path / "llm.md").read_text()
+    assert 1 <= row["response_length_mean"] <= 4
+    assert [(r["estimator"], r["path"]) for r in data["rows"]] == [("grpo", "eager")]
+    md = (tmp_path / "llm.md").read_text()
+    assert "| grpo | eager |" in md and "CPU fp32" in md
