@@ -318,85 +318,85 @@ class KLPenalty:
 
 # --- Training loop ----------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
-    with StopSignals() as signals:  # SIGTERM / Ctrl-C from here on: honoured at the end of an iteration
-        rank, world, device = setup_distributed(args.cuda)  # torchrun: one process per rank (gloo, or NCCL per GPU)
-        ckpt = load_checkpoint(args.resume) if args.resume else None
-        check_resume(ckpt, args, world)  # the same env, rollout size and processes (the iterations hold for them)
-        run_dir = make_run_dir(args, rank, world)
+    rank, world, device = setup_distributed(args.cuda)  # torchrun: one process per rank (gloo, or NCCL per GPU)
+    ckpt = load_checkpoint(args.resume) if args.resume else None
+    check_resume(ckpt, args, world)  # the same env, rollout size and processes (the iterations hold for them)
+    run_dir = make_run_dir(args, rank, world)
 
-        random.seed(args.seed + rank)  # seeding: each rank its own stream
-        np.random.seed(args.seed + rank)
-        torch.manual_seed(args.seed + rank)
-        set_torch_determinism(args.torch_deterministic)
-        torch.set_num_threads(args.torch_threads or os.cpu_count() // int(os.getenv("LOCAL_WORLD_SIZE", "1")) or 1)
+    random.seed(args.seed + rank)  # seeding: each rank its own stream
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    set_torch_determinism(args.torch_deterministic)
+    torch.set_num_threads(args.torch_threads or os.cpu_count() // int(os.getenv("LOCAL_WORLD_SIZE", "1")) or 1)
 
-        batch_size = args.num_envs * args.num_steps  # per process; under torchrun the global batch is world times it
-        minibatch_size = batch_size // args.num_minibatches
-        num_iterations = args.total_timesteps // (batch_size * world)
-        first_iteration, global_step = (ckpt["iteration"] + 1, ckpt["global_step"]) if ckpt else (1, 0)
-        # env i gets seed + i (each process its own, a resumed run fresh ones), in one pool or two (--overlap-envs)
-        seed, n = args.seed + global_step + rank * args.num_envs, args.num_envs // (2 if args.overlap_envs else 1)
-        pools, parts = zip(*[(make_envs(args, n, seed + i), slice(i, i + n)) for i in range(0, args.num_envs, n)])
-        resets = [pool.reset() for pool in pools]
-        next_obs_np, lives = np.concatenate([o for o, _ in resets]), np.concatenate([i["lives"] for _, i in resets])
-        obs_shape, n_actions = pools[0].single_observation_space.shape, int(pools[0].single_action_space.n)
+    batch_size = args.num_envs * args.num_steps  # per process; under torchrun the global batch is world times it
+    minibatch_size = batch_size // args.num_minibatches
+    num_iterations = args.total_timesteps // (batch_size * world)
+    first_iteration, global_step = (ckpt["iteration"] + 1, ckpt["global_step"]) if ckpt else (1, 0)
+    # env i gets seed + i (each process its own, a resumed run fresh ones), in one pool or two (--overlap-envs)
+    seed, n = args.seed + global_step + rank * args.num_envs, args.num_envs // (2 if args.overlap_envs else 1)
+    pools, parts = zip(*[(make_envs(args, n, seed + i), slice(i, i + n)) for i in range(0, args.num_envs, n)])
+    resets = [pool.reset() for pool in pools]
+    next_obs_np, lives = np.concatenate([o for o, _ in resets]), np.concatenate([i["lives"] for _, i in resets])
+    obs_shape, n_actions = pools[0].single_observation_space.shape, int(pools[0].single_action_space.n)
 
-        agent = Agent(n_actions).to(device)
-        if not args.cuda:  # oneDNN's convolutions run faster on NHWC weights on the CPU (measured: +30% SPS)
-            agent = agent.to(memory_format=torch.channels_last)
-        # lr in a tensor (annealing recompiles nothing); capturable on CUDA (CUDA graphs), fused on the CPU (+12% SPS)
-        optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
-                                     capturable=args.cuda, fused=not args.cuda or None)
-        kl_penalty = KLPenalty(args, device) if (args.kl_penalty_coef, args.kl_penalty_target) != (None, None) else None
-        if ckpt is not None:  # exact resume of the learner: networks, Adam, RNG of every rank, the KL coefficient
-            with checkpoint_fits(args.resume):
-                agent.load_state_dict(ckpt["model"])
-                load_optimizer_state(optimizer, ckpt["optimizer"], device)
-                set_rng_state(ckpt["rng"][rank], device)
-                if kl_penalty and args.kl_penalty_target is not None and ckpt["kl_coef"] is not None:
-                    kl_penalty.set(ckpt["kl_coef"])  # the adapted coefficient goes on
-        writer = open_logs(args, run_dir, rank, resumed=ckpt is not None)  # TensorBoard; wandb with --track
-        # under torchrun DDP averages the gradients of the update (each rank its own envs; ranks weigh equally)
-        train_agent = agent if world == 1 else nn.parallel.DistributedDataParallel(
-            agent, device_ids=[device.index] if args.cuda else None)
-        norm_per_minibatch = args.norm_adv and args.norm_adv_scope == "minibatch"
+    agent = Agent(n_actions).to(device)
+    if not args.cuda:  # oneDNN's convolutions run faster on NHWC weights on the CPU (measured: +30% SPS)
+        agent = agent.to(memory_format=torch.channels_last)
+    # lr in a tensor (annealing recompiles nothing); capturable on CUDA (CUDA graphs), fused on the CPU (+12% SPS)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=torch.tensor(args.learning_rate, device=device), eps=1e-5,
+                                 capturable=args.cuda, fused=not args.cuda or None)
+    kl_penalty = KLPenalty(args, device) if (args.kl_penalty_coef, args.kl_penalty_target) != (None, None) else None
+    if ckpt is not None:  # exact resume of the learner: networks, Adam, RNG of every rank, the KL coefficient
+        with checkpoint_fits(args.resume):
+            agent.load_state_dict(ckpt["model"])
+            load_optimizer_state(optimizer, ckpt["optimizer"], device)
+            set_rng_state(ckpt["rng"][rank], device)
+            if kl_penalty and args.kl_penalty_target is not None and ckpt["kl_coef"] is not None:
+                kl_penalty.set(ckpt["kl_coef"])  # the adapted coefficient goes on
+    writer = open_logs(args, run_dir, rank, resumed=ckpt is not None)  # TensorBoard; wandb with --track
+    # under torchrun DDP averages the gradients of the update (each rank its own envs; ranks weigh equally)
+    train_agent = agent if world == 1 else nn.parallel.DistributedDataParallel(
+        agent, device_ids=[device.index] if args.cuda else None)
+    norm_per_minibatch = args.norm_adv and args.norm_adv_scope == "minibatch"
 
-        def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_mask, mb_old_logp_all):
-            optimizer.zero_grad(set_to_none=False)  # one gradient step on one minibatch
-            _, newlogprob, entropy, newvalue, logp_all = train_agent(mb_obs, mb_actions)
-            penalty = kl_penalty.loss_terms(mb_old_logp_all, logp_all) if kl_penalty else {}
-            loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
-                                   mb_mask, args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef,
-                                   norm_per_minibatch, **penalty)
-            loss.backward()
-            stats["grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-            optimizer.step()
-            return stats
+    def update(mb_obs, mb_actions, mb_logprobs, mb_advantages, mb_returns, mb_values, mb_mask, mb_old_logp_all):
+        optimizer.zero_grad(set_to_none=False)  # one gradient step on one minibatch
+        _, newlogprob, entropy, newvalue, logp_all = train_agent(mb_obs, mb_actions)
+        penalty = kl_penalty.loss_terms(mb_old_logp_all, logp_all) if kl_penalty else {}
+        loss, stats = ppo_loss(newlogprob, mb_logprobs, mb_advantages, newvalue, mb_values, mb_returns, entropy,
+                               mb_mask, args.clip_coef, args.clip_vloss, args.ent_coef, args.vf_coef,
+                               norm_per_minibatch, **penalty)
+        loss.backward()
+        stats["grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+        optimizer.step()
+        return stats
 
-        policy, update = compile_hot_functions(agent, update, agent, args)  # --compile, --cudagraphs
+    policy, update = compile_hot_functions(agent, update, agent, args)  # --compile, --cudagraphs
 
-        # Rollout storage (T, N, ...): uint8 observations (the network scales them); on the host for the GAE: rewards,
-        # dones and the steps to bootstrap. old_logp_all: log pi_old(.|s) of every action (the KL-penalty variant)
-        obs = torch.zeros((args.num_steps, args.num_envs) + obs_shape, dtype=torch.uint8, device=device)
-        actions = torch.zeros((args.num_steps, args.num_envs), dtype=torch.long, device=device)
-        logprobs, values = (torch.zeros((args.num_steps, args.num_envs), device=device) for _ in range(2))
-        old_logp_all = torch.zeros((args.num_steps, args.num_envs, n_actions), device=device)
-        rewards, dones, truncs = (np.zeros((args.num_steps, args.num_envs), dtype=np.float32) for _ in range(3))
-        next_obs, next_done = obs_tensor(next_obs_np, device), np.zeros(args.num_envs, dtype=bool)
-        games, recent_returns, stats, result = [EpisodeStats(n) for _ in pools], [], {}, {}  # result: + eval_returns
-        start_time, start_step, last_print = time.time(), global_step, 0.0
-        last_checkpoint = os.path.abspath(args.resume) if args.resume else None
-        final_save = args.save_model or args.checkpoint_every or args.stop_after or args.eval_episodes or args.resume
+    # Rollout storage (T, N, ...): uint8 observations (the network scales them); on the host for the GAE: rewards,
+    # dones and the steps to bootstrap. old_logp_all: log pi_old(.|s) of every action (the KL-penalty variant)
+    obs = torch.zeros((args.num_steps, args.num_envs) + obs_shape, dtype=torch.uint8, device=device)
+    actions = torch.zeros((args.num_steps, args.num_envs), dtype=torch.long, device=device)
+    logprobs, values = (torch.zeros((args.num_steps, args.num_envs), device=device) for _ in range(2))
+    old_logp_all = torch.zeros((args.num_steps, args.num_envs, n_actions), device=device)
+    rewards, dones, truncs = (np.zeros((args.num_steps, args.num_envs), dtype=np.float32) for _ in range(3))
+    next_obs, next_done = obs_tensor(next_obs_np, device), np.zeros(args.num_envs, dtype=bool)
+    games, recent_returns, stats, result = [EpisodeStats(n) for _ in pools], [], {}, {}  # result: + eval_returns
+    start_time, start_step, last_print = time.time(), global_step, 0.0
+    last_checkpoint = os.path.abspath(args.resume) if args.resume else None
+    final_save = args.save_model or args.checkpoint_every or args.stop_after or args.eval_episodes or args.resume
 
-        def receive(p: int, part: slice, step: int) -> None:  # pool p's results of `step`, before its next actions
-            next_obs_np, rewards[step, part], term, trunc, infos = pools[p].recv()
-            # Truncation is not termination: the steps cut by the time limit, bootstrapped in step 2
-            truncs[step, part] = to_bootstrap(term, trunc, lives[part], infos["lives"], infos["terminated"])
-            lives[part], next_done[part] = infos["lives"], term | trunc  # detail: a life loss is terminal for GAE
-            log_games(writer, games[p].update(infos["reward"], term, trunc, infos["terminated"]), recent_returns,
-                      global_step)  # whole games: all lives, unclipped score
-            next_obs[part] = obs_tensor(next_obs_np, device)
+    def receive(p: int, part: slice, step: int) -> None:  # pool p's results of `step`, before its next actions
+        next_obs_np, rewards[step, part], term, trunc, infos = pools[p].recv()
+        # Truncation is not termination: the steps cut by the time limit, bootstrapped in step 2
+        truncs[step, part] = to_bootstrap(term, trunc, lives[part], infos["lives"], infos["terminated"])
+        lives[part], next_done[part] = infos["lives"], term | trunc  # detail: a life loss is terminal for GAE
+        log_games(writer, games[p].update(infos["reward"], term, trunc, infos["terminated"]), recent_returns,
+                  global_step)  # whole games: all lives, unclipped score
+        next_obs[part] = obs_tensor(next_obs_np, device)
 
+    with StopSignals() as signals:  # SIGTERM / Ctrl-C are honoured at the end of an iteration
         for iteration in range(first_iteration, num_iterations + 1):
             frac = 1.0 - (iteration - 1.0) / num_iterations if args.anneal_lr else 1.0  # detail: lr annealed to 0
             lr_now = frac * args.learning_rate
@@ -475,7 +475,7 @@ def main(args: Args) -> dict:
                 result["eval_returns"] = evaluate(agent, args, device, args.eval_episodes,
                                                   os.path.join(run_dir, "videos"), stop=lambda: bool(signals.received))
                 log_evaluation(writer, args, result, signals, last_checkpoint, global_step)
-        close_run(pools, writer, args, world)
+    close_run(pools, writer, args, world)
     return {"global_step": global_step, "run_dir": run_dir, "stats": stats, "returns": recent_returns, **result}
 
 
