@@ -111,10 +111,13 @@ def env_state(envs) -> Optional[list]:
     classic-control envs. None for AsyncVectorEnv and envs whose state lives elsewhere (Box2D, an emulator)."""
     if not hasattr(envs, "envs") or not envs.envs[0].unwrapped.__module__.startswith("gymnasium.envs.classic_control"):
         return None
-    def plain(d: dict) -> dict:  # numbers, strings, numeric arrays (as tensors: a weights_only load reads them)
-        return {k: torch.from_numpy(np.array(v)) if isinstance(v, (np.ndarray, np.generic)) else v for k, v in d.items()
-                if isinstance(v, (bool, int, float, str, type(None)))
-                or isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biuf"}
+    def numeric(v) -> bool:  # an array of numbers, or a tuple of numbers (MountainCar's state)
+        return (isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biuf" or isinstance(v, tuple) and
+                all(isinstance(x, (int, float, np.number)) for x in v))
+
+    def plain(d: dict) -> dict:  # numbers and strings; numeric ones as tensors (a weights_only load reads them)
+        return {k: torch.from_numpy(np.array(v)) if numeric(v) else v for k, v in d.items()
+                if numeric(v) or isinstance(v, (bool, int, float, str, type(None)))}
     return [{"np_random": env.np_random.bit_generator.state, "layers": [plain(vars(e)) for e in wrapper_layers(env)]}
             for env in envs.envs]
 
