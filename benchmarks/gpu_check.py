@@ -72,7 +72,7 @@ KNOWN_H100 = {"envpool_alone": "3,635", "cleanrl": "1,006–1,136", "leanrl_eage
               "leanrl_compile": "≈2,230–2,600", "leanrl_compile_cudagraphs": "≈3,700"}
 # (--cudagraphs alone is the same path as --compile --cudagraphs: torch.compile's reduce-overhead mode)
 OUR_PATHS = {"eager": [], "compile": ["--compile"], "compile_cudagraphs": ["--compile", "--cudagraphs"]}
-CPU_BREAKOUT = os.path.join(REPO, "benchmarks", "results", "ppo_atari_envpool_breakout")
+CPU_BREAKOUT = os.path.join(REPO, "benchmarks", "results", "ppo_atari_envpool_breakout_cpu_curve")  # stage 5
 PYTEST_SUMMARY = re.compile(r"^=*\s*((?:\d+ \w+,? ?)+ in [\d.]+s(?: \([^)]*\))?)\s*=*$")
 LLM_EVAL = re.compile(r"eval iter (\d+): accuracy greedy ([\d.]+)\s+sampled ([\d.]+)")
 LEANRL_SPS = re.compile(r"(?:^|\r|\])SPS: ([\d.]+) iteration (\d+)", re.M)  # (tqdm's bar may lead the line)
@@ -373,24 +373,14 @@ def read_breakout(ctx: Ctx, runs_dir: str):
 
 
 def cpu_curve() -> tuple:
-    """(steps, returns, note) of the committed CPU Breakout run, if its event files are here."""
+    """(steps, returns, note) of the committed CPU Breakout curve (its report's episodes.csv)."""
     import report
 
-    runs = [r for r in report.find_runs([os.path.join(CPU_BREAKOUT, "runs")]) if not r.problem] if os.path.isdir(
-        os.path.join(CPU_BREAKOUT, "runs")) else []
-    if runs:
-        r = runs[0]
-        return list(r.steps), list(r.returns), f"CPU curve from {os.path.relpath(r.run_dir, REPO)}"
-    what = ""
-    try:
-        with open(os.path.join(CPU_BREAKOUT, "runs.csv")) as f:
-            row = next(csv.DictReader(f))
-        what = (f"; runs.csv has only its final return, {float(row['final_return']):.2f} over the last 10% of "
-                f"{int(row['last_step']):,} steps")
-    except (OSError, StopIteration, KeyError, ValueError):
-        pass
-    return [], [], ("no CPU curve data: the CPU run's event files (benchmarks/results/ppo_atari_envpool_breakout/runs/)"
-                    f" are not committed, only its plot curves_steps.png{what}")
+    path = os.path.join(CPU_BREAKOUT, "episodes.csv")
+    if not os.path.exists(path):
+        return [], [], f"no CPU curve data: {os.path.relpath(path, REPO)} is missing"
+    steps, returns = report.read_episodes_csv(path, "Breakout-v5")
+    return steps, returns, f"CPU curve from {os.path.relpath(path, REPO)} (see report.md there)"
 
 
 def write_curve(ctx: Ctx, steps: list, returns: list, last_step: int) -> dict:

@@ -1,6 +1,7 @@
 """Read the tensorboard event files of PPO runs and write the results: a CSV per seed, a CSV and a markdown table
-per (experiment, env) with the final return (mean ± std over seeds) beside the published reference figure, and
-learning-curve PNGs (mean with a ±std band over seeds) against global step and against wall time.
+per (experiment, env) with the final return (mean ± std over seeds) beside the published reference figure, a CSV
+of every finished episode (the curves as numbers), and learning-curve PNGs (mean with a ±std band over seeds) against
+global step and against wall time.
 
     python benchmarks/report.py benchmarks/results/ppo/runs --out benchmarks/results/ppo
 
@@ -235,6 +236,23 @@ def write_runs_csv(path: str, runs: list) -> None:
                         r.run_dir or "", r.problem or ""])
 
 
+def write_episodes_csv(path: str, runs: list) -> None:  # the curves as numbers: a row per finished episode
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["env_id", "exp_name", "seed", "global_step", "wall_seconds", "episodic_return"])
+        for r in sorted(runs, key=lambda r: (r.exp_name, r.env_id, r.seed)):
+            w.writerows([r.env_id, r.exp_name, r.seed, int(s), f"{t:.1f}", f"{v:.6g}"]
+                        for s, t, v in zip(r.steps, r.walls, r.returns))
+
+
+def read_episodes_csv(path: str, env_id: str) -> tuple:
+    """(global steps, returns) of env_id's episodes in an episodes.csv, every seed's, in step order."""
+    with open(path, newline="") as f:
+        rows = sorted((int(r["global_step"]), float(r["episodic_return"])) for r in csv.DictReader(f)
+                      if r["env_id"] == env_id)
+    return [s for s, _ in rows], [v for _, v in rows]
+
+
 def write_summary_csv(path: str, rows: list) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
@@ -378,7 +396,7 @@ def plot_curves(runs: list, path_steps: str, path_time: str, reference: Optional
 # ---------------------------------------------------------------------------------------------------------
 def build_report(runs_dirs: list, out_dir: str, expected: Optional[list] = None, header: str = "",
                  title: str = "Results", runs: Optional[list] = None, tag: str = RETURN_TAG) -> tuple:
-    """Read the runs, write runs.csv, summary.csv, report.md, curves_steps.png and curves_time.png in out_dir.
+    """Read the runs, write runs.csv, summary.csv, episodes.csv, report.md and the curves' PNGs in out_dir.
     Returns (markdown text, ok) where ok is False when any run (found or expected) has no data."""
     reference = load_reference()
     runs = runs if runs is not None else find_runs(runs_dirs, tag)
@@ -387,6 +405,7 @@ def build_report(runs_dirs: list, out_dir: str, expected: Optional[list] = None,
     rows = summarise(runs, reference)
     write_runs_csv(os.path.join(out_dir, "runs.csv"), runs)
     write_summary_csv(os.path.join(out_dir, "summary.csv"), rows)
+    write_episodes_csv(os.path.join(out_dir, "episodes.csv"), runs)
     pngs = plot_curves(runs, os.path.join(out_dir, "curves_steps.png"), os.path.join(out_dir, "curves_time.png"),
                        reference)
     md = f"## {title}\n\n{header}\n" if header else f"## {title}\n\n"
@@ -410,7 +429,8 @@ def main(argv: Optional[list] = None) -> int:
     args = p.parse_args(argv)
     md, ok = build_report(args.runs_dirs, args.out, title=args.title, tag=args.tag)
     print(md)
-    print(f"written to {args.out}/ (report.md, runs.csv, summary.csv, curves_steps.png, curves_time.png)")
+    print(f"written to {args.out}/ (report.md, runs.csv, summary.csv, episodes.csv, curves_steps.png, "
+          "curves_time.png)")
     if not ok:
         print("error: some runs have no data (listed above)", file=sys.stderr)
     return 0 if ok else 1

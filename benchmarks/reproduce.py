@@ -8,8 +8,9 @@ one per core), then read their tensorboard events and write the tables and learn
     python benchmarks/reproduce.py --script ppo.py --env-ids CartPole-v1 --seeds 1 2 3 --report-only
 
 Writes under --out (default benchmarks/results/<script name>/): runs/ (the scripts' run directories), logs/ (each
-process's output), report.md, runs.csv (one row per seed), summary.csv, curves_steps.png, curves_time.png and
-meta.json (command, date, hardware, versions). While it runs it prints which runs are going, their step and an ETA.
+process's output), report.md, runs.csv (one row per seed), summary.csv, episodes.csv (one row per finished
+episode), curves_steps.png, curves_time.png and meta.json (command, date, hardware, versions). While it runs it
+prints which runs are going, their step and an ETA.
 Exit code: 0 when every run finished and has data, 1 otherwise (the report names the runs without data), 2 for
 bad arguments.
 """
@@ -144,7 +145,7 @@ def main(argv: Optional[list] = None) -> int:
                                  title=title, runs=runs)
     print()
     print(md)
-    print(f"written to {os.path.relpath(out)}/: report.md, runs.csv, summary.csv, curves_steps.png, "
+    print(f"written to {os.path.relpath(out)}/: report.md, runs.csv, summary.csv, episodes.csv, curves_steps.png, "
           f"curves_time.png, meta.json, logs/")
     if not ok:
         print("error: some runs failed or have no data (listed above)", file=sys.stderr)

@@ -100,6 +100,9 @@ def test_report_tables_csv_and_png(tmp_path):
         summary = list(csv.DictReader(f))
     assert [s["env_id"] for s in summary] == ["CartPole-v1", "HalfCheetah-v5"]
     assert summary[1]["reference_mean"] == "1442.64" and summary[1]["reference_env_id"] == "HalfCheetah-v4"
+    # episodes.csv: every finished episode, each seed's (the curves as numbers); read back per env in step order
+    steps, returns = report.read_episodes_csv(str(out / "episodes.csv"), "HalfCheetah-v5")
+    assert list(zip(steps, returns)) == sorted((s, v * 3.0) for seed in (1, 2, 3) for s, v in seed_episodes(seed))
     for name in ("curves_steps.png", "curves_time.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

@@ -2,6 +2,7 @@
 reason, a table row per command), its pure helpers against hand computations, and the command lines of
 tests/test_gpu.py with --no-cuda (every flag known to its script, one of them run) so that they cannot rot here."""
 
+import csv
 import json
 import os
 import re
@@ -132,6 +133,20 @@ def test_bin_curve_and_edges():
     assert edges == [0, 10, 20]
     assert gpu_check.bin_curve([0, 5, 10, 15, 20], [1, 2, 3, 4, 5], edges) == [(1.5, 2), (4.0, 3)]
     assert gpu_check.bin_curve([15], [7.0], edges) == [(None, 0), (7.0, 1)]
+
+
+def test_the_breakout_curve_sits_beside_the_committed_cpu_curve(tmp_path):
+    """Stage 5's CSV: this run's binned returns beside the committed CPU run's, bin by bin at the same steps."""
+    steps, returns, note = gpu_check.cpu_curve()
+    assert len(steps) > 100 and steps == sorted(steps) and "episodes.csv" in note, note
+    ctx = gpu_check.Ctx(out=str(tmp_path), dry=True, anchors="", cuda=False, deadline=time.time() + 60, previous={})
+    fig = gpu_check.write_curve(ctx, steps, [r + 1.0 for r in returns], steps[-1])  # "this run": the CPU run + 1
+    with open(tmp_path / fig["csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 20 and sum(int(r["cpu_episodes"]) for r in rows) == len(steps)
+    for r in rows:
+        if r["cpu_episodes"] != "0":
+            assert float(r["gpu_mean_return"]) == pytest.approx(float(r["cpu_mean_return"]) + 1, abs=2e-3)
 
 
 def test_pytest_summary_line():

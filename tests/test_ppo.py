@@ -625,11 +625,12 @@ def test_the_update_uses_the_kl_penalty_loss_with_a_fixed_coefficient(tmp_path, 
     assert read_scalars(res["run_dir"], "charts/kl_coef") == []
 
 
-@pytest.mark.parametrize("variant", [{}, {"kl_penalty_target": 1e-3}, {"env_id": "MountainCar-v0"}],
-                         ids=["clip", "adaptive-kl", "mountaincar"])
+@pytest.mark.parametrize("variant", [{}, {"kl_penalty_target": 1e-3}, {"env_id": "Acrobot-v1"},
+                                     {"env_id": "MountainCar-v0"}], ids=["clip", "adaptive-kl", "acrobot", "mountaincar"])
 def test_exact_resume_equals_uninterrupted_run(tmp_path, variant):
-    """Stopped at an iteration boundary and resumed (sync envs, CPU): same parameters and logged losses; with the
-    adaptive KL penalty the coefficient goes on from its adapted value. (MountainCar keeps its state in a tuple.)"""
+    """Stopped at an iteration boundary and resumed (sync envs, CPU): same parameters and logged losses, on each
+    classic-control env with discrete actions (MountainCar keeps its state in a tuple); with the adaptive KL penalty
+    the coefficient goes on from its adapted value."""
     kw = dict(total_timesteps=1024, num_envs=2, num_steps=64, save_model=True, **variant)  # 8 iterations
     full = ppo.main(small_args(tmp_path / "full", **kw))
     part = ppo.main(small_args(tmp_path / "split", stop_after=3, **kw))
