@@ -9,8 +9,9 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 import distributed_worker  # noqa: E402
+import ppo  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -61,9 +62,6 @@ def test_ppo_trains_stops_and_resumes_under_torchrun(tmp_path):
     assert not torch.equal(state["episodes"][0]["next_obs"], state["episodes"][1]["next_obs"])
     assert not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"])
     # another number of processes would change the iterations and the lr schedule: refused (exit 2)
-    sys.path.insert(0, ROOT)
-    import ppo
-
     with pytest.raises(ppo.Failure, match=r"written by 2 process\(es\); resume it with as many: torchrun") as e:
         ppo.main(ppo.parse_args(["--resume", ckpt]))
     assert e.value.code == 2
@@ -108,9 +106,6 @@ def test_a_full_disk_of_rank_0_under_torchrun_ends_the_job(tmp_path, script, arg
 
 
 def test_cudagraphs_under_torchrun_is_one_line_error(monkeypatch):
-    sys.path.insert(0, ROOT)
-    import ppo
-
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
