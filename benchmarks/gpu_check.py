@@ -559,8 +559,10 @@ def stage3(ctx: Ctx) -> list:
                   timeout=None, weight=2, read=read_ppo_llm(must_learn=not ctx.dry),
                   device="cpu" if ctx.dry else "cuda")]
     for path in ("eager",) if ctx.dry else ("eager", "compile"):  # (compile last: the first to go when time is short)
+        # (the side-by-side generation, the same eager model, once; each run's row is written as it ends)
+        side = ["--no-side-by-side"] if path != "eager" else []
         items.append(Item(f"llm_throughput_{path}", [PY, os.path.join(REPO, "benchmarks", "llm_throughput.py"), *tp,
-                                                     "--paths", path, "--out", f"{prefix}_{path}"],
+                                                     "--paths", path, *side, "--out", f"{prefix}_{path}"],
                           timeout=None, weight=1, read=read_llm_throughput(f"{prefix}_{path}"),
                           device="cpu" if ctx.dry else "cuda"))
     return items

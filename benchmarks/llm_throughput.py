@@ -13,7 +13,8 @@ path. Figures: the median of perf/gen_tokens_per_s and perf/train_tokens_per_s o
 (which holds start-up and compilation), perf/peak_gpu_mem_gib (CUDA). Beside them, on the same model and one
 rollout's batch of prompts (in the run's precision): response tokens/s of ppo_llm's `generate` and of Hugging Face's
 `model.generate` (sampling, temperature 1, the same stop tokens and length limit), interleaved, best of 3 after a
-warm-up. Response tokens are counted up to each row's EOS. Writes PREFIX.json and PREFIX.md (default
+warm-up (`--no-side-by-side` skips it). Response tokens are counted up to each row's EOS. Writes PREFIX.json
+and PREFIX.md after every run, so that one stopped at a time limit keeps the rows it measured (default
 benchmarks/results/llm_throughput.*).
 """
 
@@ -158,6 +159,8 @@ def parse(argv):
     p.add_argument("--paths", nargs="+", default=["eager"], choices=list(PATHS), help="paths to time")
     p.add_argument("--iterations", type=int, default=3, help="PPO iterations per run (the first is not counted)")
     p.add_argument("--out", default=os.path.join(common.RESULTS, "llm_throughput"), help="output path prefix")
+    p.add_argument("--no-side-by-side", dest="side_by_side", action="store_false",
+                   help="skip the generation side by side with Hugging Face (another run measured it)")
     p.add_argument("--save-model", metavar="DIR", help="only write the preset's model to DIR (and --save-dataset)")
     p.add_argument("--save-dataset", metavar="FILE", help="only write the preset's JSONL of 64 prompts to FILE")
     for name in ("hidden", "layers", "intermediate", "vocab-size", "rollout-batch-size", "n", "response-length",
@@ -204,6 +207,7 @@ def main(argv=None):
         return 0
 
     rows, label = [], precision_label(cuda, extra)
+    command = "python benchmarks/llm_throughput.py " + " ".join(argv + (["--", *extra] if extra else []))
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data = os.path.join(tmp, "model"), os.path.join(tmp, "data.jsonl")
         n_params = build_model_dir(model_dir, cfg["hidden"], cfg["layers"], cfg["heads"], cfg["kv_heads"],
@@ -211,9 +215,12 @@ def main(argv=None):
         longest = write_dataset(data, 256, cfg["prompt_words"])
         print(f"model: {n_params / 1e6:.1f}M parameters; prompts up to {longest} characters", flush=True)
         batch = cfg["rollout_batch_size"] * cfg["n"]
-        gen_side = side_by_side(model_dir, data, batch, cfg["response_length"], cuda, label.endswith("bf16 autocast"))
-        print(f"generate, {batch} prompts x {cfg['response_length']} tokens: ppo_llm {gen_side['ours']:,.0f} tok/s, "
-              f"Hugging Face {gen_side['hf']:,.0f} tok/s", flush=True)
+        gen_side = {"ours": None, "hf": None}
+        if a.side_by_side:
+            gen_side = side_by_side(model_dir, data, batch, cfg["response_length"], cuda,
+                                    label.endswith("bf16 autocast"))
+            print(f"generate, {batch} prompts x {cfg['response_length']} tokens: ppo_llm {gen_side['ours']:,.0f} "
+                  f"tok/s, Hugging Face {gen_side['hf']:,.0f} tok/s", flush=True)
         for estimator in a.estimators:
             for name in a.paths:
                 runs = os.path.join(tmp, f"runs_{estimator}_{name}")
@@ -234,21 +241,34 @@ def main(argv=None):
                 if res.returncode != 0:
                     print(res.stdout[-3000:], res.stderr[-3000:], sep="\n")
                     rows.append({**row, "error": (res.stderr.strip().splitlines() or ["?"])[-1]})
-                    continue
-                run_dir = os.path.join(runs, os.listdir(runs)[0])
-                s = read_scalars(run_dir, ["perf/gen_tokens_per_s", "perf/train_tokens_per_s",
-                                           "response/length_mean", "perf/peak_gpu_mem_gib"])
-                row.update(gen_tokens_per_s=float(np.median(s["perf/gen_tokens_per_s"][1:])),
-                           train_tokens_per_s=float(np.median(s["perf/train_tokens_per_s"][1:])),
-                           response_length_mean=float(np.mean(s["response/length_mean"])),
-                           peak_gpu_mem_gib=max(s["perf/peak_gpu_mem_gib"]) if "perf/peak_gpu_mem_gib" in s else None)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                else:
+                    run_dir = os.path.join(runs, os.listdir(runs)[0])
+                    s = read_scalars(run_dir, ["perf/gen_tokens_per_s", "perf/train_tokens_per_s",
+                                               "response/length_mean", "perf/peak_gpu_mem_gib"])
+                    row.update(gen_tokens_per_s=float(np.median(s["perf/gen_tokens_per_s"][1:])),
+                               train_tokens_per_s=float(np.median(s["perf/train_tokens_per_s"][1:])),
+                               response_length_mean=float(np.mean(s["response/length_mean"])),
+                               peak_gpu_mem_gib=max(s["perf/peak_gpu_mem_gib"]) if "perf/peak_gpu_mem_gib" in s
+                               else None)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                # after every run: a benchmark stopped at a time limit leaves the rows it measured
+                lines = write_reports(a.out, a.preset, cfg, n_params, label, command, cuda, rows)
+    print("\n".join(lines[2:]))
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def write_reports(out: str, preset: str, cfg: dict, n_params: int, label: str, command: str, cuda: bool,
+                  rows: list) -> list:
+    """OUT.md (the table) and OUT.json (per estimator and path, and the rows in order); returns the markdown lines."""
+    import torch
+
+    def num(x, fmt=",.0f"):
+        return "" if x is None else format(x, fmt)
 
     info = common.machine_info()
-    command = "python benchmarks/llm_throughput.py " + " ".join(argv + (["--", *extra] if extra else []))
     lines = [common.machine_markdown(info, command), "",
-             f"Model: random-weight Qwen2 ({a.preset}), hidden {cfg['hidden']}, {cfg['layers']} layers, MLP "
+             f"Model: random-weight Qwen2 ({preset}), hidden {cfg['hidden']}, {cfg['layers']} layers, MLP "
              f"{cfg['intermediate']}, {cfg['vocab']:,} output rows, {n_params / 1e6:.1f}M parameters; "
              f"{cfg['rollout_batch_size']} prompts x {cfg['n']} responses, up to {cfg['response_length']} response "
              f"tokens, micro-batch {cfg['micro_batch_size']}, {label}. Tokens/s count response tokens up to EOS; "
@@ -259,28 +279,25 @@ def main(argv=None):
         if "error" in r:
             lines.append(f"| {r['estimator']} | {r['path']} | failed: {r['error']} | | | | | {r['wall_s']:.0f} |")
         else:
-            mem = "" if r["peak_gpu_mem_gib"] is None else f"{r['peak_gpu_mem_gib']:.1f}"
-            lines.append(f"| {r['estimator']} | {r['path']} | {r['gen_tokens_per_s']:,.0f} | "
-                         f"{r['train_tokens_per_s']:,.0f} | {r['ours_generate_tokens_per_s']:,.0f} | "
-                         f"{r['hf_generate_tokens_per_s']:,.0f} | {mem} | {r['wall_s']:.0f} |")
-    if os.path.dirname(a.out):
-        os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out + ".md", "w") as f:
+            lines.append(f"| {r['estimator']} | {r['path']} | {num(r['gen_tokens_per_s'])} | "
+                         f"{num(r['train_tokens_per_s'])} | {num(r['ours_generate_tokens_per_s'])} | "
+                         f"{num(r['hf_generate_tokens_per_s'])} | {num(r['peak_gpu_mem_gib'], '.1f')} | "
+                         f"{r['wall_s']:.0f} |")
+    if os.path.dirname(out):
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     results = {}
     for r in rows:
         results.setdefault(r["estimator"], {})[r["path"]] = {k: r.get(k) for k in (
             "gen_tokens_per_s", "hf_generate_tokens_per_s", "ours_generate_tokens_per_s", "train_tokens_per_s",
             "peak_gpu_mem_gib", "response_length_mean", "wall_s", "error")}
-    import torch
-
-    with open(a.out + ".json", "w") as f:
+    with open(out + ".json", "w") as f:
         json.dump({"device": common.gpu_name() if cuda else common.cpu_model(), "torch": torch.__version__,
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "preset": a.preset, "config": cfg, "params": n_params, "precision": label, "command": command,
+                   "preset": preset, "config": cfg, "params": n_params, "precision": label, "command": command,
                    "machine": info, "results": results, "rows": rows}, f, indent=1)
-    print("\n".join(lines[2:]))
-    return 0 if all("error" not in r for r in rows) else 1
+    return lines
 
 
 if __name__ == "__main__":

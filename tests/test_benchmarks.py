@@ -346,6 +346,47 @@ def test_llm_throughput_tool_says_bad_sizes_in_one_line():
     assert bad.returncode == 2 and "--micro-batch-size must be positive" in bad.stderr
 
 
+def test_llm_throughput_keeps_each_run_as_it_comes(tmp_path, monkeypatch):
+    """PREFIX.json and .md are written after every ppo_llm run: a benchmark stopped at a time limit (here: at its
+    second run) keeps the rows it measured. Figures: medians over the iterations after the first; with
+    --no-side-by-side, no Hugging Face generation (its columns empty)."""
+    import llm_throughput
+
+    side = []
+    monkeypatch.setattr(llm_throughput, "build_model_dir", lambda path, *a: 1_000_000)
+    monkeypatch.setattr(llm_throughput, "side_by_side", lambda *a, **k: side.append(a) or {"ours": 9.0, "hf": 8.0})
+    monkeypatch.setattr(llm_throughput, "read_scalars", lambda run_dir, tags: {
+        "perf/gen_tokens_per_s": [1.0, 10.0, 14.0, 11.0], "perf/train_tokens_per_s": [1.0, 5.0, 7.0, 6.0],
+        "response/length_mean": [2.0, 4.0, 4.0, 6.0]})
+    calls, real_run = [], subprocess.run
+
+    def fake_run(cmd, **kw):
+        if "--runs-dir" not in cmd:
+            return real_run(cmd, **kw)  # (git, for the report's commit)
+        calls.append(cmd)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # (the limit's signal, during the second run)
+        os.makedirs(os.path.join(cmd[cmd.index("--runs-dir") + 1], "run"))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(llm_throughput.subprocess, "run", fake_run)
+    prefix = str(tmp_path / "llm")
+    argv = ["--estimators", "gae", "grpo", "--paths", "compile", "--out", prefix]
+    with pytest.raises(KeyboardInterrupt):
+        llm_throughput.main(argv + ["--no-side-by-side"])
+    data = json.loads((tmp_path / "llm.json").read_text())
+    assert [(r["estimator"], r["path"]) for r in data["rows"]] == [("gae", "compile")] and not side
+    row = data["results"]["gae"]["compile"]
+    assert (row["gen_tokens_per_s"], row["train_tokens_per_s"], row["response_length_mean"]) == (11.0, 6.0, 4.0)
+    assert row["hf_generate_tokens_per_s"] is None and "--compile" in calls[0]
+    assert "| gae | compile | 11 | 6 |  |  |  |" in (tmp_path / "llm.md").read_text()
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        llm_throughput.main(argv)
+    assert len(side) == 1 and json.loads((tmp_path / "llm.json").read_text())["results"]["gae"]["compile"][
+        "hf_generate_tokens_per_s"] == 8.0
+
+
 def test_scaling_efficiency_arithmetic_and_a_two_process_run(tmp_path):
     import scaling
 
