@@ -111,8 +111,7 @@ def make_envs(args: Args, num_envs: int, seed: int, **extra):
 
 
 def obs_tensor(obs, device: torch.device) -> torch.Tensor:  # (N, 4, 84, 84) uint8 on `device` (the Agent scales it)
-    x = torch.as_tensor(np.asarray(obs))
-    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x  # CUDA: via pinned memory
+    return torch.as_tensor(np.asarray(obs)).to(device)  # plain copy (pinning the frames took 0.3 ms a step on a GPU)
 
 
 class EpisodeStats:
