@@ -36,8 +36,9 @@ NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 GROUPED = re.compile(r"(?<![\w.,])\d{1,3}(?:,\d{3})+(?:\.\d+)?(?!\d)")
 # Sections whose tables the figure check leaves out, with the reason
 NOT_CHECKED = {
-    ("benchmarks/README.md", "H100, 2026-11-26"): "its ratio columns are computed from the figures beside them, and LeanRL's run-2 "
-                                     "SPS is the median of the prints in its log (the section says how)",
+    ("benchmarks/README.md", "H100, 2026-11-26"): "its ratio columns are computed from the figures beside them, and "
+                                                  "LeanRL's run-2 SPS is the median of the prints in its log (the "
+                                                  "section says how)",
 }
 
 
