@@ -161,7 +161,7 @@ def llm_throughput_rows(data) -> dict:
         if isinstance(x, dict):
             if any(k in x for k in keys):
                 label = "/".join(str(x[k]) for k in ("estimator", "path") if k in x) or where or "-"
-                rows[label] = {k: x[k] for k in keys if k in x}
+                rows[label] = {k: x[k] for k in keys if x.get(k) is not None}  # (None: not measured)
                 return
             for k, v in x.items():
                 walk(v, f"{where}/{k}" if where else str(k))

@@ -348,8 +348,9 @@ def test_llm_throughput_tool_says_bad_sizes_in_one_line():
 
 def test_llm_throughput_keeps_each_run_as_it_comes(tmp_path, monkeypatch):
     """PREFIX.json and .md are written after every ppo_llm run: a benchmark stopped at a time limit (here: at its
-    second run) keeps the rows it measured. Figures: medians over the iterations after the first; with
-    --no-side-by-side, no Hugging Face generation (its columns empty)."""
+    second run) keeps the rows it measured, and one stopped before its first row leaves no earlier run's report.
+    Figures: medians over the iterations after the first; with --no-side-by-side, no Hugging Face generation (its
+    columns empty)."""
     import llm_throughput
 
     side = []
@@ -372,6 +373,12 @@ def test_llm_throughput_keeps_each_run_as_it_comes(tmp_path, monkeypatch):
     monkeypatch.setattr(llm_throughput.subprocess, "run", fake_run)
     prefix = str(tmp_path / "llm")
     argv = ["--estimators", "gae", "grpo", "--paths", "compile", "--out", prefix]
+    (tmp_path / "llm.json").write_text('{"rows": [{"estimator": "old"}]}')  # an earlier run's: removed at the start
+    calls.append("(the first run is stopped)")
+    with pytest.raises(KeyboardInterrupt):
+        llm_throughput.main(argv + ["--no-side-by-side"])
+    assert not (tmp_path / "llm.json").exists() and not (tmp_path / "llm.md").exists()
+    calls.clear()
     with pytest.raises(KeyboardInterrupt):
         llm_throughput.main(argv + ["--no-side-by-side"])
     data = json.loads((tmp_path / "llm.json").read_text())

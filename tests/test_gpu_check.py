@@ -158,7 +158,8 @@ def test_pytest_summary_line():
 
 def test_llm_throughput_rows_and_ppo_llm_evaluations():
     flat = {"runs": [{"estimator": "gae", "path": "eager", "gen_tokens_per_s": 10.0, "train_tokens_per_s": 5.0},
-                     {"estimator": "grpo", "path": "compile", "gen_tokens_per_s": 12.0}]}
+                     {"estimator": "grpo", "path": "compile", "gen_tokens_per_s": 12.0,
+                      "hf_generate_tokens_per_s": None}]}  # (None: llm_throughput.py --no-side-by-side)
     assert gpu_check.llm_throughput_rows(flat) == {"gae/eager": {"gen_tokens_per_s": 10.0, "train_tokens_per_s": 5.0},
                                                    "grpo/compile": {"gen_tokens_per_s": 12.0}}
     nested = {"gae": {"eager": {"peak_gpu_mem_gib": 3.5, "hf_generate_tokens_per_s": 7}}}
