@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
+from torch.utils.checkpoint import checkpoint
 
 SCRIPT = "ppo_llm.py"
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
@@ -644,42 +645,73 @@ def sample_responses(policy, tok, rows: list[dict], args: Args, stops, gen, devi
 
 
 def model_forward(model, input_ids, attention_mask, resp_len: int, temperature: float, shared_value_head=None,
-                  full: bool = False, entropy: bool = False, entropy_grad: bool = False):
-    """Per response token: log-prob, optionally entropy, log-distribution (full KL) and shared-trunk value."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
-                use_cache=False, output_hidden_states=shared_value_head is not None, logits_to_keep=resp_len + 1)
-    logits = out.logits[:, :-1]  # (response positions only: logit t predicts token t + 1)
-    logits = logits / temperature if temperature != 1.0 else logits
-    res = {"logp": token_logprobs(logits, input_ids[:, -resp_len:])}
-    if entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            res["entropy"] = in_row_chunks(entropy_from_logits, logits)
-    if full:
-        res["logp_all"] = logits.float().log_softmax(-1)
+                  entropy: bool = False, entropy_grad: bool = False, ref=None):
+    """Per response token: log-prob, optionally entropy and shared-trunk value; with `ref` (the frozen reference) also
+    its log-prob and the full KL over the vocabulary. The logits come from the last hidden states, in chunks."""
+    hidden = last_hidden(model, input_ids, attention_mask, resp_len)
+    ref_hidden = None
+    if ref is not None:
+        with torch.no_grad():
+            ref_hidden = last_hidden(ref, input_ids, attention_mask, resp_len)
+    res = token_stats(output_layer(model), hidden, input_ids[:, -resp_len:], temperature, entropy, entropy_grad,
+                      output_layer(ref) if ref is not None else None, ref_hidden)
     if shared_value_head is not None:  # the head in fp32 (outside bf16 autocast) on the trunk's last hidden state
         with torch.autocast(input_ids.device.type, enabled=False):
-            res["values"] = shared_value_head(out.hidden_states[-1][:, -resp_len - 1:-1].float()).squeeze(-1)
+            res["values"] = shared_value_head(hidden.float()).squeeze(-1)
     return res
 
 
-def in_row_chunks(fn, logits: torch.Tensor, *more, elements: int = 1 << 25):
-    """fn over row chunks of at most `elements` logits without gradients: float32 temporaries (chunk, R, V)."""
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return fn(logits, *more)
-    rows = max(1, elements // max(1, logits[0].numel()))
-    return torch.cat([fn(logits[s:s + rows], *(m[s:s + rows] for m in more)) for s in range(0, len(logits), rows)])
+def last_hidden(model, input_ids, attention_mask, resp_len: int) -> torch.Tensor:
+    """The trunk's last (normed) hidden states before each response token (B, R, H): hidden t predicts token t + 1."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
+                use_cache=False, output_hidden_states=-1, logits_to_keep=1)  # (-1: only the last is kept)
+    return out.hidden_states[-1][:, -resp_len - 1:-1]
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[token] in float32 as logit - logsumexp: no float32 (B, R, V) log-distribution."""
-    def f(x, t):
-        return x.gather(-1, t[..., None]).squeeze(-1).float() - torch.logsumexp(x.float(), -1)
-    return in_row_chunks(f, logits, tokens)
+def output_layer(model) -> tuple:
+    """(the logits as a function of the last hidden states, the vocabulary's size): the output layer, then the model
+    class's soft cap (Gemma 2); check_output_layer refuses a class that computes its logits otherwise."""
+    if isinstance(model, AdaptersOff):  # (an adapter on lm_head is off too)
+        head, rows = output_layer(model.policy)
+
+        def adapters_off(h):
+            with model.policy.disable_adapter():
+                return head(h)
+        return adapters_off, rows
+    inner = getattr(model, "module", model)  # (DDP)
+    lm, cap = inner.get_output_embeddings(), getattr(inner.config, "final_logit_softcapping", None)
+    return (lm if cap is None else lambda h: torch.tanh(lm(h) / cap) * cap), lm.weight.shape[0]
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    x = logits.float()
-    return torch.logsumexp(x, -1) - (x.softmax(-1) * x).sum(-1)
+LOGIT_ELEMENTS = 1 << 24  # float32 logits of one chunk: 64 MB, about 110 tokens of a 151,936-row vocabulary
+
+
+def token_stats(head: tuple, hidden, tokens, temperature: float, entropy: bool = False, entropy_grad: bool = False,
+                ref_head: Optional[tuple] = None, ref_hidden=None, elements: int = LOGIT_ELEMENTS) -> dict:
+    """log-prob of each token (B, R) from the hidden states before it (B, R, H), optionally the entropy, and the
+    reference's log-prob and the full KL, in float32. The (B, R, V) logits are never whole: the output layer runs on
+    chunks of tokens and, with gradients, each chunk is recomputed in the backward (verl's fused kernels' way)."""
+    B, R = tokens.shape
+    fn, rows = head
+    ref_fn = ref_head[0] if ref_head is not None else None
+
+    def chunk(h, t, rh=None):
+        logp_all = (fn(h).float() / temperature).log_softmax(-1)
+        out = [logp_all.gather(-1, t[:, None]).squeeze(-1)]
+        if entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                out.append(-(logp_all.exp() * logp_all).sum(-1))
+        if rh is not None:
+            with torch.no_grad():
+                ref_all = (ref_fn(rh).float() / temperature).log_softmax(-1)
+            out += [ref_all.gather(-1, t[:, None]).squeeze(-1), kl_penalty(logp_all, ref_all, "full")]
+        return tuple(out)
+    inputs = [x.reshape(B * R, *x.shape[2:]) for x in (hidden, tokens, ref_hidden) if x is not None]
+    size, grad = max(1, elements // rows), torch.is_grad_enabled() and hidden.requires_grad
+    parts = [checkpoint(chunk, *x, use_reentrant=False) if grad else chunk(*x)
+             for x in zip(*(torch.split(x, size) for x in inputs))]
+    names = ["logp", *(["entropy"] if entropy else []), *(["ref_logp", "kl_full"] if ref_hidden is not None else [])]
+    return {name: torch.cat(column).reshape(B, R) for name, column in zip(names, zip(*parts))}
 
 
 def critic_values(critic, input_ids, attention_mask, resp_len: int):
@@ -697,13 +729,13 @@ def score_responses(policy, ref, critic, value_head, ids, attn, R: int, args: Ar
     with autocast():
         for s in range(0, ids.shape[0], size):
             sl = slice(s, s + size)
-            o = model_forward(policy, ids[sl], attn[sl], R, args.temperature, value_head, full=full)
+            o = model_forward(policy, ids[sl], attn[sl], R, args.temperature, value_head, ref=ref if full else None)
             old_logp.append(o["logp"])  # (to the host once, after the loop)
             if ref is not None:
-                r = model_forward(ref, ids[sl], attn[sl], R, args.temperature, full=full)
-                ref_logp.append(r["logp"])
-            if full:  # the (B, R, V) distributions are not kept
-                kl_full.append(kl_penalty(o["logp_all"], r["logp_all"], "full"))
+                ref_logp.append(o["ref_logp"] if full else model_forward(ref, ids[sl], attn[sl], R,
+                                                                         args.temperature)["logp"])
+            if full:  # (over the vocabulary, chunk by chunk)
+                kl_full.append(o["kl_full"])
             if args.critic != "none":
                 values.append(o["values"] if args.critic == "shared" else critic_values(critic, ids[sl], attn[sl], R))
     return tuple(torch.cat(x).cpu() if x else None for x in (old_logp, ref_logp, values, kl_full))
@@ -1218,8 +1250,8 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
         with autocast():
             if update_actor or args.critic == "shared":  # (a separate critic's warm-up needs no policy forward)
                 out = model_forward(policy, m["input_ids"], m["attention_mask"], R, args.temperature,
-                                    value_head if args.critic == "shared" else None, full=need_full, entropy=True,
-                                    entropy_grad=args.entropy_coeff != 0)
+                                    value_head if args.critic == "shared" else None, entropy=True,
+                                    entropy_grad=args.entropy_coeff != 0, ref=ref if need_full else None)
             if update_actor:
                 pg, stats = policy_loss(out["logp"], m["old_logp"], m["advantages"], mask, args.clip_ratio_low,
                                         args.clip_ratio_high, args.dual_clip_loss, args.clip_ratio_c,
@@ -1228,11 +1260,8 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
                 loss = pg - args.entropy_coeff * ent
                 stats.update(policy_loss=pg.detach(), entropy=ent.detach())
                 if args.use_kl_loss:
-                    if need_full:  # the reference's distributions: recomputed here, never stored for the batch
-                        with torch.no_grad():
-                            ref_all = model_forward(ref, m["input_ids"], m["attention_mask"], R, args.temperature,
-                                                    full=True)["logp_all"]
-                        kl = kl_penalty(out["logp_all"], ref_all, "full")
+                    if need_full:  # the reference's distributions: recomputed here, chunk by chunk, never stored
+                        kl = out["kl_full"]
                     else:
                         kl = kl_penalty(out["logp"], m["ref_logp"], args.kl_loss_type)
                     kl_loss = agg_loss(kl, mask, args.loss_agg_mode, **agg)
@@ -2017,7 +2046,8 @@ def check_positions(model, length: int, source: str) -> None:
 
 def check_models(args: Args, policy, ckpt: Optional[dict]) -> None:
     """What build_critic and reference_policy will make of the policy, built now on the meta device (no memory), so
-    that what fails does so before anything is written: a separate critic of its class, LoRA adapters (new or saved)."""
+    that what fails does so before anything is written: a separate critic of its class, LoRA adapters (new or saved);
+    then whether its logits are its output layer's (check_output_layer)."""
     check_lora_targets(args, policy)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*non-meta parameter")  # (saved adapter weights go nowhere here)
@@ -2026,6 +2056,19 @@ def check_models(args: Args, policy, ckpt: Optional[dict]) -> None:
             with_lora(type(policy)(policy.config), args, "CAUSAL_LM", saved_model_dir(args, ckpt, "policy"))
         if args.critic_lora:
             with_lora(critic, args, "TOKEN_CLS", saved_model_dir(args, ckpt, "critic"))
+    check_output_layer(policy)
+
+
+def check_output_layer(model) -> None:
+    """The logits of a few tokens as model_forward computes them (output_layer on the last hidden states) and as the
+    model's forward does: a class that computes them otherwise is refused, not trained on wrong log-probs."""
+    ids = torch.arange(min(4, model.get_input_embeddings().num_embeddings))[None]
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=-1)
+        ours = output_layer(model)[0](out.hidden_states[-1])
+    if not torch.allclose(ours, out.logits, rtol=1e-4, atol=1e-4):
+        raise Failure(f"{type(model).__name__} computes its logits otherwise than its output layer on its last hidden "
+                      "states, as ppo_llm.py computes them (chunk by chunk)")
 
 
 def check_lora_targets(args: Args, model) -> None:  # each name of --lora-target-modules ends a module's name

@@ -415,6 +415,12 @@ def test_compiled_forward_gives_the_eager_log_probs_gradients_and_tokens():
                        P.generate(compiled, ids, mask, 4, 1, 0, greedy=True))
 
 
+def full_log_softmax(model, ids, attn, R: int, temperature: float):
+    """The plain reference of model_forward: the model's own (B, R, V) logits of the response positions."""
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=P.position_ids_from(attn)).logits
+    return (logits[:, -R - 1:-1].float() / temperature).log_softmax(-1)
+
+
 def make_update_batch(tok, m, args, critic=None, seed=0, forward_chunk=None):
     """A rollout batch whose old log-probs come from forwards of forward_chunk rows (default: the micro-batch)."""
     chunk = forward_chunk or args.micro_batch_size
@@ -470,11 +476,10 @@ def test_full_kl_loss_recomputes_the_reference_per_micro_batch(acc_setup):
         for p in ref.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     R = batch["response_mask"].shape[1]
-    with torch.no_grad():  # the exact KL over the vocabulary, token-mean over the response tokens
-        logp_all = P.model_forward(m, batch["input_ids"], batch["attention_mask"], R, base.temperature, full=True)
-        ref_all = P.model_forward(ref, batch["input_ids"], batch["attention_mask"], R, base.temperature, full=True)
-        probs = logp_all["logp_all"].exp()
-        per_token = (probs * (logp_all["logp_all"] - ref_all["logp_all"])).sum(-1)
+    with torch.no_grad():  # the exact KL over the vocabulary from the full logits, token-mean over response tokens
+        logp_all, ref_all = (full_log_softmax(x, batch["input_ids"], batch["attention_mask"], R, base.temperature)
+                             for x in (m, ref))
+        per_token = (logp_all.exp() * (logp_all - ref_all)).sum(-1)
         want = (per_token * batch["response_mask"]).sum() / batch["response_mask"].sum()
     grads = []
     for micro in (8, 2):
@@ -2112,37 +2117,53 @@ def test_a_user_model_or_dataset_gets_no_warm_start_unless_asked(tmp_path, capsy
     assert "built-in task" in field_help("response_length") and "built-in 2M model" in field_help("lr")
 
 
-def test_token_logprobs_and_entropy_against_the_log_softmax():
+@pytest.mark.parametrize("V", [50, 151_936])
+def test_token_stats_in_chunks_against_the_full_log_softmax(V):
+    """token_stats on chunks of tokens (several here) against the plain computation through the whole (B, R, V)
+    logits: log-probs, entropy, the reference's log-probs and the full KL, their values and their gradients (hidden
+    states, output layer), at a temperature; a small vocabulary and Qwen2.5's 151,936 rows."""
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(5, 7, 50, generator=g) * 3
-    tokens = torch.randint(0, 50, (5, 7), generator=g)
+    B, R, H, T = 3, 5, 8, 0.7
+    head, ref_head = torch.nn.Linear(H, V, bias=False), torch.nn.Linear(H, V, bias=False)
+    for lin in (head, ref_head):
+        torch.nn.init.normal_(lin.weight, std=2.0, generator=g)
+    hidden, ref_hidden = torch.randn(B, R, H, generator=g), torch.randn(B, R, H, generator=g)
+    tokens = torch.randint(0, V, (B, R), generator=g)
+    w = torch.randn(3, B, R, generator=g)
 
-    def reference(x):
-        logp_all = x.float().log_softmax(-1)
-        return logp_all.gather(-1, tokens[..., None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
-    logp, ent = reference(logits)
-    assert torch.allclose(P.token_logprobs(logits, tokens), logp, atol=1e-5)
-    assert torch.allclose(P.entropy_from_logits(logits), ent, atol=1e-5)
-    # without gradients in chunks of rows (one row of 7 x 50 here): the same numbers
-    assert torch.allclose(P.in_row_chunks(P.token_logprobs, logits, tokens, elements=400), logp, atol=1e-5)
-    assert torch.allclose(P.in_row_chunks(P.entropy_from_logits, logits, elements=1), ent, atol=1e-5)
-    # bf16 logits: float32 results, those of the float32 log-softmax of the same values
-    low = logits.bfloat16()
-    assert P.token_logprobs(low, tokens).dtype == torch.float32
-    assert torch.allclose(P.token_logprobs(low, tokens), reference(low)[0], atol=1e-5)
-    # the same gradients
-    w = torch.randn(5, 7, generator=g)
-    grads = []
-    for f in (lambda x: P.token_logprobs(x, tokens) + P.entropy_from_logits(x), lambda x: sum(reference(x))):
-        x = logits.clone().requires_grad_()
-        (f(x) * w).sum().backward()
-        grads.append(x.grad)
-    assert torch.allclose(*grads, atol=1e-5)
+    def reference(h):
+        logp_all = (head(h) / T).log_softmax(-1)
+        ref_all = (ref_head(ref_hidden) / T).log_softmax(-1)
+        pick = lambda x: x.gather(-1, tokens[..., None]).squeeze(-1)  # noqa: E731
+        return {"logp": pick(logp_all), "entropy": -(logp_all.exp() * logp_all).sum(-1),
+                "ref_logp": pick(ref_all), "kl_full": (logp_all.exp() * (logp_all - ref_all)).sum(-1)}
+    results = []
+    for fn in (reference, lambda h: P.token_stats((head, V), h, tokens, T, True, True, (ref_head, V), ref_hidden,
+                                                  elements=4 * V)):  # (chunks of 4 of the 15 tokens)
+        head.zero_grad()
+        h = hidden.clone().requires_grad_()
+        out = fn(h)
+        (sum((out[k] * wk).sum() for k, wk in zip(("logp", "entropy", "kl_full"), w))).backward()
+        results.append((out, h.grad, head.weight.grad.clone()))
+    (want, *want_grads), (got, *got_grads) = results
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.allclose(got[k], want[k], atol=1e-5, rtol=1e-4), k
+    for a, b in zip(got_grads, want_grads):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    assert not got["ref_logp"].requires_grad
+    # without entropy_grad the entropy carries no graph; without gradients no chunk is kept for a backward
+    out = P.token_stats((head, V), hidden.requires_grad_(), tokens, T, entropy=True, elements=4 * V)
+    assert out["logp"].requires_grad and not out["entropy"].requires_grad
+    with torch.no_grad():
+        assert torch.allclose(P.token_stats((head, V), hidden, tokens, T, elements=V)["logp"], want["logp"],
+                              atol=1e-5, rtol=1e-4)
 
 
 def test_logits_are_computed_only_where_they_are_used(tiny):
-    """The prefill of generation keeps the last position's logits; scoring and training the response positions';
-    the log-probs and entropy are those of the full forward. Entropy carries gradients only when asked."""
+    """The prefill of generation keeps the last position's logits; scoring and training apply the output layer to
+    chunks of response positions of at most LOGIT_ELEMENTS logits; the log-probs and entropy are those of the full
+    forward. Entropy carries gradients only when asked."""
     tok, m = tiny
     shapes = []
     hook = m.lm_head.register_forward_hook(lambda mod, inp, out: shapes.append(tuple(out.shape)))
@@ -2155,18 +2176,65 @@ def test_logits_are_computed_only_where_they_are_used(tiny):
         attn = torch.cat([mask, P.response_mask_from(resp, tok.eos_token_id)], 1)
         R = resp.shape[1]
         out = P.model_forward(m, full, attn, R, 0.7, entropy=True)
-        assert shapes == [(2, R + 1, len(tok))]
-        shapes.clear()
-        with torch.no_grad():
-            logits = m(input_ids=full, attention_mask=attn, position_ids=P.position_ids_from(attn)).logits
-        assert shapes == [(2, full.shape[1], len(tok))]  # (the full forward of the reference below)
+        # the forward's own (its last position), then the response's 2 x R tokens in one chunk of this small vocabulary
+        assert shapes == [(2, 1, len(tok)), (2 * R, len(tok))]
     finally:
         hook.remove()
-    ref = (logits[:, -R - 1:-1] / 0.7).log_softmax(-1)
+    with torch.no_grad():
+        ref = full_log_softmax(m, full, attn, R, 0.7)
     assert torch.allclose(out["logp"], ref.gather(-1, full[:, -R:, None]).squeeze(-1), atol=1e-5)
     assert torch.allclose(out["entropy"], -(ref.exp() * ref).sum(-1), atol=1e-5)
     assert out["logp"].requires_grad and not out["entropy"].requires_grad  # (--entropy-coeff 0: no graph)
     assert P.model_forward(m, full, attn, R, 0.7, entropy=True, entropy_grad=True)["entropy"].requires_grad
+
+
+def test_a_model_whose_logits_are_not_its_output_layers_is_refused_and_a_soft_cap_is_applied():
+    """Granite divides its logits by logits_scaling, which output_layer does not know: one line, not wrong log-probs.
+    Gemma 2 caps them (final_logit_softcapping), which output_layer applies: the log-probs of its full logits."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM
+
+    shape = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=2)
+    with pytest.raises(P.Failure, match="GraniteForCausalLM computes its logits otherwise than its output layer"):
+        P.check_output_layer(GraniteForCausalLM(GraniteConfig(**shape, logits_scaling=4.0)))
+    torch.manual_seed(0)
+    gemma = Gemma2ForCausalLM(Gemma2Config(**shape, head_dim=16, final_logit_softcapping=2.0)).eval()
+    P.check_output_layer(gemma)
+    ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones_like(ids)
+    with torch.no_grad():
+        want = full_log_softmax(gemma, ids, attn, 4, 0.7).gather(-1, ids[:, -4:, None]).squeeze(-1)
+        assert torch.allclose(P.model_forward(gemma, ids, attn, 4, 0.7)["logp"], want, atol=1e-5)
+
+
+def test_no_logits_of_the_whole_response_with_a_151936_row_vocabulary(tmp_path):
+    """A random Qwen2 with Qwen2.5's output rows, 8 responses of 256 tokens: no output of the output layer holds more
+    than LOGIT_ELEMENTS logits in scoring (no gradients) or in training (forward and the backward's recomputation), and
+    the log-probs and gradients equal those through the model's own full logits."""
+    from transformers import AutoModelForCausalLM
+
+    tok = P.build_char_tokenizer()
+    m = P.disable_dropout(AutoModelForCausalLM.from_pretrained(save_qwen2(tmp_path / "lm", tok, vocab=151_936,
+                                                                          hidden=32, layers=1)))
+    B, R = 4, 256
+    ids = torch.randint(3, len(tok), (B, 8 + R), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones_like(ids)
+    sizes = []
+    hook = m.lm_head.register_forward_hook(lambda mod, inp, out: sizes.append(out.numel()))
+    try:
+        with torch.no_grad():
+            scored = P.model_forward(m, ids, attn, R, 1.0)["logp"]
+        out = P.model_forward(m, ids, attn, R, 1.0)["logp"]
+        out.sum().backward()
+    finally:
+        hook.remove()
+    assert len(sizes) > 3 * B * R * 151_936 // P.LOGIT_ELEMENTS and max(sizes) <= P.LOGIT_ELEMENTS, max(sizes)
+    got = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    logp = full_log_softmax(m, ids, attn, R, 1.0).gather(-1, ids[:, -R:, None]).squeeze(-1)
+    logp.sum().backward()
+    assert torch.equal(scored, out.detach()) and torch.allclose(out, logp, atol=1e-5, rtol=1e-4)
+    assert all(torch.allclose(a, p.grad, atol=1e-5, rtol=1e-4) for a, p in zip(got, m.parameters()))
 
 
 def pad_batch(batch, left: int, right: int, pad_id: int):
