@@ -2372,6 +2372,62 @@ def test_prompt_length_2048_or_256_on_short_prompts_take_about_the_same_time(tmp
     assert long < 1.6 * short + 1.0, (short, long)  # padded to the limit, 2048 took ~4.5x as long
 
 
+def static_decoder_cases(m, tok, rows, R: int):
+    """(today's generate, StaticDecoder) tokens for greedy and sampled decoding with and without top-p / top-k, twice
+    per setting (the second call reuses the shape's buffers and cache), each pair from equally seeded generators."""
+    ids, mask = P.encode_batch(tok, rows, 512)
+    dec = P.StaticDecoder(m, capture=False)
+    for greedy, extra in [(True, {}), (False, {}), (False, dict(temperature=0.7, top_p=0.9, top_k=20))]:
+        gens = [torch.Generator().manual_seed(3) for _ in range(2)]
+        for _ in range(2):
+            yield [P.generate(model, ids, mask, R, [tok.eos_token_id], tok.pad_token_id, gen=g, greedy=greedy,
+                              check_every=8, **extra) for model, g in zip((m, dec), gens)]
+
+
+def test_the_static_decoder_gives_the_tokens_of_generate_and_of_hugging_face(tmp_path):
+    """The static KV cache path (the CUDA rollout's, here without the graph) token for token: against today's
+    generate with the same generator, greedy and sampled, on the built-in tiny Llama and on a random Qwen2 of Qwen2.5's
+    151,936 rows; greedy against Hugging Face's generate. Prompts of several lengths (left padding)."""
+    from transformers import AutoModelForCausalLM
+
+    tok = P.build_char_tokenizer()
+    llama = P.disable_dropout(P.build_tiny_model(tok, 0, 64, 2, max_positions=512)).eval()
+    qwen = P.disable_dropout(AutoModelForCausalLM.from_pretrained(save_qwen2(tmp_path / "q", tok, vocab=151_936,
+                                                                             hidden=32, layers=1))).eval()
+    rows = P.make_problems(6, torch.Generator().manual_seed(0)) + sort_rows(2, words=30)  # (up to ~260 characters)
+    for m, R in ((llama, 40), (qwen, 12)):
+        for want, got in static_decoder_cases(m, tok, rows, R):
+            assert torch.equal(want, got), (want, got)
+        ids, mask = P.encode_batch(tok, rows, 512)
+        hf = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=R, do_sample=False,
+                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+        ours = P.generate(P.StaticDecoder(m, capture=False), ids, mask, R, [tok.eos_token_id], tok.pad_token_id,
+                          greedy=True)
+        hf = hf.masked_fill(~P.response_mask_from(hf, tok.eos_token_id).bool(), tok.pad_token_id)
+        assert torch.equal(ours, hf[:, :ours.shape[1]]) and (hf[:, ours.shape[1]:] == tok.pad_token_id).all()
+
+
+def test_the_decoder_refreshes_its_bf16_copy_and_is_only_made_on_cuda(tiny_copy, capsys):
+    """refresh() copies the updated policy into the bf16 weights the graphs read (in place: the same tensors);
+    make_decoder gives none on the CPU, with --no-cudagraphs, or under FSDP2 (a note), the same run's tokens."""
+    import copy
+
+    tok, m = tiny_copy
+    dec = P.StaticDecoder(copy.deepcopy(m).to(torch.bfloat16), capture=False)
+    before = [p.data_ptr() for p in dec.model.parameters()]
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.1)
+    dec.refresh(m)
+    assert [p.data_ptr() for p in dec.model.parameters()] == before
+    assert all(torch.equal(a, b.to(torch.bfloat16)) for a, b in zip(dec.model.parameters(), m.parameters()))
+    assert P.make_decoder(P.Args(cuda=False), m, torch.device("cpu"), 1) is None
+    assert P.make_decoder(P.Args(cuda=False, cudagraphs=False), m, torch.device("cuda"), 1) is None
+    assert P.make_decoder(P.Args(cuda=False), m, torch.device("cuda"), 2) is None
+    assert "under FSDP2 the rollout decodes step by step" in capsys.readouterr().out
+    assert not P.parse_args(["--no-cudagraphs"]).cudagraphs and P.parse_args([]).cudagraphs
+
+
 def test_sampling_draws_from_the_softmax():
     """sample_categorical against counts: 40,000 draws of a 6-token distribution (one token of probability 0, as
     top-k / top-p leave them) fall within 4 standard errors of each probability, and the 0 is never drawn."""
