@@ -1517,6 +1517,7 @@ def main(args: Args) -> dict:
             t_gen = time.time() - t0
             old_logp, ref_logp, values, kl_full = score_responses(policy, ref, critic, value_head, ids, attn,
                                                                   resp.shape[1], args, autocast)
+            t_score = time.time() - t0 - t_gen
             maskf = response_mask_from(resp, stops).float()
             ref_logp = old_logp if ref_logp is None else ref_logp  # (no reference: no KL term reads it)
             values = values * maskf if values is not None else torch.zeros_like(old_logp)
@@ -1577,6 +1578,8 @@ def main(args: Args) -> dict:
                 "charts/learning_rate": schedulers[0].get_last_lr()[0],
                 "perf/gen_tokens_per_s": n_tok / max(t_gen, 1e-9),
                 "perf/train_tokens_per_s": n_tok * args.ppo_epochs / max(t_train, 1e-9),
+                "perf/generation_s": t_gen, "perf/scoring_s": t_score, "perf/update_s": t_train,
+                "perf/iteration_s": time.time() - t0,
                 **({"perf/peak_gpu_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30}
                    if device.type == "cuda" else {}),
                 **{f"rollout/{k}_mean": all_gather_cat(v, world).mean().item() for k, v in parts.items()},
@@ -2051,6 +2054,9 @@ class StaticDecoder:
         self.shapes[key] = s  # (the most recent last; the oldest shapes go, with their memory)
         while len(self.shapes) > self.keep:
             del self.shapes[next(iter(self.shapes))]
+        if any(layer.max_cache_len < width + R for layer in s["cache"].layers):  # (a sliding window: unsupported)
+            return generate(self.model, prompt_ids, prompt_mask, R, stops, pad_id, temperature, top_p, top_k, gen,
+                            greedy, check_every=check_every)
         s["sampling"] = (temperature, top_p, top_k, gen, greedy, pad_id)
         # the prefill, outside the graph: the prompts, then R response columns hidden until a step writes them
         ids, mask = F.pad(prompt_ids, (width - P, 0), value=pad_id), F.pad(prompt_mask, (width - P, R))

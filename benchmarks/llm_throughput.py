@@ -48,7 +48,7 @@ PRESETS = {  # model shape, then the run's sizes
 
 
 def build_model_dir(path: str, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
-                    vocab: int) -> int:
+                    vocab: int, max_positions: int = 4096) -> int:
     """Writes a randomly initialised Qwen2 + the script's character tokenizer to `path`; returns the parameter count.
     A vocabulary larger than the tokenizer's has output rows no text maps to (as a real model's logits)."""
     import torch
@@ -60,7 +60,7 @@ def build_model_dir(path: str, hidden: int, layers: int, heads: int, kv_heads: i
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=max(vocab, len(tok)), hidden_size=hidden, intermediate_size=intermediate,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+                      max_position_embeddings=max_positions, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
                       eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     model = Qwen2ForCausalLM(cfg)
     model.save_pretrained(path)
@@ -104,9 +104,12 @@ def precision_label(cuda: bool, extra: list) -> str:
 
 
 def side_by_side(model_dir: str, data: str, count: int, response_length: int, cuda: bool, bf16: bool,
-                 repeats: int = 3) -> dict:
-    """Response tokens/s of ppo_llm.generate and of Hugging Face's model.generate on the same model and batch (the
-    first `count` prompts), sampling at temperature 1 with the same stop tokens; best of `repeats` after a warm-up."""
+                 repeats: int = 3, compiled: bool = False) -> dict:
+    """Response tokens/s of ppo_llm's rollout generation and of Hugging Face's model.generate on the same weights and
+    batch (the first `count` prompts), sampling at temperature 1 with the same stop tokens; best of `repeats` after a
+    warm-up. On CUDA ppo_llm's is its StaticDecoder (make_decoder: a bf16 copy of the model in a bf16 run, a static KV
+    cache, each step a CUDA graph), and Hugging Face's runs on the same copy; `compiled`: also the decoder with its
+    step compiled (--compile)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -116,31 +119,39 @@ def side_by_side(model_dir: str, data: str, count: int, response_length: int, cu
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = ppo_llm.disable_dropout(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)).to(device)
     model.eval()
+    run_args = ppo_llm.Args(cuda=cuda, precision="bf16" if bf16 else "fp32")
+    decoder = ppo_llm.make_decoder(run_args, model, device, 1)  # (None on the CPU: generate itself)
+    hf_model = decoder.model if decoder is not None else model  # (the bf16 copy on CUDA: no autocast needed)
+    autocast = bf16 and hf_model is model
+    contenders = {"ours": decoder or model, "hf": hf_model}
+    if compiled and decoder is not None:
+        contenders["ours_compiled"] = ppo_llm.StaticDecoder(decoder.model, compile=True)
     with open(data) as f:
         rows = [json.loads(line) for line in f][:count]
     ids, mask = ppo_llm.encode_batch(tok, rows, 4096)
     ids, mask = ids.to(device), mask.to(device)
     stops = ppo_llm.stop_token_ids(tok, model)
 
-    def ours():
-        return ppo_llm.generate(model, ids, mask, response_length, stops, tok.pad_token_id, gen=gen, bf16=bf16)
-
-    def hf():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+    def generate(name, model, gen):
+        if name != "hf":  # (model: ppo_llm's StaticDecoder on CUDA, else the model itself)
+            return ppo_llm.generate(model, ids, mask, response_length, stops, tok.pad_token_id, gen=gen,
+                                    bf16=autocast)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=response_length, do_sample=True,
                                  temperature=1.0, top_k=0, top_p=1.0, eos_token_id=stops,
                                  pad_token_id=tok.pad_token_id)
         return out[:, ids.shape[1]:]
 
-    result = {"ours": 0.0, "hf": 0.0}
-    for i in range(repeats + 1):  # (the two interleaved, so that a change of load hits both)
-        for name, fn in (("ours", ours), ("hf", hf)):
-            gen = torch.Generator(device).manual_seed(i)
+    result = {name: 0.0 for name in contenders}
+    gens = {name: torch.Generator(device) for name in contenders}  # (one each: a decoder's graph keeps its own)
+    for i in range(repeats + 1):  # (interleaved, so that a change of load hits all)
+        for name, model in contenders.items():
+            gens[name].manual_seed(i)
             torch.manual_seed(i)
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            resp = fn()
+            resp = generate(name, model, gens[name])
             if cuda:
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
@@ -161,6 +172,10 @@ def parse(argv):
     p.add_argument("--out", default=os.path.join(common.RESULTS, "llm_throughput"), help="output path prefix")
     p.add_argument("--no-side-by-side", dest="side_by_side", action="store_false",
                    help="skip the generation side by side with Hugging Face (another run measured it)")
+    p.add_argument("--decode-only", action="store_true", help="only the generation side by side, no PPO runs")
+    p.add_argument("--decode-compiled", action="store_true",
+                   help="CUDA: also time the rollout's decoder with its step compiled (ppo_llm --compile)")
+    p.add_argument("--minibatches", type=int, default=2, help="minibatches per iteration (--ppo-mini-batch-size)")
     p.add_argument("--save-model", metavar="DIR", help="only write the preset's model to DIR (and --save-dataset)")
     p.add_argument("--save-dataset", metavar="FILE", help="only write the preset's JSONL of 64 prompts to FILE")
     for name in ("hidden", "layers", "intermediate", "vocab-size", "rollout-batch-size", "n", "response-length",
@@ -183,10 +198,13 @@ def parse(argv):
         cfg["heads"] = cfg["kv_heads"] = a.hidden // 64
     if a.iterations < 2:
         common.die("--iterations must be >= 2 (the first is warm-up)")
-    minibatch = cfg["rollout_batch_size"] // 2 * cfg["n"]  # the runs use two minibatches per iteration
-    if cfg["rollout_batch_size"] % 2 or minibatch % cfg["micro_batch_size"]:
+    if a.decode_only and not a.side_by_side:
+        common.die("--decode-only measures the side-by-side generation that --no-side-by-side skips")
+    k = a.minibatches
+    minibatch = cfg["rollout_batch_size"] // max(k, 1) * cfg["n"]
+    if k < 1 or cfg["rollout_batch_size"] % k or minibatch % cfg["micro_batch_size"]:
         common.die(f"--micro-batch-size {cfg['micro_batch_size']} must divide a minibatch's {minibatch} responses "
-                   "(--rollout-batch-size / 2 x --n; --rollout-batch-size even)")
+                   f"(--rollout-batch-size / --minibatches {k} x --n; --rollout-batch-size a multiple of it)")
     return a, cfg
 
 
@@ -221,29 +239,31 @@ def main(argv=None):
         gen_side = {"ours": None, "hf": None}
         if a.side_by_side:
             gen_side = side_by_side(model_dir, data, batch, cfg["response_length"], cuda,
-                                    label.endswith("bf16 autocast"))
-            print(f"generate, {batch} prompts x {cfg['response_length']} tokens: ppo_llm {gen_side['ours']:,.0f} "
-                  f"tok/s, Hugging Face {gen_side['hf']:,.0f} tok/s", flush=True)
-        for estimator in a.estimators:
+                                    label.endswith("bf16 autocast"), compiled=a.decode_compiled)
+            print(f"generate, {batch} prompts x {cfg['response_length']} tokens: " + ", ".join(
+                f"{name} {v:,.0f} tok/s" for name, v in gen_side.items()), flush=True)
+            lines = write_reports(a.out, a.preset, cfg, n_params, label, command, cuda, rows, gen_side)
+        for estimator in [] if a.decode_only else a.estimators:
             for name in a.paths:
                 runs = os.path.join(tmp, f"runs_{estimator}_{name}")
                 cmd = [sys.executable, os.path.join(ROOT, "ppo_llm.py"), "--model-name-or-path", model_dir,
                        "--dataset", data, "--reward-fn", "exact", "--adv-estimator", estimator,
                        "--num-iterations", str(a.iterations), "--eval-prompts", "0", "--prompt-length", "1024",
                        "--rollout-batch-size", str(cfg["rollout_batch_size"]), "--ppo-mini-batch-size",
-                       str(cfg["rollout_batch_size"] // 2), "--n", str(cfg["n"]), "--response-length",
+                       str(cfg["rollout_batch_size"] // a.minibatches), "--n", str(cfg["n"]), "--response-length",
                        str(cfg["response_length"]), "--micro-batch-size", str(cfg["micro_batch_size"]),
                        "--no-save-model", "--no-torch-deterministic", "--runs-dir", runs,
                        "--cuda" if cuda else "--no-cuda", *PATHS[name], *extra]
                 print("$ " + " ".join(cmd), flush=True)
                 t0 = time.time()
-                res = subprocess.run(cmd, capture_output=True, text=True)
+                code, stdout, stderr, peak_rss = run_child(cmd)
                 wall = time.time() - t0
                 row = {"estimator": estimator, "path": name, "wall_s": round(wall, 1),
-                       "ours_generate_tokens_per_s": gen_side["ours"], "hf_generate_tokens_per_s": gen_side["hf"]}
-                if res.returncode != 0:
-                    print(res.stdout[-3000:], res.stderr[-3000:], sep="\n")
-                    rows.append({**row, "error": (res.stderr.strip().splitlines() or ["?"])[-1]})
+                       "ours_generate_tokens_per_s": gen_side["ours"], "hf_generate_tokens_per_s": gen_side["hf"],
+                       "peak_rss_gib": round(peak_rss / 2**30, 2)}
+                if code != 0:
+                    print(stdout[-3000:], stderr[-3000:], sep="\n")
+                    rows.append({**row, "error": (stderr.strip().splitlines() or ["?"])[-1]})
                 else:
                     run_dir = os.path.join(runs, os.listdir(runs)[0])
                     s = read_scalars(run_dir, ["perf/gen_tokens_per_s", "perf/train_tokens_per_s",
@@ -256,14 +276,25 @@ def main(argv=None):
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                 # after every run: a benchmark stopped at a time limit leaves the rows it measured
-                lines = write_reports(a.out, a.preset, cfg, n_params, label, command, cuda, rows)
+                lines = write_reports(a.out, a.preset, cfg, n_params, label, command, cuda, rows, gen_side)
     print("\n".join(lines[2:]))
     return 0 if all("error" not in r for r in rows) else 1
 
 
+def run_child(cmd: list) -> tuple:
+    """(exit code, stdout, stderr, peak resident memory in bytes) of a child process, read from os.wait4."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        return proc.returncode, out.read(), err.read(), usage.ru_maxrss * 1024  # (Linux: kilobytes)
+
+
 def write_reports(out: str, preset: str, cfg: dict, n_params: int, label: str, command: str, cuda: bool,
-                  rows: list) -> list:
-    """OUT.md (the table) and OUT.json (per estimator and path, and the rows in order); returns the markdown lines."""
+                  rows: list, decode: dict) -> list:
+    """OUT.md (the tables) and OUT.json (the generation side by side, per estimator and path, and the rows in order);
+    returns the markdown lines."""
     import torch
 
     def num(x, fmt=",.0f"):
@@ -274,18 +305,21 @@ def write_reports(out: str, preset: str, cfg: dict, n_params: int, label: str, c
              f"Model: random-weight Qwen2 ({preset}), hidden {cfg['hidden']}, {cfg['layers']} layers, MLP "
              f"{cfg['intermediate']}, {cfg['vocab']:,} output rows, {n_params / 1e6:.1f}M parameters; "
              f"{cfg['rollout_batch_size']} prompts x {cfg['n']} responses, up to {cfg['response_length']} response "
-             f"tokens, micro-batch {cfg['micro_batch_size']}, {label}. Tokens/s count response tokens up to EOS; "
-             "`generate` columns: ppo_llm's and Hugging Face's generation of one rollout's batch, side by side.", "",
-             "| estimator | path | generation tokens/s (PPO run) | training tokens/s | ppo_llm `generate` tokens/s | "
-             "HF `generate` tokens/s | peak GPU memory (GiB) | wall (s) |", "|---|---|---|---|---|---|---|---|"]
+             f"tokens, micro-batch {cfg['micro_batch_size']}, {label}. Tokens/s count response tokens up to EOS.", ""]
+    if decode.get("ours") is not None:
+        names = {"ours": "ppo_llm's rollout", "ours_compiled": "ppo_llm's rollout, step compiled",
+                 "hf": "Hugging Face `generate`"}
+        lines += ["Generation of one rollout's batch, side by side (tokens/s, best of 3 after a warm-up): " + "; ".join(
+            f"{names[k]} {num(v)}" for k, v in decode.items()) + f" ({decode['ours'] / decode['hf']:.2f}x).", ""]
+    lines += ["| estimator | path | generation tokens/s (PPO run) | training tokens/s | peak GPU memory (GiB) | "
+              "peak process memory (GiB) | wall (s) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['estimator']} | {r['path']} | failed: {r['error']} | | | | | {r['wall_s']:.0f} |")
+            lines.append(f"| {r['estimator']} | {r['path']} | failed: {r['error']} | | | | {r['wall_s']:.0f} |")
         else:
             lines.append(f"| {r['estimator']} | {r['path']} | {num(r['gen_tokens_per_s'])} | "
-                         f"{num(r['train_tokens_per_s'])} | {num(r['ours_generate_tokens_per_s'])} | "
-                         f"{num(r['hf_generate_tokens_per_s'])} | {num(r['peak_gpu_mem_gib'], '.1f')} | "
-                         f"{r['wall_s']:.0f} |")
+                         f"{num(r['train_tokens_per_s'])} | {num(r['peak_gpu_mem_gib'], '.1f')} | "
+                         f"{num(r['peak_rss_gib'], '.2f')} | {r['wall_s']:.0f} |")
     if os.path.dirname(out):
         os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out + ".md", "w") as f:
@@ -294,14 +328,13 @@ def write_reports(out: str, preset: str, cfg: dict, n_params: int, label: str, c
     for r in rows:
         results.setdefault(r["estimator"], {})[r["path"]] = {k: r.get(k) for k in (
             "gen_tokens_per_s", "hf_generate_tokens_per_s", "ours_generate_tokens_per_s", "train_tokens_per_s",
-            "peak_gpu_mem_gib", "response_length_mean", "wall_s", "error")}
+            "peak_gpu_mem_gib", "peak_rss_gib", "response_length_mean", "wall_s", "error")}
     with open(out + ".json", "w") as f:
         json.dump({"device": common.gpu_name() if cuda else common.cpu_model(), "torch": torch.__version__,
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    "preset": preset, "config": cfg, "params": n_params, "precision": label, "command": command,
-                   "machine": info, "results": results, "rows": rows}, f, indent=1)
+                   "machine": info, "decode": decode, "results": results, "rows": rows}, f, indent=1)
     return lines
-
 
 if __name__ == "__main__":
     sys.exit(main())

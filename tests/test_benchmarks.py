@@ -359,18 +359,16 @@ def test_llm_throughput_keeps_each_run_as_it_comes(tmp_path, monkeypatch):
     monkeypatch.setattr(llm_throughput, "read_scalars", lambda run_dir, tags: {
         "perf/gen_tokens_per_s": [1.0, 10.0, 14.0, 11.0], "perf/train_tokens_per_s": [1.0, 5.0, 7.0, 6.0],
         "response/length_mean": [2.0, 4.0, 4.0, 6.0]})
-    calls, real_run = [], subprocess.run
+    calls = []
 
-    def fake_run(cmd, **kw):
-        if "--runs-dir" not in cmd:
-            return real_run(cmd, **kw)  # (git, for the report's commit)
+    def fake_run(cmd):
         calls.append(cmd)
         if len(calls) == 2:
             raise KeyboardInterrupt  # (the limit's signal, during the second run)
         os.makedirs(os.path.join(cmd[cmd.index("--runs-dir") + 1], "run"))
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+        return 0, "", "", 3 * 2**29
 
-    monkeypatch.setattr(llm_throughput.subprocess, "run", fake_run)
+    monkeypatch.setattr(llm_throughput, "run_child", fake_run)
     prefix = str(tmp_path / "llm")
     argv = ["--estimators", "gae", "grpo", "--paths", "compile", "--out", prefix]
     (tmp_path / "llm.json").write_text('{"rows": [{"estimator": "old"}]}')  # an earlier run's: removed at the start
@@ -386,7 +384,7 @@ def test_llm_throughput_keeps_each_run_as_it_comes(tmp_path, monkeypatch):
     row = data["results"]["gae"]["compile"]
     assert (row["gen_tokens_per_s"], row["train_tokens_per_s"], row["response_length_mean"]) == (11.0, 6.0, 4.0)
     assert row["hf_generate_tokens_per_s"] is None and "--compile" in calls[0]
-    assert "| gae | compile | 11 | 6 |  |  |  |" in (tmp_path / "llm.md").read_text()
+    assert "| gae | compile | 11 | 6 |  | 1.50 |" in (tmp_path / "llm.md").read_text() and row["peak_rss_gib"] == 1.5
     calls.clear()
     with pytest.raises(KeyboardInterrupt):
         llm_throughput.main(argv)

@@ -2405,6 +2405,16 @@ def test_the_static_decoder_gives_the_tokens_of_generate_and_of_hugging_face(tmp
                           greedy=True)
         hf = hf.masked_fill(~P.response_mask_from(hf, tok.eos_token_id).bool(), tok.pad_token_id)
         assert torch.equal(ours, hf[:, :ours.shape[1]]) and (hf[:, ours.shape[1]:] == tok.pad_token_id).all()
+    # a sliding window shorter than prompt + response (the full 4D mask would be wrong there): step by step instead
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    sliding = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                           use_sliding_window=True, sliding_window=16, max_window_layers=0)).eval()
+    dec = P.StaticDecoder(sliding, capture=False)
+    ids, mask = P.encode_batch(tok, rows[:4], 512)
+    want, got = (P.generate(m, ids, mask, 20, [tok.eos_token_id], tok.pad_token_id, check_every=8,
+                            gen=torch.Generator().manual_seed(1)) for m in (sliding, dec))
+    assert torch.equal(want, got) and all("sampling" not in s for s in dec.shapes.values())  # (it fell back)
 
 
 def test_the_decoder_refreshes_its_bf16_copy_and_is_only_made_on_cuda(tiny_copy, capsys):
@@ -2543,20 +2553,36 @@ def test_a_sampling_generator_saved_on_another_device_type_is_reseeded(tiny_copy
 
 def test_the_throughput_benchmark_writes_its_contract(tmp_path):
     """benchmarks/llm_throughput.py --preset tiny --device cpu --estimators ... --paths ... --out PREFIX: PREFIX.json
-    holds per estimator and path the generation / HF generate / training tokens/s and the peak GPU memory (null on
-    the CPU), with device, torch and date; PREFIX.md the table (small sizes here)."""
+    holds the generation side by side with Hugging Face's, per estimator and path the generation / training tokens/s,
+    the peak GPU memory (null on the CPU) and the peak process memory, with device, torch and date; PREFIX.md the
+    tables (small sizes here, one minibatch of the 8 responses)."""
     out = tmp_path / "llm"
     res = subprocess.run([sys.executable, os.path.join(os.path.dirname(SCRIPT), "benchmarks", "llm_throughput.py"),
                           "--preset", "tiny", "--device", "cpu", "--estimators", "grpo", "--paths", "eager",
                           "--iterations", "2", "--vocab-size", "99", "--rollout-batch-size", "4", "--n", "2",
-                          "--response-length", "4", "--micro-batch-size", "4", "--out", str(out)],
+                          "--response-length", "4", "--micro-batch-size", "8", "--minibatches", "1", "--out", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     data = json.loads((tmp_path / "llm.json").read_text())
     row = data["results"]["grpo"]["eager"]
     assert all(row[k] > 0 for k in ("gen_tokens_per_s", "hf_generate_tokens_per_s", "train_tokens_per_s"))
+    assert data["decode"]["ours"] > 0 and data["decode"]["hf"] > 0 and 0.1 < row["peak_rss_gib"] < 8
     assert row["peak_gpu_mem_gib"] is None and data["torch"] == torch.__version__ and data["device"] and data["date"]
     assert 1 <= row["response_length_mean"] <= 4
     assert [(r["estimator"], r["path"]) for r in data["rows"]] == [("grpo", "eager")]
     md = (tmp_path / "llm.md").read_text()
     assert "| grpo | eager |" in md and "CPU fp32" in md
+
+
+def test_the_roll_lengths_benchmark_dry_run_writes_its_figures(tmp_path):
+    """benchmarks/llm_roll_lengths.py --dry-run (ROLL's lengths on a GPU; tiny sizes on the CPU here): one PPO
+    iteration whose seconds, split and memory land in PREFIX.json and PREFIX.md, as gpu_check's llm_roll_lengths reads
+    them."""
+    out = tmp_path / "roll"
+    res = subprocess.run([sys.executable, os.path.join(os.path.dirname(SCRIPT), "benchmarks", "llm_roll_lengths.py"),
+                          "--dry-run", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    result = json.loads((tmp_path / "roll.json").read_text())["result"]
+    assert result["error"] is None and result["peak_gib"] is None and result["peak_rss_gib"] > 0.1
+    assert 0 < result["generation_s"] + result["scoring_s"] + result["update_s"] <= result["seconds"]
+    assert 1 <= result["response_length_mean"] <= 24 and "| iteration (s) |" in (tmp_path / "roll.md").read_text()
