@@ -125,12 +125,14 @@ class EpisodeStats:
 
     def update(self, reward_raw, terminated, truncated, game_over) -> list[tuple[int, float, int]]:
         real = ~self.after_done
-        self.returns += np.where(real, np.asarray(reward_raw, dtype=np.float64), 0.0)
+        self.returns += np.where(real, reward_raw, 0.0)
         self.lengths += real
-        ended = np.logical_or(np.asarray(game_over, dtype=bool), truncated)
-        finished = [(int(i), float(self.returns[i]), int(self.lengths[i])) for i in np.nonzero(ended)[0]]
-        self.returns[ended], self.lengths[ended] = 0.0, 0
+        ended = np.logical_or(game_over, truncated)
         self.after_done = np.logical_or(terminated, truncated)
+        if not ended.any():  # (most steps)
+            return []
+        finished = [(int(i), float(self.returns[i]), int(self.lengths[i])) for i in np.flatnonzero(ended)]
+        self.returns[ended], self.lengths[ended] = 0.0, 0
         return finished
 
 
@@ -393,7 +395,7 @@ def main(args: Args) -> dict:
         lives[part], next_done[part] = infos["lives"], term | trunc  # detail: a life loss is terminal for GAE
         log_games(writer, games[p].update(infos["reward"], term, trunc, infos["terminated"]), recent_returns,
                   global_step)  # whole games: all lives, unclipped score
-        next_obs[part] = obs_tensor(next_obs_np, device)
+        next_obs[part] = torch.as_tensor(next_obs_np)  # the step's one copy of the frames to the device
 
     with StopSignals() as signals:  # SIGTERM / Ctrl-C are honoured at the end of an iteration
         for iteration in range(first_iteration, num_iterations + 1):
@@ -409,9 +411,9 @@ def main(args: Args) -> dict:
                     obs[step, part], dones[step, part] = next_obs[part], next_done[part]
                     with torch.inference_mode():
                         action, logprob, _, value, logp_all = policy(obs[step, part])  # the rollout's action sampling
+                    pool.send(action.cpu().numpy())  # the step's one copy back (envpool's step is send, then recv)
                     actions[step, part], logprobs[step, part], values[step, part] = action, logprob, value
                     old_logp_all[step, part] = logp_all  # (the KL-penalty variant's)
-                    pool.send(action.cpu().numpy())  # (envpool's step is send, then recv)
                 global_step += args.num_envs * world  # environment steps of all processes
             for p, part in enumerate(parts):
                 receive(p, part, args.num_steps - 1)
