@@ -1,7 +1,8 @@
 """PPO for Atari through envpool (Breakout-v5 by default), with CleanRL's Atari settings, in one file.
 
-    python ppo_atari_envpool.py --total-timesteps 1e7              # Breakout-v5, 10M steps; on the GPU if any
-    python ppo_atari_envpool.py --env-id Pong-v5 --cudagraphs
+    python ppo_atari_envpool.py --total-timesteps 1e7              # Breakout-v5, 10M steps; on a GPU if any, there
+                                                                   # compiled and each hot function in a CUDA graph
+    python ppo_atari_envpool.py --env-id Pong-v5 --no-compile --no-cudagraphs    # eager, also on a GPU
     python ppo_atari_envpool.py --stop-after 500                   # a piece of a run; then:
     python ppo_atari_envpool.py --resume runs/<run>/checkpoint.pt  # the next 500, same steps and lr schedule
     torchrun --nproc-per-node 2 ppo_atari_envpool.py               # data parallel: --num-envs envs per process
@@ -38,7 +39,7 @@ import tyro  # noqa: E402
 
 
 @dataclass
-class Args:  # Count: an int that also reads 1e7 (defined with the command line, below the banner)
+class Args:  # Count: an int that also reads 1e7; OnWithCuda: a flag on with --cuda (both below the banner)
     # The note's hyperparameters
     num_steps: Count = 128  # T: steps per environment in each rollout
     update_epochs: Count = 4  # E: epochs over each rollout
@@ -74,8 +75,8 @@ class Args:  # Count: an int that also reads 1e7 (defined with the command line,
     seed: Count = 1  # seed of the experiment (python, numpy, torch and the environments)
     torch_deterministic: bool = True  # deterministic torch algorithms (warn-only), cuDNN and cuBLAS workspace
     cuda: bool = field(default_factory=lambda: gpu_for_each_process())  # on CUDA (the default where torch sees a GPU)
-    compile: bool = False  # torch.compile the action sampling and the update step
-    cudagraphs: bool = False  # CUDA graphs through torch.compile's reduce-overhead mode; implies compilation
+    compile: OnWithCuda = None  # torch.compile the action sampling and the update step
+    cudagraphs: OnWithCuda = None  # capture the action sampling and the update step each in one CUDA graph
     torch_threads: Count = 0  # torch CPU threads (0: one per core, shared by this node's torchrun processes)
     track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works without network)
     wandb_project_name: str = "ppo-reference"  # wandb project name
@@ -651,19 +652,89 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, device: 
 
 
 # --- compile and CUDA-graph helpers -----------------------------------------------------------------------
-def compile_hot_functions(policy, update, agent, args):  # [SHARED] eager, --compile, or --cudagraphs (reduce-overhead)
+def compile_hot_functions(policy, update, agent, args):  # [SHARED] eager, compiled and/or captured (execution_path)
     for p in agent.parameters():  # allocated here, outside any graph's pool: the update zeroes them in place
         p.grad = torch.zeros_like(p)
-    if not (args.compile or args.cudagraphs):
-        return policy, update
-    torch._inductor.config.fallback_random = args.torch_deterministic  # compiled code draws eager's random numbers
-    mode = "reduce-overhead" if args.cudagraphs else None
-    return torch.compile(policy, mode=mode), torch.compile(update, mode=mode)
+    compiled, graphs, lines = execution_path(args, int(os.environ.get("WORLD_SIZE", "1")))
+    if lines and int(os.environ.get("RANK", "0")) == 0:
+        print("\n".join(lines), flush=True)
+    if compiled:
+        torch._inductor.config.fallback_random = args.torch_deterministic  # compiled code draws eager's random numbers
+        policy, update = compile_or_fail(policy), compile_or_fail(update)
+    if graphs:
+        policy, update = cuda_graphed(policy, "the action sampling"), cuda_graphed(update, "the update")
+    return policy, update
 
 
-def cudagraph_skips() -> int:  # [SHARED] how many compiled graphs torch ran without CUDA graphs
-    from torch._dynamo.utils import counters
-    return counters["inductor"]["cudagraph_skips"]
+def execution_path(args, world: int) -> tuple[bool, bool, list[str]]:  # [SHARED] compiled?, captured?, lines to say
+    compiled, graphs = (args.cuda if on is None else on for on in (args.compile, args.cudagraphs))  # unset: as --cuda
+    lines = []
+    if graphs and world > 1:
+        graphs = False
+        lines.append("note: no CUDA graphs under torchrun (DDP's all-reduce cannot be captured)")
+    if compiled or graphs:
+        how = " and ".join(["compiled"] * compiled + ["each captured in one CUDA graph"] * graphs)
+        off = " ".join(["--no-compile"] * compiled + ["--no-cudagraphs"] * graphs)
+        lines.append(f"path: the action sampling and the update {how} ({off}: eager); the first iterations "
+                     f"{'compile' if compiled else 'capture'} them")
+    return compiled, graphs, lines
+
+
+def compile_or_fail(fn):  # [SHARED] torch.compile's default mode; a failure to compile is one line (exit 1)
+    def failure(e: Exception) -> Failure:
+        return Failure(f"torch.compile failed: {type(e).__name__}: {first_line(e)} (--no-compile runs without it)", 1)
+    try:
+        compiled = torch.compile(fn)
+    except Exception as e:
+        raise failure(e) from None
+
+    def run(*args):
+        try:
+            return compiled(*args)
+        except torch._dynamo.exc.TorchDynamoException as e:  # (raised at the calls that compile)
+            raise failure(e) from None
+    return run
+
+
+def cuda_graphed(fn, name: str, warmup: int = 2):  # [SHARED]
+    """fn run as it is for its first `warmup` calls (on a side stream: they compile, and the update's first creates
+    the optimizer's state), then captured whole in one CUDA graph at the next call and replayed from then on. fn
+    always gets the input tensors of its first call (so torch.compile sees the same kind of tensor at every call):
+    each call copies its tensor arguments into them, and a replay returns the captured outputs, which the next call
+    overwrites."""
+    stream, state = torch.cuda.Stream(), {"calls": 0}
+
+    def run(*args):
+        flat, spec = torch.utils._pytree.tree_flatten(args)
+        if "inputs" not in state:
+            state["inputs"], state["spec"] = [x.clone() if isinstance(x, torch.Tensor) else x for x in flat], spec
+            state["args"] = torch.utils._pytree.tree_unflatten(state["inputs"], spec)
+        if spec != state["spec"] or [getattr(x, "shape", x) for x in flat] != [
+                getattr(x, "shape", x) for x in state["inputs"]]:
+            raise ValueError(f"{name}: called with other arguments than at its first call (its graph replays those)")
+        for static, x in zip(state["inputs"], flat):
+            if isinstance(static, torch.Tensor):
+                static.copy_(x)
+        if state["calls"] < warmup:
+            state["calls"] += 1
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                out = fn(*state["args"])
+            torch.cuda.current_stream().wait_stream(stream)
+            return out
+        if "graph" not in state:
+            state["graph"] = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(state["graph"]):  # records fn's kernels without running them
+                    state["outputs"] = fn(*state["args"])
+            except Failure:
+                raise
+            except Exception as e:
+                raise Failure(f"capturing {name} in a CUDA graph failed: {type(e).__name__}: {first_line(e)} "
+                              "(--no-cudagraphs runs without CUDA graphs)", 1) from None
+        state["graph"].replay()
+        return state["outputs"]
+    return run
 
 
 # --- this script's run helpers: resume checks, logging, checkpoint, evaluation, load_policy --------------
@@ -711,8 +782,6 @@ def log_iteration(writer, args: Args, stats: dict, iteration: int, num_iteration
         scalars.update({"losses/kl": stats["kl"], "charts/kl_coef": kl_penalty.beta})
     for tag, value in scalars.items():
         writer.add_scalar(tag, value, global_step)
-    if args.cudagraphs and last_print == 0.0 and cudagraph_skips():
-        print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs says why)")
     if time.time() - last_print < 5.0 and iteration < num_iterations:
         return last_print
     eta = (num_iterations - iteration) * global_step / max(iteration, 1) / sps if sps > 0 else math.inf
@@ -820,6 +889,8 @@ def parse_count(text: str) -> int:  # [SHARED] 500000, 5e5, 1e7 or 1_000_000; a 
 Count = Annotated[int, tyro.constructors.PrimitiveConstructorSpec(  # [SHARED]
     nargs=1, metavar="INT", instance_from_str=lambda a: parse_count(a[0]),
     is_instance=lambda x: isinstance(x, int) and not isinstance(x, bool), str_from_instance=lambda x: [str(x)])]
+OnWithCuda = Annotated[Optional[bool], tyro.conf.DisallowNone,  # --flag / --no-flag; unset (None): on with --cuda
+                       tyro.conf.arg(help_behavior_hint="(default: on with --cuda)")]
 
 
 def parse_args(argv: Optional[list[str]] = None) -> Args:  # [SHARED] with --resume, its arguments are the defaults
@@ -863,8 +934,6 @@ def validate(args: Args) -> None:  # bad values, an unknown game, --cuda without
         (0 < args.total_timesteps < batch * world,
          f"--total-timesteps {args.total_timesteps} is less than one rollout ({batch} steps x {world} processes)"),
         (args.cudagraphs and not args.cuda, "--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)"),
-        (args.cudagraphs and world > 1, "--cudagraphs is not supported under torchrun (DDP's all-reduce runs outside "
-                                        "the graph)"),
         (args.cuda and not torch.cuda.is_available(), "--cuda given but torch finds no CUDA device (without the flag "
                                                       "the script uses the GPU if there is one)"),
         (args.cuda and not gpu_for_each_process(), f"--cuda with {os.environ.get('LOCAL_WORLD_SIZE', '1')} processes "

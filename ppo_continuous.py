@@ -72,7 +72,7 @@ class Args:  # Count: an int that also reads 1e6 (defined with the command line,
     torch_deterministic: bool = True  # deterministic torch algorithms (warn-only), cuDNN and cuBLAS
     cuda: bool = False  # run the networks on CUDA (these small MLPs train faster on the CPU)
     compile: bool = False  # torch.compile the action sampling and the update step
-    cudagraphs: bool = False  # CUDA graphs through torch.compile's reduce-overhead mode; implies compilation
+    cudagraphs: bool = False  # capture the action sampling and the update step each in one CUDA graph
     torch_threads: Count = 1  # torch CPU threads (1 is fastest for small networks)
     track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works without network)
     wandb_project_name: str = "ppo-reference"  # wandb project name
@@ -786,8 +786,6 @@ def log_iteration(writer, args: Args, stats: dict, lr: float, kl_penalty, global
     for tag, value in scalars.items():
         writer.add_scalar(tag, value, global_step)
     if time.time() - clock["printed"] >= 5.0 or iteration == num_iterations:
-        if args.cudagraphs and not clock["printed"] and cudagraph_skips():  # after the first iteration
-            print(f"note: {cudagraph_skips()} compiled graph(s) run without CUDA graphs (TORCH_LOGS=cudagraphs: why)")
         clock["printed"] = time.time()
         eta = eta_text((num_iterations - iteration) * steps_per_iteration / rate if rate > 0 else math.inf)
         kl = f"  kl={stats['kl']:.4f} kl_coef={kl_penalty.beta:.3g}" if kl_penalty else ""
@@ -969,19 +967,89 @@ def load_policy(path: str, deterministic: bool = False, device: str = "cpu"):
 
 
 # --- compile and CUDA-graph helpers -----------------------------------------------------------------------
-def compile_hot_functions(policy, update, agent, args):  # [SHARED] eager, --compile, or --cudagraphs (reduce-overhead)
+def compile_hot_functions(policy, update, agent, args):  # [SHARED] eager, compiled and/or captured (execution_path)
     for p in agent.parameters():  # allocated here, outside any graph's pool: the update zeroes them in place
         p.grad = torch.zeros_like(p)
-    if not (args.compile or args.cudagraphs):
-        return policy, update
-    torch._inductor.config.fallback_random = args.torch_deterministic  # compiled code draws eager's random numbers
-    mode = "reduce-overhead" if args.cudagraphs else None
-    return torch.compile(policy, mode=mode), torch.compile(update, mode=mode)
+    compiled, graphs, lines = execution_path(args, int(os.environ.get("WORLD_SIZE", "1")))
+    if lines and int(os.environ.get("RANK", "0")) == 0:
+        print("\n".join(lines), flush=True)
+    if compiled:
+        torch._inductor.config.fallback_random = args.torch_deterministic  # compiled code draws eager's random numbers
+        policy, update = compile_or_fail(policy), compile_or_fail(update)
+    if graphs:
+        policy, update = cuda_graphed(policy, "the action sampling"), cuda_graphed(update, "the update")
+    return policy, update
 
 
-def cudagraph_skips() -> int:  # [SHARED] how many compiled graphs torch ran without CUDA graphs
-    from torch._dynamo.utils import counters
-    return counters["inductor"]["cudagraph_skips"]
+def execution_path(args, world: int) -> tuple[bool, bool, list[str]]:  # [SHARED] compiled?, captured?, lines to say
+    compiled, graphs = (args.cuda if on is None else on for on in (args.compile, args.cudagraphs))  # unset: as --cuda
+    lines = []
+    if graphs and world > 1:
+        graphs = False
+        lines.append("note: no CUDA graphs under torchrun (DDP's all-reduce cannot be captured)")
+    if compiled or graphs:
+        how = " and ".join(["compiled"] * compiled + ["each captured in one CUDA graph"] * graphs)
+        off = " ".join(["--no-compile"] * compiled + ["--no-cudagraphs"] * graphs)
+        lines.append(f"path: the action sampling and the update {how} ({off}: eager); the first iterations "
+                     f"{'compile' if compiled else 'capture'} them")
+    return compiled, graphs, lines
+
+
+def compile_or_fail(fn):  # [SHARED] torch.compile's default mode; a failure to compile is one line (exit 1)
+    def failure(e: Exception) -> Failure:
+        return Failure(f"torch.compile failed: {type(e).__name__}: {first_line(e)} (--no-compile runs without it)", 1)
+    try:
+        compiled = torch.compile(fn)
+    except Exception as e:
+        raise failure(e) from None
+
+    def run(*args):
+        try:
+            return compiled(*args)
+        except torch._dynamo.exc.TorchDynamoException as e:  # (raised at the calls that compile)
+            raise failure(e) from None
+    return run
+
+
+def cuda_graphed(fn, name: str, warmup: int = 2):  # [SHARED]
+    """fn run as it is for its first `warmup` calls (on a side stream: they compile, and the update's first creates
+    the optimizer's state), then captured whole in one CUDA graph at the next call and replayed from then on. fn
+    always gets the input tensors of its first call (so torch.compile sees the same kind of tensor at every call):
+    each call copies its tensor arguments into them, and a replay returns the captured outputs, which the next call
+    overwrites."""
+    stream, state = torch.cuda.Stream(), {"calls": 0}
+
+    def run(*args):
+        flat, spec = torch.utils._pytree.tree_flatten(args)
+        if "inputs" not in state:
+            state["inputs"], state["spec"] = [x.clone() if isinstance(x, torch.Tensor) else x for x in flat], spec
+            state["args"] = torch.utils._pytree.tree_unflatten(state["inputs"], spec)
+        if spec != state["spec"] or [getattr(x, "shape", x) for x in flat] != [
+                getattr(x, "shape", x) for x in state["inputs"]]:
+            raise ValueError(f"{name}: called with other arguments than at its first call (its graph replays those)")
+        for static, x in zip(state["inputs"], flat):
+            if isinstance(static, torch.Tensor):
+                static.copy_(x)
+        if state["calls"] < warmup:
+            state["calls"] += 1
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                out = fn(*state["args"])
+            torch.cuda.current_stream().wait_stream(stream)
+            return out
+        if "graph" not in state:
+            state["graph"] = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(state["graph"]):  # records fn's kernels without running them
+                    state["outputs"] = fn(*state["args"])
+            except Failure:
+                raise
+            except Exception as e:
+                raise Failure(f"capturing {name} in a CUDA graph failed: {type(e).__name__}: {first_line(e)} "
+                              "(--no-cudagraphs runs without CUDA graphs)", 1) from None
+        state["graph"].replay()
+        return state["outputs"]
+    return run
 
 
 # --- command line -----------------------------------------------------------------------------------------
@@ -1029,7 +1097,6 @@ def validate(args: Args) -> None:  # bad values: one line, exit 2, before anythi
     need(not args.cuda or torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
          "--cuda needs a GPU for each process on this machine")
     need(not args.cudagraphs or args.cuda, "--cudagraphs needs --cuda (CUDA graphs exist only on a GPU)")
-    need(not args.cudagraphs or world == 1, "--cudagraphs is not supported under torchrun (DDP's all-reduce)")
     if args.capture_video and not os.environ.get("DISPLAY"):  # (read when mujoco is imported: before check_env)
         os.environ.setdefault("MUJOCO_GL", "egl")
     check_env(args.env_id)

@@ -9,16 +9,17 @@ Stages, in this order, each under its own share of --minutes (the last stage run
                  `pytest -m gpu -q tests/test_gpu.py`
   2 atari_speed  Breakout-v5 with 8 envs, SPS warm-up excluded: envpool alone (random actions), CleanRL --cuda, the
                  compiled commands side by side for 2 iterations (this fills torch.compile's cache on disk, so the
-                 timed runs compile in seconds), LeanRL --compile --cudagraphs, ours --compile --cudagraphs (also
-                 captured by hand: capture_trial.py; also with --overlap-envs) / eager / --compile /
-                 --no-torch-deterministic, LeanRL --compile / eager; each as SPS and as ratios to envpool alone and
-                 to CleanRL; last, ours --compile --cudagraphs under cProfile (its top functions, in its log)
+                 timed runs compile in seconds), LeanRL --compile --cudagraphs, ours as typed (no flags: on CUDA
+                 compiled and captured; its 10M steps stopped at the time limit), ours --compile --cudagraphs (also
+                 with --overlap-envs) / eager / --compile / --no-torch-deterministic, LeanRL --compile / eager; each
+                 as SPS and as ratios to envpool alone, to CleanRL and to LeanRL's best; last, ours --compile
+                 --cudagraphs under cProfile (its top functions, in its log)
   3 ppo_llm      ppo_llm.py's default task for 20 iterations on CUDA (the held-out accuracy must rise from the first
                  evaluation to the last), then benchmarks/llm_throughput.py at 0.5B for gae and grpo, eager, then
                  --compile
   4 cuda_vs_cpu  ppo.py (CartPole-v1) and ppo_continuous.py (HalfCheetah-v5; Pendulum-v1 without MuJoCo), CUDA vs CPU
-  5 breakout     ppo_atari_envpool.py learning Breakout-v5 at stage 2's fastest path of ours for the time left, then
-                 its return curve beside the CPU one (CSV and PNG)
+  5 breakout     ppo_atari_envpool.py learning Breakout-v5 with its defaults (on CUDA compiled and captured) for the
+                 time left, then its return curve beside the CPU one (CSV and PNG)
 
 Every command runs as a subprocess in a process group of its own; at its time limit the group gets SIGTERM (the
 project's scripts then finish the iteration and write a checkpoint), and SIGKILL a few seconds later. A stage goes on
@@ -70,8 +71,9 @@ PROGRESS_EVERY_S = 10.0
 # Known figures, one H100 (../shared/anchors.md), printed beside ours
 KNOWN_H100 = {"envpool_alone": "3,635", "cleanrl": "1,006–1,136", "leanrl_eager": "≈1,760",
               "leanrl_compile": "≈2,230–2,600", "leanrl_compile_cudagraphs": "≈3,700"}
-# (--cudagraphs alone is the same path as --compile --cudagraphs: torch.compile's reduce-overhead mode)
-OUR_PATHS = {"eager": [], "compile": ["--compile"], "compile_cudagraphs": ["--compile", "--cudagraphs"]}
+# Each path of ours by both flags (with neither, the Atari script's default on CUDA is compiled and captured)
+OUR_PATHS = {"eager": ["--no-compile", "--no-cudagraphs"], "compile": ["--compile", "--no-cudagraphs"],
+             "compile_cudagraphs": ["--compile", "--cudagraphs"]}
 CPU_BREAKOUT = os.path.join(REPO, "benchmarks", "results", "ppo_atari_envpool_breakout_cpu_curve")  # stage 5
 PYTEST_SUMMARY = re.compile(r"^=*\s*((?:\d+ \w+,? ?)+ in [\d.]+s(?: \([^)]*\))?)\s*=*$")
 LLM_EVAL = re.compile(r"eval iter (\d+): accuracy greedy ([\d.]+)\s+sampled ([\d.]+)")
@@ -481,7 +483,7 @@ def stage2(ctx: Ctx) -> list:
     variants["ours_no_torch_deterministic"] = ["--no-torch-deterministic"]
     # two envpools of 4 envs: one steps while the other's actions are computed (the goal: past LeanRL's best)
     variants["ours_compile_cudagraphs_overlap"] = [*OUR_PATHS["compile_cudagraphs"], "--overlap-envs"]
-    variants["ours_hand_captured"] = list(OUR_PATHS["compile_cudagraphs"])  # (compiled: ours_compile's warm-up)
+    variants["ours_default"] = []  # as typed: no flags, the defaults' sizes and 10M steps, stopped at its time limit
     # The compiled commands first run side by side for 2 iterations at the same sizes, which fills torch.compile's
     # cache on disk: the timed runs below then compile from it in seconds (their warm-up iterations are not timed).
     # Each one's output is in warmup/warm<i>.log; the item fails if any of them does
@@ -489,14 +491,13 @@ def stage2(ctx: Ctx) -> list:
                  for n, f in lean.items() if f and not lean_skip_reason] + [
                 [PY, ours, *dev_flag(ctx), *f, *common_args[:4], "--total-timesteps", str(2 * batch), *small,
                  "--runs-dir", ctx.stage_dir(2, "warmup_runs")]
-                for f in [*OUR_PATHS.values(), variants["ours_compile_cudagraphs_overlap"]] if f]
+                for f in [*OUR_PATHS.values(), variants["ours_compile_cudagraphs_overlap"]] if "--compile" in f]
     script = "".join(f"{shlex.join(c)} > warm{i}.log 2>&1 & p{i}=$!; " for i, c in enumerate(warm_cmds)) + (
         "s=0; for p in " + " ".join(f"$p{i}" for i in range(len(warm_cmds))) + "; do wait $p || s=1; done; exit $s")
     items.append(Item("compile_warmup", ["bash", "-c", script], timeout=150, cwd=ctx.stage_dir(2, "warmup"),
                       skip=no_envpool or needs_cuda(ctx)))
-    order = ["leanrl_compile_cudagraphs", "ours_compile_cudagraphs", "ours_hand_captured",
-             "ours_compile_cudagraphs_overlap", "ours_eager", "ours_compile", "ours_no_torch_deterministic",
-             "leanrl_compile", "leanrl_eager"]
+    order = ["leanrl_compile_cudagraphs", "ours_default", "ours_compile_cudagraphs", "ours_compile_cudagraphs_overlap",
+             "ours_eager", "ours_compile", "ours_no_torch_deterministic", "leanrl_compile", "leanrl_eager"]
     for name in order:
         if name.startswith("leanrl"):
             flags = lean[name]
@@ -505,15 +506,15 @@ def stage2(ctx: Ctx) -> list:
             items.append(Item(name, [PY, leanrl, *dev_flag(ctx), *flags, *lean_args], timeout=60,
                               cwd=ctx.stage_dir(2, name), read=read_leanrl(lean_skip), skip=skip))
             continue
-        flags, runs = variants[name], ctx.stage_dir(2, name, "runs")
-        # ours_hand_captured: capture_trial.py, the script with each hot function captured whole in one CUDA graph
-        program = os.path.join(REPO, "benchmarks", "capture_trial.py") if name == "ours_hand_captured" else ours
+        flags, runs, typed = variants[name], ctx.stage_dir(2, name, "runs"), name == "ours_default"
         skip = no_envpool or (needs_cuda(ctx) if "--cudagraphs" in flags else None) or (
             "dry run: torch.compile takes minutes on a CPU" if ctx.dry and "--compile" in flags else None) or (
-            "dry run: ours_eager with one flag more" if ctx.dry and name == "ours_no_torch_deterministic" else None)
+            "dry run: ours_eager with one flag more" if ctx.dry and name == "ours_no_torch_deterministic" else None) or (
+            "dry run: the defaults' 10M steps run to the time limit (on the CPU: ours_eager)" if ctx.dry and typed
+            else None)
         threads = ["--torch-threads", "1"] if ctx.dry else []
-        items.append(Item(name, [PY, program, *dev_flag(ctx), *flags, *common_args, *threads, "--exp-name", name,
-                                 "--runs-dir", runs],
+        sizes = [] if typed else [*dev_flag(ctx), *flags, *common_args, *threads]
+        items.append(Item(name, [PY, ours, *sizes, "--exp-name", name, "--runs-dir", runs],
                           timeout=60, read=tb_or_stdout_sps(runs, warm, batch, "ours"), skip=skip))
     # Where our fastest path spends its host time (it ran at 0.75x LeanRL's on an H100): Python's profiler over a
     # short run (runpy, so that the script is __main__ for tyro), its top functions by own time in the log
@@ -530,15 +531,16 @@ def stage2(ctx: Ctx) -> list:
 
 def stage2_figures(items: list) -> dict:
     by = {i.name: i.figures.get("sps") for i in items}
-    base, clean = by.get("envpool_alone"), by.get("cleanrl")
+    base, clean, lean = by.get("envpool_alone"), by.get("cleanrl"), by.get("leanrl_compile_cudagraphs")
     for i in items:
         sps = i.figures.get("sps")
         if sps is not None and i.name not in ("envpool_alone", "cleanrl"):
             i.figures["x_envpool_alone"] = round(sps / base, 3) if base else None
             i.figures["x_cleanrl"] = round(sps / clean, 3) if clean else None
+            i.figures["x_leanrl_best"] = round(sps / lean, 3) if lean else None  # its --compile --cudagraphs
         if i.name in KNOWN_H100:
             i.figures["known_h100_sps"] = KNOWN_H100[i.name]
-    ours = {n[5:]: v for n, v in by.items() if n.startswith("ours_") and n[5:] in OUR_PATHS and v}
+    ours = {n[5:]: v for n, v in by.items() if n.startswith("ours_") and v}
     best = max(ours, key=ours.get) if ours else None
     return {"sps": {k: v for k, v in by.items() if v is not None}, "fastest_of_ours": best}
 
@@ -599,31 +601,19 @@ def stage4_figures(items: list) -> dict:
     return out
 
 
-def best_path(ctx: Ctx) -> tuple:
-    """(flags, why) of the fastest of ours in stage 2 (this run, else the kept earlier one), else eager."""
-    st = ctx.results.get(2) or next((s for s in ctx.previous.get("stages", []) if s.get("number") == 2), None)
-    best = (st or {}).get("figures", {}).get("fastest_of_ours")
-    if best in OUR_PATHS:
-        sps = st["figures"]["sps"].get(f"ours_{best}")
-        return OUR_PATHS[best], f"stage 2's fastest of ours: {best} ({fmt_sps(sps)} SPS)"
-    return [], "eager: stage 2 measured no path of ours"
-
-
 def stage5(ctx: Ctx) -> list:
-    flags, why = best_path(ctx)
-    if ctx.dry:
-        flags = [f for f in flags if f != "--cudagraphs" and f != "--compile"]
-        sizes = ["--num-envs", "2", "--num-steps", "64", "--total-timesteps", "512", "--num-minibatches", "2",
-                 "--update-epochs", "1", "--torch-threads", "1"]
+    if ctx.dry:  # (the CPU's default path: eager)
+        sizes = ["--no-cuda", "--num-envs", "2", "--num-steps", "64", "--total-timesteps", "512", "--num-minibatches",
+                 "2", "--update-epochs", "1", "--torch-threads", "1"]
     else:
-        sizes = []  # the defaults: 8 envs x 128 steps, 10M steps; stopped with SIGTERM when the time is up
+        sizes = []  # the defaults: CUDA, compiled and captured, 8 envs x 128 steps, 10M steps; stopped with SIGTERM
     runs = ctx.stage_dir(5, "runs")
-    item = Item("breakout_learning", [PY, os.path.join(REPO, "ppo_atari_envpool.py"), *dev_flag(ctx), *flags, *sizes,
+    item = Item("breakout_learning", [PY, os.path.join(REPO, "ppo_atari_envpool.py"), *sizes,
                                       "--checkpoint-every", "100", "--exp-name", "gpu_check_breakout",
                                       "--runs-dir", runs],
                 timeout=None, read=read_breakout(ctx, runs), stop_at_limit=True,
                 skip=None if has("envpool") else "envpool is not installed", device="cpu" if ctx.dry else "cuda")
-    item.figures["path"] = why
+    item.figures["path"] = "the script's default path"
     return [item]
 
 
@@ -785,9 +775,9 @@ def item_dict(i: Item, out: str) -> dict:
 def figure_text(name: str, fig: dict) -> str:
     if "sps" in fig:
         t = f"{fig['sps']:,.0f} SPS"
-        if fig.get("x_envpool_alone") is not None:
-            t += f" ({fig['x_envpool_alone']:.2f}× envpool alone"
-            t += f", {fig['x_cleanrl']:.2f}× CleanRL)" if fig.get("x_cleanrl") is not None else ")"
+        ratios = [f"{fig[k]:.2f}× {of}" for k, of in (("x_envpool_alone", "envpool alone"), ("x_cleanrl", "CleanRL"),
+                                                      ("x_leanrl_best", "LeanRL's best")) if fig.get(k) is not None]
+        t += f" ({', '.join(ratios)})" if ratios else ""
         if "known_h100_sps" in fig:
             t += f"; known H100: {fig['known_h100_sps']}"
         return t

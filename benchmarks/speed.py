@@ -7,9 +7,10 @@
 For each script: the raw random-action steps per second of the same vector environment with the same number of
 envs (gymnasium SyncVectorEnv in SAME_STEP autoreset for ppo.py / ppo_continuous.py, envpool for
 ppo_atari_envpool.py), then the training SPS of the script run as a subprocess for a short number of steps, for each
-path (eager, --compile, --cudagraphs, --compile --cudagraphs) on each device (CPU; CUDA where present; CUDA graphs
-only on CUDA). Training SPS excludes warm-up (start-up, compilation, graph capture): it is computed from the wall
-times of the tensorboard events of iterations --warmup-iters+1 .. last, i.e. (step_last - step_w) / (t_last - t_w).
+path (eager, --compile, --cudagraphs, --compile --cudagraphs; both flags and the device's always given, so a script's
+defaults choose nothing) on each device (CPU; CUDA where present; CUDA graphs only on CUDA). Training SPS excludes
+warm-up (start-up, compilation, graph capture): it is computed from the wall times of the tensorboard events of
+iterations --warmup-iters+1 .. last, i.e. (step_last - step_w) / (t_last - t_w).
 Runs go one at a time so they do not disturb each other. Writes JSON and markdown (default
 benchmarks/results/speed.json and speed.md) and prints the table with the ratios.
 Exit code 0 when every measurement that was not skipped succeeded, 1 otherwise, 2 for bad arguments.
@@ -35,8 +36,9 @@ import common  # noqa: E402
 import report  # noqa: E402
 
 RL_SCRIPTS = ["ppo.py", "ppo_continuous.py", "ppo_atari_envpool.py"]
-PATHS = {"eager": [], "compile": ["--compile"], "cudagraphs": ["--cudagraphs"],
-         "compile+cudagraphs": ["--compile", "--cudagraphs"]}
+# Each path by both flags, and the device by its flag (the Atari script's defaults on a GPU: CUDA, compiled, captured)
+PATHS = {"eager": ["--no-compile", "--no-cudagraphs"], "compile": ["--compile", "--no-cudagraphs"],
+         "cudagraphs": ["--no-compile", "--cudagraphs"], "compile+cudagraphs": ["--compile", "--cudagraphs"]}
 # Short runs that still leave several iterations after warm-up at the scripts' default batch sizes
 DEFAULT_STEPS = {"ppo.py": 30 * 512, "ppo_continuous.py": 8 * 2048, "ppo_atari_envpool.py": 10 * 1024}
 DEFAULT_ENV = {"ppo.py": "CartPole-v1", "ppo_continuous.py": "HalfCheetah-v5", "ppo_atari_envpool.py": "Breakout-v5"}
@@ -85,7 +87,8 @@ def parse(argv: list):
     args.envs = per_script(args.env_ids, "--env-ids")
     if args.warmup_iters < 0 or args.raw_seconds <= 0:
         common.die("--warmup-iters must be >= 0 and --raw-seconds positive")
-    for flag in ("--env-id", "--total-timesteps", "--runs-dir", "--exp-name", "--cuda", "--compile", "--cudagraphs"):
+    for flag in ("--env-id", "--total-timesteps", "--runs-dir", "--exp-name", *{f for fs in PATHS.values() for f in fs},
+                 "--cuda", "--no-cuda"):
         if any(a == flag or a.startswith(flag + "=") for a in extra):
             common.die(f"{flag} is set by speed.py; do not pass it after `--`")
     return args
@@ -298,7 +301,7 @@ def main(argv: Optional[list] = None) -> int:
         tag = f"{item['script'][:-3]}_{item['device']}_{item['path'].replace('+', '_')}"
         cmd = [sys.executable, scripts[item["script"]], "--env-id", item["env_id"], "--total-timesteps",
                str(item["total_timesteps"]), "--exp-name", tag, "--runs-dir", os.path.join(tmp, tag)]
-        cmd += PATHS[item["path"]] + (["--cuda"] if item["device"] == "cuda" else []) + args.extra
+        cmd += PATHS[item["path"]] + (["--cuda"] if item["device"] == "cuda" else ["--no-cuda"]) + args.extra
         item["command"] = shlex.join(["python", os.path.relpath(cmd[1], common.REPO)] + cmd[2:]).replace(tmp, "<tmp>")
         jobs.append((item, common.Job(f"{item['script']} {item['device']} {item['path']}", cmd,
                                       os.path.join(logs, tag + ".log"))))

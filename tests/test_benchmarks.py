@@ -165,7 +165,7 @@ FAKE_SCRIPT = WRITER + textwrap.dedent("""
       p.add_argument("--runs-dir"); p.add_argument("--total-timesteps", type=int, default=800)
       p.add_argument("--fail", action="store_true")
       for f in ("--compile", "--cudagraphs", "--cuda"):
-          p.add_argument(f, action="store_true")
+          p.add_argument(f, action=argparse.BooleanOptionalAction)
       a = p.parse_args()
       if a.env_id == "Broken-v0":
           print("error: cannot make 'Broken-v0'", file=sys.stderr); sys.exit(2)
@@ -296,31 +296,6 @@ def test_progress_line_parsing():
     assert common.eta([job], 2, 1, time.time()) == pytest.approx(110, abs=1)  # + two queued of 40 s, one slot
     job.feed("iter 3/10  reward=0.5\n")  # ppo_llm.py style: iterations only
     assert job.global_step == 0 and "iter 3/10" in job.status()
-
-
-def test_the_capture_trial_runs_the_atari_script_and_keeps_its_errors(tmp_path):
-    """benchmarks/capture_trial.py (its CUDA graphs: tests/test_gpu.py) on the CPU: the script's eager run to its end
-    through the trial's compile helper, and the script's one-line refusal of --cudagraphs without CUDA."""
-    trial = [sys.executable, os.path.join(ROOT, "benchmarks", "capture_trial.py"), "--no-cuda", "--num-envs", "2",
-             "--num-steps", "32", "--num-minibatches", "2", "--update-epochs", "1", "--runs-dir", str(tmp_path)]
-    ok = subprocess.run(trial + ["--total-timesteps", "128"], capture_output=True, text=True, timeout=300)
-    assert ok.returncode == 0 and "iter 2/2" in ok.stdout, ok.stdout[-2000:] + ok.stderr[-2000:]
-    bad = subprocess.run(trial + ["--total-timesteps", "128", "--cudagraphs"], capture_output=True, text=True,
-                         timeout=300)
-    assert bad.returncode == 2 and bad.stderr == "error: --cudagraphs needs --cuda (CUDA graphs exist only on a GPU)\n"
-
-
-def test_the_capture_trial_wraps_both_hot_functions_with_cudagraphs_alone(monkeypatch):
-    import capture_trial  # (benchmarks/ is on the path)
-    import torch
-
-    wrapped = []
-    monkeypatch.setattr(capture_trial, "cuda_graphed", lambda fn, name: wrapped.append((fn, name)) or fn)
-    agent, policy, update = torch.nn.Linear(2, 2), object(), object()
-    for cudagraphs in (False, True):  # (the script's helper, compile off: the functions as they are)
-        args = capture_trial.script.Args(cuda=False, cudagraphs=cudagraphs)
-        assert capture_trial.compile_hot_functions(policy, update, agent, args) == (policy, update)
-    assert wrapped == [(policy, "policy"), (update, "update")]
 
 
 def test_llm_throughput_names_the_precision_of_its_runs():

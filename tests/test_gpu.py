@@ -1,6 +1,8 @@
-"""Real CUDA runs of the four scripts at tiny sizes (skipped without a GPU): every path of every RL script finishes,
-no compiled graph falls back from CUDA graphs, the compiled paths end with the eager path's parameters, and
-checkpoints cross between CUDA and the CPU both ways; ppo_llm.py runs in bf16 on CUDA and resumes on the CPU.
+"""Real CUDA runs of the four scripts at tiny sizes (skipped without a GPU): every path of every RL script finishes
+and says which path it is, the compiled and captured paths end with the eager path's parameters (the Atari script's
+defaults too: compiled and captured on CUDA), and checkpoints cross between CUDA and the CPU both ways; ppo_llm.py
+runs in bf16 on CUDA and resumes on the CPU. In-process: the CUDA-graph helper replays what eager computes, refuses
+other arguments, and a capture that fails is one line naming --no-cudagraphs.
 
     pytest -m gpu -q tests/test_gpu.py        # on a GPU machine; benchmarks/gpu_check.py stage 1 runs this
     pytest -m gpu -q -o addopts= tests/test_gpu.py    # the same without pytest-xdist (pytest.ini's -n 2 needs it)
@@ -23,8 +25,13 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# (--cudagraphs alone is the same path as --compile --cudagraphs: compile_hot_functions reads `compile or cudagraphs`)
-PATHS = {"eager": [], "compile": ["--compile"], "compile_cudagraphs": ["--compile", "--cudagraphs"]}
+sys.path.insert(0, REPO)  # (the in-process tests import a script)
+# Each path by both flags (on CUDA the Atari script's default is compiled and captured: `default` below)
+PATHS = {"eager": ["--no-compile", "--no-cudagraphs"], "compile": ["--compile", "--no-cudagraphs"],
+         "cudagraphs": ["--no-compile", "--cudagraphs"], "compile_cudagraphs": ["--compile", "--cudagraphs"]}
+# The line each path prints first (compile_hot_functions); eager prints none
+SAYS = {"compile": "update compiled (", "cudagraphs": "update each captured in one CUDA graph (",
+        "compile_cudagraphs": "update compiled and each captured in one CUDA graph ("}
 # A few iterations each: 4 iterations of the sizes below (a stop after 2 for the checkpoint tests)
 ITERATIONS = 4
 TINY = {
@@ -37,12 +44,10 @@ TINY = {
                              "--torch-threads", "2"],
 }
 SCRIPTS = list(TINY)
-# What the scripts print when a compiled graph runs without CUDA graphs (ppo*.py: "note: N compiled graph(s) run
-# without CUDA graphs"), and torch's own wording of a skip
-SKIP_NOTES = ("without cuda graphs", "skipping cudagraphs")
 # Paths compared with eager after ITERATIONS iterations (--torch-deterministic; --compile sets inductor's
 # fallback_random, so the same actions are sampled): parameters allclose at these tolerances
-SAME_AS_EAGER = {"compile": dict(rtol=1e-3, atol=1e-5), "compile_cudagraphs": dict(rtol=1e-3, atol=1e-5)}
+SAME_AS_EAGER = {"compile": dict(rtol=1e-3, atol=1e-5), "cudagraphs": dict(rtol=1e-3, atol=1e-5),
+                 "compile_cudagraphs": dict(rtol=1e-3, atol=1e-5)}
 # The Atari CNN's compiled kernels round differently from cuDNN's eager ones, and Adam turns a last-bit difference in
 # a near-zero gradient into a step of up to about lr: its 16 steps here (2.5e-4 each) can move a weight by 4e-3, and
 # 5.8e-5 was seen on an H100. 2e-4 (5 % of those 16 steps) still fails a compiled update that differs in substance.
@@ -63,10 +68,10 @@ def path_cmd(script: str, path: str, runs_dir, device: str = "cuda") -> list:
             str(runs_dir)]
 
 
-def trial_cmd(runs_dir, device: str = "cuda") -> list:
-    """benchmarks/capture_trial.py: the Atari script's --compile --cudagraphs with each function captured whole."""
-    cmd = path_cmd("ppo_atari_envpool.py", "compile_cudagraphs", runs_dir, device)
-    return [cmd[0], os.path.join(REPO, "benchmarks", "capture_trial.py"), *cmd[2:]]
+def default_cmd(runs_dir, device: str = "cuda") -> list:
+    """The Atari script with its default path (no --compile / --cudagraphs flag): on CUDA, compiled and captured."""
+    cmd = path_cmd("ppo_atari_envpool.py", "eager", runs_dir, device)
+    return [a for a in cmd if a not in PATHS["eager"]]
 
 
 def stop_cmd(script: str, runs_dir, device: str) -> list:
@@ -127,7 +132,7 @@ def runs(tmp_path_factory):
     first = {("path", s, p): path_cmd(s, p, tmp / f"{s[:-3]}_{p}") for s in SCRIPTS for p in PATHS}
     first.update({("stop", s, d): stop_cmd(s, tmp / f"{s[:-3]}_stop_{d}", d) for s in SCRIPTS for d in ("cuda", "cpu")})
     first[("llm_stop",)] = llm_stop_cmd(tmp / "llm")
-    first[("trial",)] = trial_cmd(tmp / "trial")
+    first[("default",)] = default_cmd(tmp / "default")
     dirs = {k: c[c.index("--runs-dir") + 1] for k, c in first.items()}
     res = run_all(first)
     second = {}  # (a stopped run that failed or left no checkpoint has no resume: its test says so)
@@ -152,11 +157,11 @@ def finished(result, what: str) -> str:
 
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_path_finishes_without_a_cuda_graph_fallback(runs, script, path):
+def test_path_finishes_and_says_which_it_is(runs, script, path):
     res, _ = runs
     text = finished(res[("path", script, path)], f"{script} {path}")
-    notes = [ln for ln in text.splitlines() if any(n in ln.lower() for n in SKIP_NOTES)]
-    assert not notes, f"{script} {path}: graphs ran without CUDA graphs: {notes}"
+    said = [ln for ln in text.splitlines() if ln.startswith("path: ")]
+    assert said == [] if path == "eager" else len(said) == 1 and SAYS[path] in said[0], said
     assert f"iter {ITERATIONS}/{ITERATIONS}" in text, text[-2000:]
 
 
@@ -169,15 +174,14 @@ def test_compiled_parameters_equal_eager(runs, script, path):
     assert_same_parameters(dirs[("path", script, "eager")], dirs[("path", script, path)], script, path)
 
 
-def test_the_hand_captured_trial_ends_with_the_eager_parameters(runs):
+def test_the_atari_default_on_cuda_is_compiled_captured_and_ends_with_the_eager_parameters(runs):
     res, dirs = runs
     script = "ppo_atari_envpool.py"
     finished(res[("path", script, "eager")], f"{script} eager")
-    text = finished(res[("trial",)], "benchmarks/capture_trial.py --compile --cudagraphs")
+    text = finished(res[("default",)], f"{script} with its default path on CUDA")
     assert f"iter {ITERATIONS}/{ITERATIONS}" in text, text[-2000:]
-    for name in ("policy", "update"):  # (else the run was the script's own path)
-        assert f"capture_trial: {name} captured in one CUDA graph" in text, text[-2000:]
-    assert_same_parameters(dirs[("path", script, "eager")], dirs[("trial",)], script, "compile_cudagraphs")
+    assert -1 < text.find(SAYS["compile_cudagraphs"]) < text.index("iter 1/"), text[:2000]  # said first
+    assert_same_parameters(dirs[("path", script, "eager")], dirs[("default",)], script, "compile_cudagraphs")
 
 
 def assert_same_parameters(eager_runs, other_runs, script: str, path: str) -> None:
@@ -208,3 +212,39 @@ def test_llm_bf16_on_cuda_stops_and_resumes_on_the_cpu(runs):
     assert saved["cuda"] is True and saved["precision"] == "auto", saved  # auto: bf16 autocast on CUDA
     text = finished(res.get(("llm_resume",)), "ppo_llm.py --resume ... --no-cuda")
     assert "iter 2/2" in text, text[-2000:]
+
+
+def test_cuda_graphed_replays_what_eager_computes_and_refuses_other_arguments():
+    """In-process: a function with in-place state (as the optimizer's) and random numbers (as the action sampling),
+    run eagerly for 2 calls, captured at the 3rd, replayed after: the same outputs and state as eager, call by call."""
+    import ppo_atari_envpool as pae  # (imports without side effects)
+
+    def fn(x, scale):
+        state.add_(x * scale)
+        return state * 2, torch.rand_like(x)
+
+    results = []
+    for graphed in (False, True):
+        state, call = torch.zeros(3, device="cuda"), pae.cuda_graphed(fn, "fn") if graphed else fn
+        torch.manual_seed(0)
+        results.append([[o.clone() for o in call(torch.full((3,), float(i), device="cuda"),
+                                                   torch.tensor(2.0, device="cuda"))] + [state.clone()]
+                        for i in range(5)])
+    for eager, graphed in zip(*results):
+        assert all(torch.equal(a, b) for a, b in zip(eager, graphed)), (eager, graphed)
+    with pytest.raises(ValueError, match="other arguments than at its first call"):
+        call(torch.zeros(4, device="cuda"), torch.tensor(2.0, device="cuda"))  # (a replay would read 3 of them)
+
+
+def test_a_capture_that_fails_is_one_line_naming_no_cudagraphs():
+    """(In a process of its own: a failed capture may leave CUDA's state unusable for later tests.)"""
+    code = ("import sys, torch; sys.path.insert(0, '.'); import ppo_atari_envpool as pae\n"
+            "call = pae.cuda_graphed(lambda x: x * float(x.sum()), 'the update')  # .item(): a host sync\n"
+            "x = torch.ones(2, device='cuda')\n"
+            "call(x); call(x)  # the warm-up calls run as they are\n"
+            "try:\n    call(x)\nexcept pae.Failure as e:\n    print('FAILURE', e.code, str(e))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("FAILURE ")]
+    assert len(lines) == 1 and lines[0].startswith("FAILURE 1 capturing the update in a CUDA graph failed: "), (
+        p.stdout[-2000:], p.stderr[-2000:])
+    assert lines[0].endswith("(--no-cudagraphs runs without CUDA graphs)")

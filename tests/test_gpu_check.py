@@ -58,6 +58,13 @@ def test_dry_run_skips_cuda_only_commands_but_shows_them(dry_run):
     for name in ("compile_warmup", "ours_compile_cudagraphs", "ppo_cuda", "ppo_continuous_cuda"):
         assert items[name]["status"] == "skipped" and items[name]["reason"] == "needs CUDA", items[name]
     assert "--cudagraphs" in items["ours_compile_cudagraphs"]["command"]
+    # the command as typed: no path, device or size flag (its defaults; stopped at its time limit on the GPU)
+    assert items["ours_default"]["status"] == "skipped" and "dry run" in items["ours_default"]["reason"]
+    assert re.fullmatch(r"(OMP_NUM_THREADS=1 )?python ppo_atari_envpool\.py --exp-name ours_default --runs-dir \S+",
+                        items["ours_default"]["command"]), items["ours_default"]["command"]
+    assert "--no-compile" in items["ours_eager"]["command"] and "--no-cudagraphs" in items["ours_eager"]["command"]
+    assert not re.search(r"--(no-)?(compile|cudagraphs)\b", items["breakout_learning"]["command"])  # its default
+    assert "ours_hand_captured" not in items and "capture_trial" not in json.dumps(data)
     assert items["compile_warmup"]["command"].count("--compile") >= 2  # ours (LeanRL's two where tensordict is)
     assert items["ours_eager"]["status"] == "ok" and items["ours_eager"]["figures"]["sps"] > 0
     assert items["ppo_cpu"]["status"] == "ok" and items["ppo_cpu"]["figures"]["sps"] > 0
@@ -126,6 +133,21 @@ def test_leanrl_reader_skips_its_first_window():
     bar = "speed:  3166.4 sps, returns:  1.30: 97%|#########7| 29/30 [00:16<00:00,  3.01it/s]"
     text = f"{bar}SPS: 3077 iteration 10\n\r{bar}SPS: 3166 iteration 20\n{bar}\rSPS: 3161 iteration 30\nNOT SPS: 5 iteration 1\n"
     assert read(None, text)["sps"] == pytest.approx(3163.5)
+
+
+def test_stage2_puts_each_run_beside_envpool_alone_cleanrl_and_leanrl_best():
+    items = [gpu_check.Item(n, []) for n in ("envpool_alone", "cleanrl", "leanrl_compile_cudagraphs", "ours_default",
+                                             "ours_eager", "ours_compile")]
+    for item, sps in zip(items, (4000.0, 1000.0, 3200.0, 3600.0, 1600.0, None)):
+        item.figures.update({} if sps is None else {"sps": sps})
+    figures = gpu_check.stage2_figures(items)
+    ours = items[3].figures
+    assert (ours["x_envpool_alone"], ours["x_cleanrl"], ours["x_leanrl_best"]) == (0.9, 3.6, 1.125)
+    assert items[2].figures["x_leanrl_best"] == 1.0 and "x_leanrl_best" not in items[0].figures
+    assert figures == {"sps": {"envpool_alone": 4000.0, "cleanrl": 1000.0, "leanrl_compile_cudagraphs": 3200.0,
+                               "ours_default": 3600.0, "ours_eager": 1600.0}, "fastest_of_ours": "default"}
+    assert gpu_check.figure_text("ours_default", ours) == (
+        "3,600 SPS (0.90× envpool alone, 3.60× CleanRL, 1.12× LeanRL's best)")
 
 
 def test_bin_curve_and_edges():
@@ -199,8 +221,7 @@ def test_gpu_test_command_lines_on_the_cpu(tmp_path):
     built += [test_gpu.stop_cmd(s, tmp_path, d) for s in test_gpu.SCRIPTS for d in ("cuda", "cpu")]
     built += [test_gpu.resume_cmd(s, ckpt, d) for s in test_gpu.SCRIPTS for d in ("cuda", "cpu")]
     built += [test_gpu.llm_stop_cmd(tmp_path, d) for d in ("cuda", "cpu")] + [test_gpu.llm_resume_cmd(ckpt, "cpu")]
-    built.append(test_gpu.trial_cmd(tmp_path, "cpu"))
-    known["capture_trial.py"] = known["ppo_atari_envpool.py"]  # (it runs that script)
+    built.append(test_gpu.default_cmd(tmp_path, "cpu"))
     for c in built:
         script = os.path.basename(c[1])
         unknown = [a for a in c[2:] if a.startswith("--") and a not in known[script]]
@@ -231,7 +252,6 @@ def test_a_rerun_keeps_the_stages_it_does_not_run(tmp_path):
                           {"number": 3, "name": "ppo_llm", "status": "failed", "seconds": 1.0, "items": []}]}
     ctx = gpu_check.Ctx(out=str(tmp_path), dry=True, anchors="", cuda=False, deadline=time.time() + 60,
                         previous=earlier)
-    assert gpu_check.best_path(ctx) == (["--compile"], "stage 2's fastest of ours: compile (3,000 SPS)")
     ctx.results[3] = {"number": 3, "name": "ppo_llm", "status": "ok", "seconds": 2.0, "items": [], "figures": {}}
     data = {"command": "x", "date": "d", "dry_run": True, "minutes": 1, "seconds": 1.0,
             "machine": {"device": "cpu", "torch": "t", "cuda": None, "python": "p", "commit": "c"}}

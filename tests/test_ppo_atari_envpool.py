@@ -1,6 +1,7 @@
 """Tests for ppo_atari_envpool.py (CPU, small): CLI, whole-game episode statistics, envpool observations, the pure
 functions against plain loops, a smoke run, stop -> resume, and 2 processes under torchrun."""
 
+import contextlib
 import copy
 import glob
 import math
@@ -723,61 +724,151 @@ def test_torchrun_two_ranks_stop_then_resume(tmp_path):
         assert [s for s, _ in scalars(run_dir, tag)] == [128, 256, 384], tag
 
 
-class NoWriter:  # a SummaryWriter that keeps nothing
-    def add_scalar(self, *a):
-        pass
+# ---------------------------------------------------------------------------------------------------------
+# Execution paths: on CUDA compiled and captured by default (execution_path, the three scripts' shared helper)
+# ---------------------------------------------------------------------------------------------------------
+def pretend_cuda(monkeypatch, available: bool) -> None:  # (parsing and resolution only: nothing runs on it)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: int(available))
 
 
-def log_first_iterations(name: str, cudagraphs: bool) -> None:
-    """The script's log_iteration after iterations 1 and 2 of 2, as its main calls it (rank 0, one process)."""
+def test_on_the_cpu_the_default_is_eager_and_says_nothing(monkeypatch, capsys):
+    pretend_cuda(monkeypatch, False)
+    args = pae.parse_args([])
+    assert (args.cuda, args.compile, args.cudagraphs) == (False, None, None)
+    assert pae.execution_path(args, 1) == (False, False, [])
+    agent, update = torch.nn.Linear(2, 2), object()
+    assert pae.compile_hot_functions(agent, update, agent, args) == (agent, update)  # the functions as they are
+    assert capsys.readouterr().out == ""
+    assert pae.execution_path(pae.parse_args(["--compile"]), 1)[:2] == (True, False)  # asked for by name
+
+
+def test_on_cuda_the_default_is_compiled_and_captured_and_says_so(monkeypatch, capsys):
+    pretend_cuda(monkeypatch, True)
+    args = pae.parse_args(["--total-timesteps", "1e7"])
+    compiled, graphs, lines = pae.execution_path(args, 1)
+    assert (args.cuda, compiled, graphs) == (True, True, True) and len(lines) == 1
+    assert "compiled and each captured in one CUDA graph" in lines[0] and "first iterations compile" in lines[0]
+    assert "--no-compile --no-cudagraphs: eager" in lines[0]
+    paths = {flag: pae.execution_path(pae.parse_args([flag]), 1)[:2]
+             for flag in ("--no-compile", "--no-cudagraphs", "--no-cuda")}
+    assert paths == {"--no-compile": (False, True), "--no-cudagraphs": (True, False), "--no-cuda": (False, False)}
+    assert pae.execution_path(pae.parse_args(["--no-compile", "--no-cudagraphs"]), 1) == (False, False, [])
+    monkeypatch.setenv("COLUMNS", "1000")  # tyro's help on one line per flag
+    with pytest.raises(SystemExit):
+        pae.parse_args(["--help"])
+    assert capsys.readouterr().out.count("(default: on with --cuda)") == 2  # --compile, --cudagraphs
+
+
+def test_the_mlp_scripts_keep_their_cpu_default_on_cuda():
     import ppo
     import ppo_continuous
 
-    mod = dict(ppo=ppo, ppo_continuous=ppo_continuous, ppo_atari_envpool=pae)[name]
-    args = mod.Args(cudagraphs=cudagraphs)
-    stats = dict.fromkeys(("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
-                           "explained_variance", "grad_norm", "signals"), 0.0)
-    clock, last_print = {"start": time.time() - 1.0, "steps": 0, "printed": 0.0}, 0.0
-    for it in (1, 2):
-        if name == "ppo":
-            mod.log_iteration(None, args, stats, 1e-3, None, it, 2, 128 * it, [], clock, 0, 1)
-        elif name == "ppo_continuous":
-            mod.log_iteration(NoWriter(), args, stats, 1e-3, None, 128 * it, it, 2, 128, [], clock)
-        else:
-            last_print = mod.log_iteration(NoWriter(), args, stats, it, 2, 128 * it, 100, 1e-3, [], None, last_print)
+    for mod in (ppo, ppo_continuous):
+        assert mod.execution_path(mod.Args(cuda=True), 1) == (False, False, [])
+        assert mod.execution_path(mod.Args(cuda=True, compile=True, cudagraphs=True), 1)[:2] == (True, True)
 
 
-@pytest.mark.parametrize("name", ["ppo", "ppo_continuous", "ppo_atari_envpool"])
-def test_cudagraphs_says_once_how_many_compiled_graphs_ran_without_cuda_graphs(name, capsys):
-    """--cudagraphs prints a note after its first iteration when torch ran compiled graphs without CUDA graphs (its
-    count, cudagraph_skips): a fall-back is never silent; none without the flag or when every graph had them."""
-    from torch._dynamo.utils import counters
-
-    before = counters["inductor"]["cudagraph_skips"]
-    try:
-        counters["inductor"]["cudagraph_skips"] = 3
-        log_first_iterations(name, cudagraphs=True)
-        out = capsys.readouterr().out
-        notes = re.findall(r"^note: .*$", out, re.M)  # one, before the first progress line
-        assert len(notes) == 1 and notes[0].startswith("note: 3 compiled graph(s) run without CUDA graphs (TORCH_LOGS")
-        assert out.index("note: 3") < out.index("iter 1/2") < out.index("iter 2/2")
-        log_first_iterations(name, cudagraphs=False)
-        counters["inductor"]["cudagraph_skips"] = 0
-        log_first_iterations(name, cudagraphs=True)
-        assert "note:" not in capsys.readouterr().out
-    finally:
-        counters["inductor"]["cudagraph_skips"] = before
+def test_under_torchrun_the_graphs_are_off_and_rank_0_says_so_once(monkeypatch, capsys):
+    args = pae.Args(cuda=True)  # the default path (not validated: torch here may see no GPU)
+    compiled, graphs, lines = pae.execution_path(args, 2)
+    assert (compiled, graphs) == (True, False)
+    assert lines[0] == "note: no CUDA graphs under torchrun (DDP's all-reduce cannot be captured)"
+    assert "compiled (--no-compile: eager)" in lines[1] and "CUDA graph" not in lines[1]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    agent, update = torch.nn.Linear(2, 2), lambda: None
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        pae.compile_hot_functions(agent, update, agent, args)  # (lazy: nothing compiles until a call)
+    assert capsys.readouterr().out.splitlines() == lines  # rank 0's lines, once
+    pretend_cuda(monkeypatch, True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert pae.parse_args(["--cuda", "--cudagraphs"]).cudagraphs is True  # no longer refused: run without graphs
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--no-cuda", "--cudagraphs"], "--cudagraphs needs --cuda"),  # checked first: no GPU at all
-    (["--cuda", "--cudagraphs"], "--cudagraphs is not supported under torchrun"),  # before the CUDA device check
-])
-def test_cudagraphs_under_torchrun_one_line_exit_2(argv, needle, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets; validate reads it
-    with pytest.raises(pae.Failure, match=needle) as e:
-        pae.parse_args(argv)
-    assert e.value.code == 2
+def test_a_compile_failure_is_one_line_naming_the_flag_that_avoids_it(monkeypatch):
+    """torch.compile fails where it is called (an unsupported Python) or at the first calls, which compile; either
+    way one line, exit code 1, naming --no-compile. Captures fail the same way (tests/test_gpu.py)."""
+    agent = torch.nn.Linear(2, 2)
+
+    def unsupported(fn, **kw):
+        raise RuntimeError("torch.compile is not supported on Python 3.15+\n(a second line)")
+
+    monkeypatch.setattr(torch, "compile", unsupported)
+    with pytest.raises(pae.Failure) as e:
+        pae.compile_hot_functions(agent, agent, agent, pae.Args(cuda=False, compile=True))
+    assert e.value.code == 1 and str(e.value) == ("torch.compile failed: RuntimeError: torch.compile is not supported "
+                                                  "on Python 3.15+ (--no-compile runs without it)")
+
+    def fails_when_called(*a):
+        raise torch._dynamo.exc.TorchRuntimeError("no C++ compiler found\nTraceback ...")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fails_when_called)
+    policy, update = pae.compile_hot_functions(agent, agent, agent, pae.Args(cuda=False, compile=True))
+    with pytest.raises(pae.Failure) as e:
+        policy(torch.zeros(1, 2))
+    assert e.value.code == 1 and "\n" not in str(e.value) and str(e.value).endswith("(--no-compile runs without it)")
+    assert "TorchRuntimeError: no C++ compiler found" in str(e.value)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: lambda *a: 1 / 0)  # not compile's: as it is
+    with pytest.raises(ZeroDivisionError):
+        pae.compile_hot_functions(agent, agent, agent, pae.Args(cuda=False, compile=True))[0](torch.zeros(1, 2))
+
+
+def test_a_compile_failure_in_a_run_is_one_line_from_the_error_boundary(tmp_path, monkeypatch):
+    def unsupported(fn, **kw):
+        raise RuntimeError("torch.compile is not supported here")
+
+    monkeypatch.setattr(torch, "compile", unsupported)
+    code, message = boundary(["--no-cuda", "--compile", "--num-envs", "2", "--num-steps", "32", "--total-timesteps",
+                              "64", "--torch-threads", "1", "--num-threads", "1", "--runs-dir", str(tmp_path)])
+    assert code == 1 and "--no-compile" in message and "\n" not in message, (code, message)
+
+
+def test_cuda_graphed_warms_up_then_captures_once_and_replays(monkeypatch):
+    """The CUDA-graph helper's dispatch on the CPU, torch.cuda's streams and graphs stood in for (a "capture" runs
+    fn once; a replay runs nothing): the real capture and replay are tested on a GPU (tests/test_gpu.py)."""
+    events, stream = [], types.SimpleNamespace(wait_stream=lambda other: None)
+
+    @contextlib.contextmanager
+    def capturing(graph):
+        events.append("capture")
+        yield
+        events.append("captured")
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace(replay=lambda: events.append("replay")))
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    seen = []
+
+    def fn(x, pair):
+        seen.append(x)
+        events.append("run")
+        return x + pair[0]
+
+    call = pae.cuda_graphed(fn, "the update")
+    outs = [call(torch.full((2,), float(i)), (torch.ones(2), None)) for i in range(4)]
+    assert events == ["run", "run", "capture", "run", "captured", "replay", "replay"]
+    assert all(x is seen[0] for x in seen) and seen[0].tolist() == [3.0, 3.0]  # each call's inputs copied into it
+    assert outs[2] is outs[3]  # a replay returns the captured outputs
+    for args in ((torch.zeros(3), (torch.ones(2), None)), (torch.zeros(2), (torch.ones(2), 1.0))):
+        with pytest.raises(ValueError, match="other arguments than at its first call"):
+            call(*args)
+
+    def fails_in_capture(x):
+        if events[-1] == "capture":
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+        return x
+
+    call = pae.cuda_graphed(fails_in_capture, "the action sampling")
+    call(torch.zeros(1))
+    call(torch.zeros(1))
+    with pytest.raises(pae.Failure) as e:
+        call(torch.zeros(1))
+    assert e.value.code == 1 and str(e.value) == (
+        "capturing the action sampling in a CUDA graph failed: RuntimeError: CUDA error: operation not permitted "
+        "when stream is capturing (--no-cudagraphs runs without CUDA graphs)")
 
 
 def test_eta_text():
@@ -814,7 +905,8 @@ def test_a_checkpoint_resumes_on_this_machines_device(stopped_run, tmp_path, mon
     """The device is no argument of the checkpoint: a resumed run takes the machine's default (a GPU's checkpoint
     resumes on the CPU where there is none, and the reverse); --cuda by name without a GPU is refused."""
     path = os.path.join(stopped_run, "checkpoint.pt")
-    assert "cuda" not in torch.load(path, weights_only=True)["args"]
+    saved = torch.load(path, weights_only=True)["args"]
+    assert "cuda" not in saved and (saved["compile"], saved["cudagraphs"]) == (None, None)  # unset: as --cuda
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (also on a machine with a GPU)
     assert pae.parse_args(["--resume", path]).cuda is False
     with pytest.raises(pae.Failure):
@@ -822,6 +914,7 @@ def test_a_checkpoint_resumes_on_this_machines_device(stopped_run, tmp_path, mon
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert pae.parse_args(["--resume", path]).cuda is True
+    assert pae.execution_path(pae.parse_args(["--resume", path]), 1)[:2] == (True, True)  # this machine's default
     monkeypatch.setenv("WORLD_SIZE", "4")  # `torchrun --nproc-per-node 4` where torch sees 1 GPU: the CPU
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert pae.parse_args([]).cuda is False and pae.Args().cuda is False

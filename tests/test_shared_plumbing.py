@@ -13,7 +13,8 @@ SHARED = (
     "Failure", "setup_distributed", "all_ranks_mean", "gather_objects", "set_torch_determinism", "make_run_dir",
     "open_logs", "StopSignals", "check_finite", "eta_text", "explained_variance", "launcher", "save_checkpoint",
     "load_checkpoint", "checkpoint_fits", "first_line", "rng_state", "set_rng_state", "load_optimizer_state",
-    "compile_hot_functions", "cudagraph_skips", "parse_count", "Count", "parse_args", "iteration_stats", "close_run",
+    "compile_hot_functions", "execution_path", "compile_or_fail", "cuda_graphed", "parse_count", "Count", "parse_args",
+    "iteration_stats", "close_run",
 )
 # Below the banner, in all three scripts under the same name, and different on purpose:
 DIFFERENT = {
