@@ -177,7 +177,7 @@ class Args:
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # bf16 autocast (fp32 weights) or fp32; auto: bf16 on CUDA
     compile: bool = False  # torch.compile the forward of policy and critic (and the rollout's decode step on CUDA)
     cudagraphs: bool = True
-    """CUDA: the rollout decodes from a bf16 copy of the policy with a static KV cache, each step one CUDA graph"""
+    """CUDA: the rollout decodes from a (bf16) copy of the policy with a static KV cache, each step one CUDA graph"""
     strategy: Literal["fsdp2", "ddp"] = "fsdp2"  # under torchrun: FSDP2 shards the models, DDP replicates them
     gradient_checkpointing: Annotated[bool, alias("--enable-gradient-checkpointing")] = False  # recompute activations
     torch_threads: Count = 2  # torch CPU threads (2 suits the default 2M model; 1 models of a few 100k parameters)
@@ -603,7 +603,7 @@ def sample_categorical(probs: torch.Tensor, gen=None) -> torch.Tensor:
 
 
 def is_stop(tokens: torch.Tensor, stops) -> torch.Tensor:
-    return torch.isin(tokens, torch.as_tensor(stops, device=tokens.device))
+    return (tokens[..., None] == torch.as_tensor(stops, device=tokens.device).reshape(-1)).any(-1)
 
 
 def response_mask_from(responses: torch.Tensor, stops) -> torch.Tensor:
@@ -702,15 +702,19 @@ def token_stats(head: tuple, hidden, tokens, temperature: float, entropy: bool =
     fn, rows = head
     ref_fn = ref_head[0] if ref_head is not None else None
 
+    def logits(head, h):
+        x = head(h).float()
+        return x / temperature if temperature != 1.0 else x
+
     def chunk(h, t, rh=None):
-        logp_all = (fn(h).float() / temperature).log_softmax(-1)
+        logp_all = logits(fn, h).log_softmax(-1)
         out = [logp_all.gather(-1, t[:, None]).squeeze(-1)]
         if entropy:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 out.append(-(logp_all.exp() * logp_all).sum(-1))
         if rh is not None:
             with torch.no_grad():
-                ref_all = (ref_fn(rh).float() / temperature).log_softmax(-1)
+                ref_all = logits(ref_fn, rh).log_softmax(-1)
             out += [ref_all.gather(-1, t[:, None]).squeeze(-1), kl_penalty(logp_all, ref_all, "full")]
         return tuple(out)
     inputs = [x.reshape(B * R, *x.shape[2:]) for x in (hidden, tokens, ref_hidden) if x is not None]
@@ -1258,7 +1262,8 @@ def minibatch_backward(policy, critic, value_head, mb: dict, args: Args, update_
             if update_actor or args.critic == "shared":  # (a separate critic's warm-up needs no policy forward)
                 out = model_forward(policy, m["input_ids"], m["attention_mask"], R, args.temperature,
                                     value_head if args.critic == "shared" else None, entropy=True,
-                                    entropy_grad=args.entropy_coeff != 0, ref=ref if need_full else None)
+                                    entropy_grad=args.entropy_coeff != 0,
+                                    ref=ref if need_full and update_actor else None)
             if update_actor:
                 pg, stats = policy_loss(out["logp"], m["old_logp"], m["advantages"], mask, args.clip_ratio_low,
                                         args.clip_ratio_high, args.dual_clip_loss, args.clip_ratio_c,
@@ -1472,10 +1477,10 @@ def main(args: Args) -> dict:
         critic, value_head = build_critic(args, policy, ckpt, device)
         # the frozen KL reference: a copy of the policy, or (--lora-rank) its base model, the adapters put on here
         policy, ref = reference_policy(args, policy, ref, ckpt, device)
-        # the rollout on CUDA (--cudagraphs): a bf16 copy of the policy, refreshed after each update (step 5)
-        decoder = make_decoder(args, policy, device, world)
         train_policy, train_critic, train_value_head, all_done = prepare_models(args, policy, critic, value_head, ref,
                                                                                 device, world)
+        # the rollout on CUDA (--cudagraphs): a bf16 copy of the policy, refreshed after each update (step 5)
+        decoder = make_decoder(args, policy, device, world)
 
         # The optimisers and the state that exact resume carries between iterations
         optimizers, schedulers = build_optimizers(args, policy, critic, value_head)
@@ -2030,24 +2035,25 @@ class StaticDecoder:
     """generate()'s sampling, token for token, with a static KV cache (transformers' StaticCache, allocated once per
     batch shape: prompts left-padded to a multiple of 64 columns) and the one-token step (forward, sampling, the
     bookkeeping) replayed as one CUDA graph from its third call (capture=True). A 0.5B step reads about 1 GB of
-    weights, a fraction of a millisecond on a GPU, where eager launches took ~16 ms. On CUDA the model is a bf16 copy
-    of the policy that refresh() updates after each update, as verl refreshes its rollout engine."""
+    weights, a fraction of a millisecond on a GPU, where eager launches took ~16 ms. The model is rollout_copy's copy
+    of the policy, which refresh() updates after each update, as verl refreshes its rollout engine."""
 
-    def __init__(self, model, capture: bool = True, compile: bool = False, keep: int = 2):
+    def __init__(self, model, capture: bool = True, compile: bool = False, keep: int = 3):
         self.model, self.capture, self.keep = model, capture, keep
         self.step_forward = torch.compile(model, dynamic=False) if compile else model  # (--compile: the step only)
         self.shapes: dict = {}  # the `keep` most recent (batch shape, sampling) -> their buffers, cache and graph
+        #                        (3: the rollout's and an evaluation's greedy and sampled decoding)
 
     @torch.no_grad()
     def refresh(self, policy) -> None:  # the policy's weights, cast in place (the graphs read these addresses)
-        if self.model is not policy:
-            for mine, theirs in zip(self.model.parameters(), policy.parameters(), strict=True):
+        for mine, theirs in zip(self.model.parameters(), policy.parameters(), strict=True):
+            if mine.data_ptr() != theirs.data_ptr():  # (a weight of the policy's dtype is shared, not copied)
                 mine.copy_(theirs)
 
     @torch.no_grad()
     def generate(self, prompt_ids, prompt_mask, max_new_tokens: int, stops, pad_id: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, gen=None, greedy: bool = False, check_every: int = 8):
-        (B, P), R = prompt_ids.shape, max_new_tokens
+        (B, P), R, stops = prompt_ids.shape, max_new_tokens, [stops] if isinstance(stops, int) else list(stops)
         width = -(-P // 64) * 64
         key = (B, width, R, temperature, top_p, top_k, None if greedy else gen, greedy, tuple(stops), pad_id)
         s = self.shapes.pop(key, None) or self.buffers(B, width, R, prompt_ids.device, stops)
@@ -2125,25 +2131,59 @@ class StaticDecoder:
             gen = s["sampling"][3]
             if gen is not None and not s["sampling"][4]:  # a generator of the run's own: its draws advance in the graph
                 s["graph"].register_generator_state(gen)
-            with torch.cuda.graph(s["graph"]):
-                self.decode_step(s)
+            try:
+                with torch.cuda.graph(s["graph"]):
+                    self.decode_step(s)
+            except RuntimeError as e:  # (the capture's own error hides the step's: that one is its context)
+                cause = reason(e.__context__ or e)
+                raise Failure(f"capturing the rollout's decoding step in a CUDA graph failed: {cause} (--no-cudagraphs "
+                              "decodes step by step)", code=1) from e
         s["graph"].replay()
         return None
 
 
 def make_decoder(args: Args, policy, device, world: int) -> Optional[StaticDecoder]:
-    """--cudagraphs on CUDA: a StaticDecoder of the policy's bf16 copy (of the policy itself with --precision fp32).
-    Under FSDP2 (each forward a collective) the rollout decodes as on the CPU."""
+    """--cudagraphs on CUDA: a StaticDecoder of rollout_copy(policy) (with --compile, its step compiled). Under FSDP2
+    (each forward a collective) the rollout decodes step by step, as on the CPU."""
     if device.type != "cuda" or not args.cudagraphs:
         return None
     if world > 1 and args.strategy == "fsdp2":
         print("note: under FSDP2 the rollout decodes step by step, without CUDA graphs (--strategy ddp has them)")
         return None
-    print(f"rollout: {'a bf16 copy of ' if use_bf16(args) else ''}the policy decodes with a static KV cache, each step "
+    print(f"rollout: a {'bf16 ' if use_bf16(args) else ''}copy of the policy decodes with a static KV cache, each step "
           "replayed as a CUDA graph (--no-cudagraphs: step by step)")
-    if not use_bf16(args):
-        return StaticDecoder(policy)
-    return StaticDecoder(copy.deepcopy(policy).to(torch.bfloat16).eval().requires_grad_(False), compile=args.compile)
+    return StaticDecoder(rollout_copy(policy, torch.bfloat16 if use_bf16(args) else torch.float32),
+                         compile=args.compile)
+
+
+def rollout_copy(policy, dtype: torch.dtype):
+    """The policy for decoding: its parameters in `dtype` (those already in it shared, not copied: a LoRA run's frozen
+    bf16 base), its buffers as they are (rotary frequencies stay float32), eval mode, and for one query token over
+    a static cache the attention of packed_gqa_sdpa."""
+    memo = {id(p): nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in policy.parameters()}
+    model = copy.deepcopy(policy, memo)
+    model.__dict__.pop("forward", None)  # (--compile's compiled forward belongs to the policy)
+    if model.config._attn_implementation == "sdpa":
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        AttentionInterface.register("ppo_llm_decode", packed_gqa_sdpa)
+        AttentionMaskInterface.register("ppo_llm_decode", sdpa_mask)  # (the prompt's forward: sdpa's mask)
+        model.config._attn_implementation = "ppo_llm_decode"
+    return model.eval()
+
+
+def packed_gqa_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Hugging Face's sdpa attention, but for one query token with fewer key/value heads than query heads: the query
+    heads of each key/value head are its queries, (B, H_kv, H / H_kv, D), where sdpa repeats the static cache for
+    every query head (transformers 5.17: about 7x the cache's bytes a step at Qwen2.5-0.5B's 14 / 2 heads)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    (B, H, q, D), kv_heads = query.shape, key.shape[1]
+    if q != 1 or H == kv_heads:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = F.scaled_dot_product_attention(query.reshape(B, kv_heads, H // kv_heads, D), key, value,
+                                         attn_mask=attention_mask, scale=scaling)
+    return out.reshape(B, H, 1, D).transpose(1, 2), None
 
 
 # --- Local models: loaded, with the checks that turn a model that cannot work here into one line (exit 2) ----------

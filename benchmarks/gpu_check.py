@@ -15,8 +15,11 @@ Stages, in this order, each under its own share of --minutes (the last stage run
                  as SPS and as ratios to envpool alone, to CleanRL and to LeanRL's best; last, ours --compile
                  --cudagraphs under cProfile (its top functions, in its log)
   3 ppo_llm      ppo_llm.py's default task for 20 iterations on CUDA (the held-out accuracy must rise from the first
-                 evaluation to the last), then benchmarks/llm_throughput.py at 0.5B for gae and grpo, eager, then
-                 --compile
+                 evaluation to the last); the rollout's decoding side by side with Hugging Face `generate` at 0.5B,
+                 128 prompts x 256 new tokens, bf16 (llm_decode); benchmarks/llm_throughput.py at 0.5B for gae and
+                 grpo, eager; one iteration at ROLL's lengths, 2,048-token prompts and 4,096-token responses
+                 (benchmarks/llm_roll_lengths.py); then llm_throughput --compile and the decoding with its step
+                 compiled
   4 cuda_vs_cpu  ppo.py (CartPole-v1) and ppo_continuous.py (HalfCheetah-v5; Pendulum-v1 without MuJoCo), CUDA vs CPU
   5 breakout     ppo_atari_envpool.py learning Breakout-v5 with its defaults (on CUDA compiled and captured) for the
                  time left, then its return curve beside the CPU one (CSV and PNG)
@@ -333,16 +336,44 @@ def read_pytest(item: Item, text: str) -> dict:
 
 def read_llm_throughput(prefix: str):
     def read(item: Item, text: str) -> dict:
-        path = prefix + ".json"
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"cannot read {os.path.basename(path)}: {e}") from None
-        rows = llm_throughput_rows(data)
+        rows = llm_throughput_rows(read_json(prefix + ".json"))
         if not rows:
-            raise ValueError(f"{os.path.basename(path)} holds no gen_tokens_per_s / train_tokens_per_s")
+            raise ValueError(f"{os.path.basename(prefix)}.json holds no gen_tokens_per_s / train_tokens_per_s")
         return {"rows": rows}
+    return read
+
+
+def read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {os.path.basename(path)}: {e}") from None
+
+
+def read_llm_decode(prefix: str):
+    """llm_throughput.py --decode-only: the rollout's decoding and Hugging Face generate's, tokens/s and their
+    ratio (and the decoding with its step compiled, with --decode-compiled)."""
+    def read(item: Item, text: str) -> dict:
+        d = read_json(prefix + ".json").get("decode") or {}
+        if not d.get("ours") or not d.get("hf"):
+            raise ValueError(f"{os.path.basename(prefix)}.json holds no decoding figures")
+        fig = {"tokens_per_s": d["ours"], "hf_generate_tokens_per_s": d["hf"], "x_hf_generate": d["ours"] / d["hf"]}
+        if d.get("ours_compiled"):
+            fig.update(compiled_tokens_per_s=d["ours_compiled"], compiled_x_hf_generate=d["ours_compiled"] / d["hf"])
+        return fig
+    return read
+
+
+def read_roll_lengths(prefix: str):
+    """llm_roll_lengths.py: the iteration's seconds, its split, the peak GPU memory (GiB)."""
+    def read(item: Item, text: str) -> dict:
+        r = read_json(prefix + ".json").get("result") or {}
+        if r.get("error") or r.get("seconds") is None:
+            raise ValueError(f"llm_roll_lengths: {r.get('error') or 'no figures'}")
+        return {"seconds": r["seconds"], "peak_gib": r["peak_gib"], "generation_s": r["generation_s"],
+                "scoring_s": r["scoring_s"], "update_s": r["update_s"], "response_length_mean":
+                r["response_length_mean"], "peak_process_gib": r["peak_rss_gib"]}
     return read
 
 
@@ -480,7 +511,7 @@ def stage2(ctx: Ctx) -> list:
     lean = {name: flags for name, flags in (("leanrl_compile_cudagraphs", ["--compile", "--cudagraphs"]),
                                             ("leanrl_compile", ["--compile"]), ("leanrl_eager", []))}
     variants = {f"ours_{p}": f for p, f in OUR_PATHS.items()}
-    variants["ours_no_torch_deterministic"] = ["--no-torch-deterministic"]
+    variants["ours_no_torch_deterministic"] = [*OUR_PATHS["eager"], "--no-torch-deterministic"]
     # two envpools of 4 envs: one steps while the other's actions are computed (the goal: past LeanRL's best)
     variants["ours_compile_cudagraphs_overlap"] = [*OUR_PATHS["compile_cudagraphs"], "--overlap-envs"]
     variants["ours_default"] = []  # as typed: no flags, the defaults' sizes and 10M steps, stopped at its time limit
@@ -546,27 +577,40 @@ def stage2_figures(items: list) -> dict:
 
 
 def stage3(ctx: Ctx) -> list:
-    prefix = os.path.join(ctx.out, "llm_throughput")
+    def out(name: str) -> str:
+        return os.path.join(ctx.out, name)
+    bench = os.path.join(REPO, "benchmarks")
+    device = "cpu" if ctx.dry else "cuda"
     if ctx.dry:
         tp = ["--preset", "tiny", "--device", "cpu", "--estimators", "gae", "--iterations", "2", "--vocab-size", "99",
               "--rollout-batch-size", "4", "--n", "2", "--response-length", "6", "--micro-batch-size", "4"]
         llm = ["--num-iterations", "2", "--no-cuda", "--sft-steps", "1", "--sft-batch-size", "4", "--eval-prompts", "4",
                "--train-batch-size", "4", "--ppo-mini-batch-size", "2", "--tiny-hidden-size", "32", "--tiny-num-layers",
                "1", "--torch-threads", "1"]
-    else:
+    else:  # (4 iterations: the first holds start-up and compilation, the next three are timed)
         tp = ["--preset", "qwen2.5-0.5b", "--device", "cuda", "--estimators", "gae", "grpo", "--iterations", "4"]
         llm = ["--num-iterations", "20", "--cuda"]
     runs = ctx.stage_dir(3, "runs")
     items = [Item("ppo_llm_20_iterations", [PY, os.path.join(REPO, "ppo_llm.py"), *llm, "--runs-dir", runs],
-                  timeout=None, weight=2, read=read_ppo_llm(must_learn=not ctx.dry),
-                  device="cpu" if ctx.dry else "cuda")]
-    for path in ("eager",) if ctx.dry else ("eager", "compile"):  # (compile last: the first to go when time is short)
-        # (the side-by-side generation, the same eager model, once; each run's row is written as it ends)
-        side = ["--no-side-by-side"] if path != "eager" else []
-        items.append(Item(f"llm_throughput_{path}", [PY, os.path.join(REPO, "benchmarks", "llm_throughput.py"), *tp,
-                                                     "--paths", path, *side, "--out", f"{prefix}_{path}"],
-                          timeout=None, weight=1, read=read_llm_throughput(f"{prefix}_{path}"),
-                          device="cpu" if ctx.dry else "cuda"))
+                  timeout=None, weight=2, read=read_ppo_llm(must_learn=not ctx.dry), device=device),
+             Item("llm_decode", [PY, os.path.join(bench, "llm_throughput.py"), *tp, "--decode-only", "--out",
+                                 out("llm_decode")], timeout=None, weight=1, read=read_llm_decode(out("llm_decode")),
+                  device=device)]
+    # (compile last: the first to go when time is short; the side-by-side generation is llm_decode's)
+    for path in ("eager",) if ctx.dry else ("eager", "compile"):
+        items.append(Item(f"llm_throughput_{path}", [PY, os.path.join(bench, "llm_throughput.py"), *tp, "--paths",
+                                                     path, "--no-side-by-side", "--out", out(f"llm_throughput_{path}")],
+                          timeout=None, weight=2, read=read_llm_throughput(out(f"llm_throughput_{path}")),
+                          device=device))
+        if path == "eager":
+            items.append(Item("llm_roll_lengths", [PY, os.path.join(bench, "llm_roll_lengths.py"),
+                                                   *(["--dry-run"] if ctx.dry else []), "--out",
+                                                   out("llm_roll_lengths")], timeout=None, weight=2,
+                              read=read_roll_lengths(out("llm_roll_lengths")), device=device))
+    if not ctx.dry:
+        items.append(Item("llm_decode_compiled", [PY, os.path.join(bench, "llm_throughput.py"), *tp, "--decode-only",
+                                                  "--decode-compiled", "--out", out("llm_decode_compiled")],
+                          timeout=None, weight=1, read=read_llm_decode(out("llm_decode_compiled")), device=device))
     return items
 
 

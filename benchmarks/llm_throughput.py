@@ -21,6 +21,7 @@ benchmarks/results/llm_throughput.*).
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -119,9 +120,11 @@ def side_by_side(model_dir: str, data: str, count: int, response_length: int, cu
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = ppo_llm.disable_dropout(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)).to(device)
     model.eval()
+    torch.use_deterministic_algorithms(True, warn_only=True)  # (as ppo_llm's default --torch-deterministic)
     run_args = ppo_llm.Args(cuda=cuda, precision="bf16" if bf16 else "fp32")
     decoder = ppo_llm.make_decoder(run_args, model, device, 1)  # (None on the CPU: generate itself)
-    hf_model = decoder.model if decoder is not None else model  # (the bf16 copy on CUDA: no autocast needed)
+    # Hugging Face's on the weights ours decodes from (on CUDA in a bf16 run: bf16, no autocast), its own attention
+    hf_model = copy.deepcopy(model).to(torch.bfloat16) if decoder is not None and bf16 else model
     autocast = bf16 and hf_model is model
     contenders = {"ours": decoder or model, "hf": hf_model}
     if compiled and decoder is not None:
@@ -282,13 +285,19 @@ def main(argv=None):
 
 
 def run_child(cmd: list) -> tuple:
-    """(exit code, stdout, stderr, peak resident memory in bytes) of a child process, read from os.wait4."""
+    """(exit code, stdout, stderr, peak resident memory in bytes) of a child process: its VmHWM (Linux), read every
+    0.1 s while it runs (its rusage's maxrss would include this process's own peak, which an exec inherits)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        proc, peak = subprocess.Popen(cmd, stdout=out, stderr=err, text=True), 0
+        while proc.poll() is None:
+            try:
+                with open(f"/proc/{proc.pid}/status") as f:
+                    peak = max([peak] + [int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")])
+            except OSError:  # (it has just ended)
+                pass
+            time.sleep(0.1)
         out.seek(0), err.seek(0)
-        return proc.returncode, out.read(), err.read(), usage.ru_maxrss * 1024  # (Linux: kilobytes)
+        return proc.returncode, out.read(), err.read(), peak
 
 
 def write_reports(out: str, preset: str, cfg: dict, n_params: int, label: str, command: str, cuda: bool,

@@ -1,8 +1,10 @@
 """Real CUDA runs of the four scripts at tiny sizes (skipped without a GPU): every path of every RL script finishes
 and says which path it is, the compiled and captured paths end with the eager path's parameters (the Atari script's
-defaults too: compiled and captured on CUDA), and checkpoints cross between CUDA and the CPU both ways; ppo_llm.py
-runs in bf16 on CUDA and resumes on the CPU. In-process: the CUDA-graph helper replays what eager computes, refuses
-other arguments, and a capture that fails is one line naming --no-cudagraphs.
+defaults too: compiled and captured on CUDA, also when stopped and resumed), and checkpoints cross between CUDA and
+the CPU both ways; ppo_llm.py runs in bf16 on CUDA and resumes on the CPU, and a run stopped and resumed on CUDA
+samples what a straight run samples (its rollout decodes in CUDA graphs). In-process: the CUDA-graph helper replays
+what eager computes, refuses other arguments, and a capture that fails is one line naming --no-cudagraphs; ppo_llm's
+captured decoding gives the tokens of the same steps uncaptured, before and after a refresh of its weights.
 
     pytest -m gpu -q tests/test_gpu.py        # on a GPU machine; benchmarks/gpu_check.py stage 1 runs this
     pytest -m gpu -q -o addopts= tests/test_gpu.py    # the same without pytest-xdist (pytest.ini's -n 2 needs it)
@@ -91,6 +93,16 @@ def llm_stop_cmd(runs_dir, device: str = "cuda") -> list:
             "--runs-dir", str(runs_dir)]
 
 
+# The sampling across a stop and a resume alone: no warm start and (almost) no learning, so that the weights after
+# iteration 1 are those of the start in both runs whatever the order of a non-deterministic kernel's sums
+LLM_FROZEN = ["--sft-steps", "0", "--lr", "1e-30", "--critic-lr", "1e-30"]
+
+
+def llm_cmd(runs_dir, *extra) -> list:
+    """The default task and model on CUDA, straight through its iterations."""
+    return [sys.executable, os.path.join(REPO, "ppo_llm.py"), *LLM_TINY, "--cuda", *extra, "--runs-dir", str(runs_dir)]
+
+
 def llm_resume_cmd(checkpoint: str, device: str) -> list:
     return [sys.executable, os.path.join(REPO, "ppo_llm.py"), "--resume", str(checkpoint), device_flag(device),
             "--stop-after", "0"]
@@ -132,7 +144,10 @@ def runs(tmp_path_factory):
     first = {("path", s, p): path_cmd(s, p, tmp / f"{s[:-3]}_{p}") for s in SCRIPTS for p in PATHS}
     first.update({("stop", s, d): stop_cmd(s, tmp / f"{s[:-3]}_stop_{d}", d) for s in SCRIPTS for d in ("cuda", "cpu")})
     first[("llm_stop",)] = llm_stop_cmd(tmp / "llm")
+    first[("llm_stop_cuda",)] = llm_cmd(tmp / "llm_cuda", *LLM_FROZEN, "--stop-after", "1")  # (resumed on CUDA)
+    first[("llm_straight",)] = llm_cmd(tmp / "llm_straight", *LLM_FROZEN)
     first[("default",)] = default_cmd(tmp / "default")
+    first[("default_stop",)] = default_cmd(tmp / "default_stop") + ["--stop-after", str(ITERATIONS // 2)]
     dirs = {k: c[c.index("--runs-dir") + 1] for k, c in first.items()}
     res = run_all(first)
     second = {}  # (a stopped run that failed or left no checkpoint has no resume: its test says so)
@@ -141,10 +156,16 @@ def runs(tmp_path_factory):
             ckpt = checkpoint_or_none(dirs[("stop", s, d)])
             if res[("stop", s, d)][0] == 0 and ckpt:
                 second[("resume", s, d)] = resume_cmd(s, ckpt, other)
+    ckpt = checkpoint_or_none(dirs[("default_stop",)])
+    if res[("default_stop",)][0] == 0 and ckpt:  # (resumed on its default path, compiled and captured afresh)
+        second[("default_resume",)] = resume_cmd("ppo_atari_envpool.py", ckpt, "cuda")
     ckpt = checkpoint_or_none(dirs[("llm_stop",)])
     if res[("llm_stop",)][0] == 0 and ckpt:
         res[("llm_stop_args",)] = torch.load(ckpt, map_location="cpu", weights_only=True)["args"]  # (before resume)
         second[("llm_resume",)] = llm_resume_cmd(ckpt, "cpu")
+    ckpt = checkpoint_or_none(dirs[("llm_stop_cuda",)])
+    if res[("llm_stop_cuda",)][0] == 0 and ckpt:
+        second[("llm_resume_cuda",)] = llm_resume_cmd(ckpt, "cuda")
     res.update(run_all(second))
     return res, dirs
 
@@ -184,6 +205,18 @@ def test_the_atari_default_on_cuda_is_compiled_captured_and_ends_with_the_eager_
     assert_same_parameters(dirs[("path", script, "eager")], dirs[("default",)], script, "compile_cudagraphs")
 
 
+def test_the_atari_default_stopped_and_resumed_ends_as_the_straight_run(runs):
+    """Exact resume through the captured path: the stopped run's checkpoint resumed on CUDA (compiled and captured
+    afresh, its Adam state and RNG restored) ends with the uninterrupted default run's parameters."""
+    res, dirs = runs
+    script = "ppo_atari_envpool.py"
+    finished(res[("default",)], f"{script} with its default path on CUDA")
+    finished(res[("default_stop",)], f"{script} default path, --stop-after {ITERATIONS // 2}")
+    text = finished(res.get(("default_resume",)), f"{script} --resume on its default path")
+    assert f"iter {ITERATIONS}/{ITERATIONS}" in text and SAYS["compile_cudagraphs"] in text, text[-2000:]
+    assert_same_parameters(dirs[("default",)], dirs[("default_stop",)], script, "compile_cudagraphs")
+
+
 def assert_same_parameters(eager_runs, other_runs, script: str, path: str) -> None:
     eager = torch.load(checkpoint_in(eager_runs), map_location="cpu", weights_only=True)["model"]
     other = torch.load(checkpoint_in(other_runs), map_location="cpu", weights_only=True)["model"]
@@ -212,6 +245,62 @@ def test_llm_bf16_on_cuda_stops_and_resumes_on_the_cpu(runs):
     assert saved["cuda"] is True and saved["precision"] == "auto", saved  # auto: bf16 autocast on CUDA
     text = finished(res.get(("llm_resume",)), "ppo_llm.py --resume ... --no-cuda")
     assert "iter 2/2" in text, text[-2000:]
+
+
+def llm_samples(runs_dir, iteration: int) -> list:
+    """The logged responses (samples.jsonl: the first prompts' responses and rewards) of an iteration of the run."""
+    import json
+
+    found = glob.glob(os.path.join(str(runs_dir), "*", "samples.jsonl"))
+    assert len(found) == 1, found
+    with open(found[0]) as f:
+        return [row for row in map(json.loads, f) if row["iteration"] == iteration]
+
+
+def test_llm_a_run_resumed_on_cuda_samples_what_a_straight_run_samples(runs):
+    """The rollout's decoder on CUDA (a bf16 copy, each step a CUDA graph): after a stop and a resume (a fresh copy,
+    a fresh capture, the saved sampling generator), iteration 2 samples the responses of the uninterrupted run, whose
+    decoding replays the graph captured in iteration 1 (LLM_FROZEN: the weights do not move)."""
+    res, dirs = runs
+    straight = finished(res[("llm_straight",)], "ppo_llm.py --cuda")
+    assert "rollout: a bf16 copy of the policy decodes with a static KV cache" in straight, straight[-2000:]
+    finished(res[("llm_stop_cuda",)], "ppo_llm.py --cuda --stop-after 1")
+    finished(res.get(("llm_resume_cuda",)), "ppo_llm.py --resume ... --cuda")
+    want, got = llm_samples(dirs[("llm_straight",)], 2), llm_samples(dirs[("llm_stop_cuda",)], 2)
+    assert want and got == want, (want, got)
+
+
+def test_llm_captured_decoding_gives_the_tokens_of_the_same_steps_uncaptured():
+    """In-process: ppo_llm's StaticDecoder with its steps captured (warm-up, capture at the third step, replays) and
+    without, on the same bf16 weights and equally seeded generators: the same tokens call after call, greedy and
+    sampled (with top-p / top-k), the generators left in the same state; after refresh() from a changed policy the
+    graphs read the new weights."""
+    import ppo_llm as P
+
+    tok = P.build_char_tokenizer()
+    policy = P.disable_dropout(P.build_tiny_model(tok, 0, 64, 2, max_positions=512)).cuda()
+    model = P.rollout_copy(policy, torch.bfloat16)
+    captured, eager = P.StaticDecoder(model, keep=4), P.StaticDecoder(model, capture=False)
+    rows = P.make_problems(16, torch.Generator().manual_seed(0))
+    ids, mask = (x.cuda() for x in P.encode_batch(tok, rows, 64))
+
+    def both(greedy, gens, **extra):
+        return [P.generate(d, ids, mask, 40, [tok.eos_token_id], tok.pad_token_id, gen=g, greedy=greedy, **extra)
+                for d, g in zip((eager, captured), gens)]
+    for greedy, extra in ((True, {}), (False, {}), (False, dict(temperature=0.7, top_p=0.9, top_k=20))):
+        gens = [torch.Generator("cuda").manual_seed(5) for _ in range(2)]
+        for _ in range(3):  # (the first call warms up and captures; the later ones replay every step)
+            a, b = both(greedy, gens, **extra)
+            assert a.shape[1] > 8 and torch.equal(a, b), (a, b)
+        assert torch.equal(gens[0].get_state(), gens[1].get_state())
+    assert len(captured.shapes) == 3 and all(s["graph"] is not None for s in captured.shapes.values())
+    before = both(True, [None, None])[0]
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    captured.refresh(policy)  # (eager reads the same tensors)
+    a, b = both(True, [None, None])
+    assert torch.equal(a, b) and not torch.equal(a, before)
 
 
 def test_cuda_graphed_replays_what_eager_computes_and_refuses_other_arguments():

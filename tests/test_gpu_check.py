@@ -69,6 +69,12 @@ def test_dry_run_skips_cuda_only_commands_but_shows_them(dry_run):
     assert items["ours_eager"]["status"] == "ok" and items["ours_eager"]["figures"]["sps"] > 0
     assert items["ppo_cpu"]["status"] == "ok" and items["ppo_cpu"]["figures"]["sps"] > 0
     assert items["ppo_llm_20_iterations"]["status"] == "ok"
+    # stage 3's decoding side by side and one iteration at ROLL's lengths (tiny sizes here), with their figures
+    decode, roll = items["llm_decode"]["figures"], items["llm_roll_lengths"]["figures"]
+    assert decode["tokens_per_s"] > 0 and decode["x_hf_generate"] == decode["tokens_per_s"] / decode[
+        "hf_generate_tokens_per_s"] and "--decode-only" in items["llm_decode"]["command"]
+    assert roll["seconds"] > 0 and roll["generation_s"] + roll["scoring_s"] + roll["update_s"] <= roll["seconds"]
+    assert "--dry-run" in items["llm_roll_lengths"]["command"] and roll["peak_gib"] is None  # (no GPU)
     assert items["pytest_gpu"]["status"] == "ok" and "skipped" in items["pytest_gpu"]["figures"]["summary"]
 
 

@@ -2334,7 +2334,7 @@ def test_peak_memory_with_a_151936_row_vocabulary_is_far_below_full_vocabulary_l
     B, R = 16, 8
     P_len = max(len(P.prompt_token_ids(tok, r["prompt"])) for r in sort_rows(32, words=100))
     code = f"""
-import json, os, resource, sys
+import json, os, sys
 sys.path.insert(0, {os.path.dirname(SCRIPT)!r})
 import datasets, torch, transformers, ppo_llm as P
 from torch.utils.tensorboard import SummaryWriter
@@ -2344,7 +2344,8 @@ P.main(P.parse_args(['--model-name-or-path', {lm!r}, '--dataset', {str(data)!r},
     '--micro-batch-size', '4', '--num-iterations', '1', '--eval-prompts', '0', '--no-save-model', '--no-cuda',
     '--adv-estimator', 'grpo',
     '--torch-threads', '1', '--runs-dir', {str(tmp_path / 'runs')!r}]))
-print(json.dumps({{"start": rss, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}))
+peak = [int(ln.split()[1]) * 1024 for ln in open('/proc/self/status') if ln.startswith('VmHWM:')][0]
+print(json.dumps({{"start": rss, "peak": peak}}))  # (VmHWM: ru_maxrss would count the pytest process's own peak)
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -2376,7 +2377,7 @@ def static_decoder_cases(m, tok, rows, R: int):
     """(today's generate, StaticDecoder) tokens for greedy and sampled decoding with and without top-p / top-k, twice
     per setting (the second call reuses the shape's buffers and cache), each pair from equally seeded generators."""
     ids, mask = P.encode_batch(tok, rows, 512)
-    dec = P.StaticDecoder(m, capture=False)
+    dec = P.StaticDecoder(P.rollout_copy(m, torch.float32), capture=False)  # (its attention: packed_gqa_sdpa)
     for greedy, extra in [(True, {}), (False, {}), (False, dict(temperature=0.7, top_p=0.9, top_k=20))]:
         gens = [torch.Generator().manual_seed(3) for _ in range(2)]
         for _ in range(2):
@@ -2385,9 +2386,10 @@ def static_decoder_cases(m, tok, rows, R: int):
 
 
 def test_the_static_decoder_gives_the_tokens_of_generate_and_of_hugging_face(tmp_path):
-    """The static KV cache path (the CUDA rollout's, here without the graph) token for token: against today's
-    generate with the same generator, greedy and sampled, on the built-in tiny Llama and on a random Qwen2 of Qwen2.5's
-    151,936 rows; greedy against Hugging Face's generate. Prompts of several lengths (left padding)."""
+    """The static KV cache path (the CUDA rollout's, here without the graph, on rollout_copy's float32 copy: its packed
+    grouped-query attention) token for token: against generate with the same generator on the model itself (Hugging
+    Face's sdpa), greedy and sampled, on the built-in tiny Llama and on a random Qwen2 of Qwen2.5's 151,936 rows
+    (2 key/value heads for 4 query heads); greedy against Hugging Face's generate. Prompts of several lengths."""
     from transformers import AutoModelForCausalLM
 
     tok = P.build_char_tokenizer()
@@ -2401,8 +2403,8 @@ def test_the_static_decoder_gives_the_tokens_of_generate_and_of_hugging_face(tmp
         ids, mask = P.encode_batch(tok, rows, 512)
         hf = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=R, do_sample=False,
                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
-        ours = P.generate(P.StaticDecoder(m, capture=False), ids, mask, R, [tok.eos_token_id], tok.pad_token_id,
-                          greedy=True)
+        ours = P.generate(P.StaticDecoder(P.rollout_copy(m, torch.float32), capture=False), ids, mask, R,
+                          tok.eos_token_id, tok.pad_token_id, greedy=True)
         hf = hf.masked_fill(~P.response_mask_from(hf, tok.eos_token_id).bool(), tok.pad_token_id)
         assert torch.equal(ours, hf[:, :ours.shape[1]]) and (hf[:, ours.shape[1]:] == tok.pad_token_id).all()
     # a sliding window shorter than prompt + response (the full 4D mask would be wrong there): step by step instead
@@ -2410,20 +2412,34 @@ def test_the_static_decoder_gives_the_tokens_of_generate_and_of_hugging_face(tmp
     sliding = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
                                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
                                            use_sliding_window=True, sliding_window=16, max_window_layers=0)).eval()
-    dec = P.StaticDecoder(sliding, capture=False)
+    dec = P.StaticDecoder(P.rollout_copy(sliding, torch.float32), capture=False)
     ids, mask = P.encode_batch(tok, rows[:4], 512)
     want, got = (P.generate(m, ids, mask, 20, [tok.eos_token_id], tok.pad_token_id, check_every=8,
                             gen=torch.Generator().manual_seed(1)) for m in (sliding, dec))
     assert torch.equal(want, got) and all("sampling" not in s for s in dec.shapes.values())  # (it fell back)
+    # the packed attention against Hugging Face's sdpa: one query token, 6 query heads on 2 key/value heads, a mask
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 6, 1, 8, generator=g), torch.randn(3, 2, 10, 8, generator=g), torch.randn(3, 2, 10, 8,
+                                                                                                      generator=g)
+    bias = torch.zeros(3, 1, 1, 10).masked_fill(torch.rand(3, 1, 1, 10, generator=g) < 0.3, torch.finfo().min)
+    layer = torch.nn.Module()
+    layer.num_key_value_groups, layer.is_causal = 3, True
+    want = sdpa_attention_forward(layer, q, k, v, bias, scaling=0.3)[0]
+    assert torch.allclose(P.packed_gqa_sdpa(layer, q, k, v, bias, scaling=0.3)[0], want, atol=1e-6)
 
 
 def test_the_decoder_refreshes_its_bf16_copy_and_is_only_made_on_cuda(tiny_copy, capsys):
-    """refresh() copies the updated policy into the bf16 weights the graphs read (in place: the same tensors);
-    make_decoder gives none on the CPU, with --no-cudagraphs, or under FSDP2 (a note), the same run's tokens."""
-    import copy
-
+    """rollout_copy: the parameters in bf16 (ties kept), the buffers as they are (the rotary frequencies stay float32:
+    in bf16 their angles would be wrong at long positions), the policy untouched; refresh() copies the updated policy
+    into the same tensors (the graphs read those); a weight already in the copy's dtype is shared. make_decoder gives
+    none on the CPU, with --no-cudagraphs, or under FSDP2 (a note)."""
     tok, m = tiny_copy
-    dec = P.StaticDecoder(copy.deepcopy(m).to(torch.bfloat16), capture=False)
+    copy = P.rollout_copy(m, torch.bfloat16)
+    assert {p.dtype for p in copy.parameters()} == {torch.bfloat16} and not copy.training
+    assert copy.lm_head.weight is copy.model.embed_tokens.weight  # (the tiny Llama ties them)
+    assert copy.model.rotary_emb.inv_freq.dtype == torch.float32 and m.config._attn_implementation == "sdpa"
+    dec = P.StaticDecoder(copy, capture=False)
     before = [p.data_ptr() for p in dec.model.parameters()]
     with torch.no_grad():
         for p in m.parameters():
@@ -2431,11 +2447,62 @@ def test_the_decoder_refreshes_its_bf16_copy_and_is_only_made_on_cuda(tiny_copy,
     dec.refresh(m)
     assert [p.data_ptr() for p in dec.model.parameters()] == before
     assert all(torch.equal(a, b.to(torch.bfloat16)) for a, b in zip(dec.model.parameters(), m.parameters()))
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(P.rollout_copy(m, torch.float32).parameters(),
+                                                             m.parameters()))
     assert P.make_decoder(P.Args(cuda=False), m, torch.device("cpu"), 1) is None
     assert P.make_decoder(P.Args(cuda=False, cudagraphs=False), m, torch.device("cuda"), 1) is None
     assert P.make_decoder(P.Args(cuda=False), m, torch.device("cuda"), 2) is None
     assert "under FSDP2 the rollout decodes step by step" in capsys.readouterr().out
     assert not P.parse_args(["--no-cudagraphs"]).cudagraphs and P.parse_args([]).cudagraphs
+
+
+def test_the_decoder_warms_up_twice_then_captures_once_and_replays(tiny, monkeypatch):
+    """StaticDecoder's dispatch on the CPU, torch.cuda's streams and graphs stood in for (a "capture" runs the step
+    once, a replay nothing; the real ones: tests/test_gpu.py): two warm-up steps, one capture registering the run's
+    sampling generator (not for greedy decoding), replays after; a shape seen again replays at once; a capture that
+    fails is one line naming --no-cudagraphs."""
+    import contextlib
+    import types
+
+    tok, m = tiny
+    events, stream = [], types.SimpleNamespace(wait_stream=lambda other: None)
+
+    @contextlib.contextmanager
+    def capturing(graph):
+        events.append("capture")
+        yield
+        events.append("captured")
+
+    def new_graph():
+        return types.SimpleNamespace(replay=lambda: events.append("replay"),
+                                     register_generator_state=lambda g: events.append(("register", g)))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", new_graph)
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    dec = P.StaticDecoder(m)
+    monkeypatch.setattr(dec, "decode_step", lambda s: events.append("run"))
+    ids, mask = P.encode_batch(tok, P.make_problems(2, torch.Generator().manual_seed(0)), 16)
+    gen = torch.Generator().manual_seed(0)
+    P.generate(dec, ids, mask, 7, [tok.eos_token_id], tok.pad_token_id, gen=gen)  # (6 steps after the prefill)
+    assert events == ["run", "run", ("register", gen), "capture", "run", "captured", *["replay"] * 4]  # (3rd on)
+    events.clear()
+    P.generate(dec, ids, mask, 7, [tok.eos_token_id], tok.pad_token_id, gen=gen)
+    assert events == ["replay"] * 6
+    events.clear()
+    P.generate(dec, ids, mask, 5, [tok.eos_token_id], tok.pad_token_id, greedy=True)  # (another shape, no draws)
+    assert events == ["run", "run", "capture", "run", "captured", "replay", "replay"]
+
+    def fails(s):
+        if events and events[-1] == "capture":
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+    monkeypatch.setattr(dec, "decode_step", fails)
+    with pytest.raises(P.Failure) as e:
+        P.generate(dec, ids, mask, 9, [tok.eos_token_id], tok.pad_token_id, greedy=True)
+    assert e.value.code == 1 and str(e.value) == (
+        "capturing the rollout's decoding step in a CUDA graph failed: RuntimeError: CUDA error: operation not "
+        "permitted when stream is capturing (--no-cudagraphs decodes step by step)")
 
 
 def test_sampling_draws_from_the_softmax():
