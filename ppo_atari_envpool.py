@@ -704,13 +704,15 @@ def cuda_graphed(fn, name: str, warmup: int = 2):  # [SHARED]
     overwrites."""
     stream, state = torch.cuda.Stream(), {"calls": 0}
 
+    def signature(x):  # a tensor's shape and dtype (a replay reads those), anything else's value
+        return (x.shape, x.dtype) if isinstance(x, torch.Tensor) else x
+
     def run(*args):
         flat, spec = torch.utils._pytree.tree_flatten(args)
         if "inputs" not in state:
             state["inputs"], state["spec"] = [x.clone() if isinstance(x, torch.Tensor) else x for x in flat], spec
             state["args"] = torch.utils._pytree.tree_unflatten(state["inputs"], spec)
-        if spec != state["spec"] or [getattr(x, "shape", x) for x in flat] != [
-                getattr(x, "shape", x) for x in state["inputs"]]:
+        if spec != state["spec"] or [signature(x) for x in flat] != [signature(x) for x in state["inputs"]]:
             raise ValueError(f"{name}: called with other arguments than at its first call (its graph replays those)")
         for static, x in zip(state["inputs"], flat):
             if isinstance(static, torch.Tensor):
