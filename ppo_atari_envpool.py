@@ -712,7 +712,8 @@ def cuda_graphed(fn, name: str, warmup: int = 2):  # [SHARED]
         if "inputs" not in state:
             state["inputs"], state["spec"] = [x.clone() if isinstance(x, torch.Tensor) else x for x in flat], spec
             state["args"] = torch.utils._pytree.tree_unflatten(state["inputs"], spec)
-        if spec != state["spec"] or [signature(x) for x in flat] != [signature(x) for x in state["inputs"]]:
+            state["signature"] = [signature(x) for x in flat]
+        if spec != state["spec"] or [signature(x) for x in flat] != state["signature"]:
             raise ValueError(f"{name}: called with other arguments than at its first call (its graph replays those)")
         for static, x in zip(state["inputs"], flat):
             if isinstance(static, torch.Tensor):

@@ -671,7 +671,7 @@ def model_forward(model, input_ids, attention_mask, resp_len: int, temperature: 
 def last_hidden(model, input_ids, attention_mask, resp_len: int) -> torch.Tensor:
     """The trunk's last (normed) hidden states before each response token (B, R, H): hidden t predicts token t + 1."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
-                use_cache=False, output_hidden_states=-1, logits_to_keep=1)  # (-1: only the last is kept)
+                use_cache=False, output_hidden_states=-1, logits_to_keep=1)  # (transformers 5.23 keeps only -1)
     return out.hidden_states[-1][:, -resp_len - 1:-1]
 
 

@@ -89,3 +89,29 @@ def edited_copy(run_dir: str, tmp_path, edit) -> str:
     edit(state)
     torch.save(state, path)
     return path
+
+
+def stand_in_for_cuda_graphs(monkeypatch, events: list) -> None:
+    """torch.cuda's streams and graphs stood in for on the CPU, to test a capturing helper's dispatch: a "capture" runs
+    its body once between the events "capture" and "captured", a replay runs nothing and adds "replay", a generator's
+    registration adds ("register", generator). The real ones: tests/test_gpu.py."""
+    import contextlib
+    import types
+
+    import torch
+
+    @contextlib.contextmanager
+    def capturing(graph):
+        events.append("capture")
+        yield
+        events.append("captured")
+
+    def new_graph():
+        return types.SimpleNamespace(replay=lambda: events.append("replay"),
+                                     register_generator_state=lambda g: events.append(("register", g)))
+    stream = types.SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", new_graph)
+    monkeypatch.setattr(torch.cuda, "graph", capturing)

@@ -1,7 +1,6 @@
 """Tests for ppo_atari_envpool.py (CPU, small): CLI, whole-game episode statistics, envpool observations, the pure
 functions against plain loops, a smoke run, stop -> resume, and 2 processes under torchrun."""
 
-import contextlib
 import copy
 import glob
 import math
@@ -21,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/shared.py
 import ppo_atari_envpool as pae  # noqa: E402
-from shared import handlers, reference_gae  # noqa: E402  (tests/shared.py)
+from shared import handlers, reference_gae, stand_in_for_cuda_graphs  # noqa: E402  (tests/shared.py)
 
 SCRIPT = os.path.join(ROOT, "ppo_atari_envpool.py")
 
@@ -827,19 +826,8 @@ def test_a_compile_failure_in_a_run_is_one_line_from_the_error_boundary(tmp_path
 def test_cuda_graphed_warms_up_then_captures_once_and_replays(monkeypatch):
     """The CUDA-graph helper's dispatch on the CPU, torch.cuda's streams and graphs stood in for (a "capture" runs
     fn once; a replay runs nothing): the real capture and replay are tested on a GPU (tests/test_gpu.py)."""
-    events, stream = [], types.SimpleNamespace(wait_stream=lambda other: None)
-
-    @contextlib.contextmanager
-    def capturing(graph):
-        events.append("capture")
-        yield
-        events.append("captured")
-
-    monkeypatch.setattr(torch.cuda, "Stream", lambda: stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace(replay=lambda: events.append("replay")))
-    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    events = []
+    stand_in_for_cuda_graphs(monkeypatch, events)
     seen = []
 
     def fn(x, pair):

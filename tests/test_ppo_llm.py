@@ -2461,26 +2461,11 @@ def test_the_decoder_warms_up_twice_then_captures_once_and_replays(tiny, monkeyp
     once, a replay nothing; the real ones: tests/test_gpu.py): two warm-up steps, one capture registering the run's
     sampling generator (not for greedy decoding), replays after; a shape seen again replays at once; a capture that
     fails is one line naming --no-cudagraphs."""
-    import contextlib
-    import types
+    from shared import stand_in_for_cuda_graphs  # (tests/shared.py)
 
     tok, m = tiny
-    events, stream = [], types.SimpleNamespace(wait_stream=lambda other: None)
-
-    @contextlib.contextmanager
-    def capturing(graph):
-        events.append("capture")
-        yield
-        events.append("captured")
-
-    def new_graph():
-        return types.SimpleNamespace(replay=lambda: events.append("replay"),
-                                     register_generator_state=lambda g: events.append(("register", g)))
-    monkeypatch.setattr(torch.cuda, "Stream", lambda: stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", new_graph)
-    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    events = []
+    stand_in_for_cuda_graphs(monkeypatch, events)
     dec = P.StaticDecoder(m)
     monkeypatch.setattr(dec, "decode_step", lambda s: events.append("run"))
     ids, mask = P.encode_batch(tok, P.make_problems(2, torch.Generator().manual_seed(0)), 16)
