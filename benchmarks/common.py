@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 import re
@@ -281,6 +282,24 @@ def machine_info() -> dict:
         "versions": versions(),
         "commit": git_commit(),
     }
+
+
+def cell(x, fmt: str = ",.0f") -> str:  # a figure in a report's table; blank where there is none
+    return "" if x is None else format(x, fmt)
+
+
+def write_report(out: str, lines: list, data: dict, cuda: bool) -> None:
+    """OUT.md (the markdown lines) and OUT.json (the device, torch's version and the date, then data)."""
+    import torch
+
+    if os.path.dirname(out):
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(out + ".json", "w") as f:
+        json.dump({"device": gpu_name() if cuda else cpu_model(), "torch": torch.__version__,
+                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **data}, f,
+                  indent=1)
 
 
 def machine_markdown(info: dict, command: str) -> str:

@@ -17,8 +17,6 @@ benchmarks/results/llm_roll_lengths). `--dry-run`: the same on the CPU at tiny s
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 import tempfile
@@ -84,10 +82,8 @@ def main(argv=None) -> int:
 
 
 def write_reports(out: str, size: dict, n_params: int, cuda: bool, cmd: str, result: dict) -> None:
-    import torch
-
     def num(x, fmt=".1f"):
-        return "" if x is None else format(x, fmt)
+        return common.cell(x, fmt)
 
     info = common.machine_info()
     lines = [common.machine_markdown(info, cmd), "",
@@ -104,14 +100,8 @@ def write_reports(out: str, size: dict, n_params: int, cuda: bool, cmd: str, res
         lines.append(" | ".join(["", num(result["seconds"]), num(result["generation_s"]), num(result["scoring_s"]),
                                  num(result["update_s"]), num(result["peak_gib"]), num(result["peak_rss_gib"], ".2f"),
                                  num(result["response_length_mean"], ".0f"), ""]).strip())
-    if os.path.dirname(out):
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(out + ".json", "w") as f:
-        json.dump({"device": common.gpu_name() if cuda else common.cpu_model(), "torch": torch.__version__,
-                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "sizes": size, "params": n_params, "command": cmd, "machine": info, "result": result}, f, indent=1)
+    common.write_report(out, lines, {"sizes": size, "params": n_params, "command": cmd, "machine": info,
+                                     "result": result}, cuda)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import os
 import random
@@ -304,11 +303,7 @@ def write_reports(out: str, preset: str, cfg: dict, n_params: int, label: str, c
                   rows: list, decode: dict) -> list:
     """OUT.md (the tables) and OUT.json (the generation side by side, per estimator and path, and the rows in order);
     returns the markdown lines."""
-    import torch
-
-    def num(x, fmt=",.0f"):
-        return "" if x is None else format(x, fmt)
-
+    num = common.cell
     info = common.machine_info()
     lines = [common.machine_markdown(info, command), "",
              f"Model: random-weight Qwen2 ({preset}), hidden {cfg['hidden']}, {cfg['layers']} layers, MLP "
@@ -329,21 +324,16 @@ def write_reports(out: str, preset: str, cfg: dict, n_params: int, label: str, c
             lines.append(f"| {r['estimator']} | {r['path']} | {num(r['gen_tokens_per_s'])} | "
                          f"{num(r['train_tokens_per_s'])} | {num(r['peak_gpu_mem_gib'], '.1f')} | "
                          f"{num(r['peak_rss_gib'], '.2f')} | {r['wall_s']:.0f} |")
-    if os.path.dirname(out):
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
     results = {}
     for r in rows:
         results.setdefault(r["estimator"], {})[r["path"]] = {k: r.get(k) for k in (
             "gen_tokens_per_s", "hf_generate_tokens_per_s", "ours_generate_tokens_per_s", "train_tokens_per_s",
             "peak_gpu_mem_gib", "peak_rss_gib", "response_length_mean", "wall_s", "error")}
-    with open(out + ".json", "w") as f:
-        json.dump({"device": common.gpu_name() if cuda else common.cpu_model(), "torch": torch.__version__,
-                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "preset": preset, "config": cfg, "params": n_params, "precision": label, "command": command,
-                   "machine": info, "decode": decode, "results": results, "rows": rows}, f, indent=1)
+    common.write_report(out, lines, {"preset": preset, "config": cfg, "params": n_params, "precision": label,
+                                     "command": command, "machine": info, "decode": decode, "results": results,
+                                     "rows": rows}, cuda)
     return lines
+
 
 if __name__ == "__main__":
     sys.exit(main())
