@@ -78,6 +78,19 @@ def test_dry_run_skips_cuda_only_commands_but_shows_them(dry_run):
     assert items["pytest_gpu"]["status"] == "ok" and "skipped" in items["pytest_gpu"]["figures"]["summary"]
 
 
+def test_the_roll_lengths_benchmark_dry_run_writes_its_figures(dry_run):
+    """benchmarks/llm_roll_lengths.py --dry-run, as stage 3 of the dry run ran it (ROLL's lengths on a GPU; tiny sizes
+    on the CPU here): one PPO iteration whose seconds, split and memory land in PREFIX.json and PREFIX.md."""
+    _, data, _, out, _ = dry_run
+    item = next(i for s in data["stages"] for i in s["items"] if i["name"] == "llm_roll_lengths")
+    assert item["status"] == "ok", item
+    result = json.loads((out / "llm_roll_lengths.json").read_text())["result"]
+    assert result["error"] is None and result["peak_gib"] is None and result["peak_rss_gib"] > 0.1
+    assert 0 < result["generation_s"] + result["scoring_s"] + result["update_s"] <= result["seconds"]
+    assert 1 <= result["response_length_mean"] <= 24
+    assert "| iteration (s) |" in (out / "llm_roll_lengths.md").read_text()
+
+
 def test_dry_run_markdown_has_a_row_per_command(dry_run):
     _, data, md, out, _ = dry_run
     for st in data["stages"]:

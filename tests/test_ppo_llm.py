@@ -2624,17 +2624,3 @@ def test_the_throughput_benchmark_writes_its_contract(tmp_path):
     assert [(r["estimator"], r["path"]) for r in data["rows"]] == [("grpo", "eager")]
     md = (tmp_path / "llm.md").read_text()
     assert "| grpo | eager |" in md and "CPU fp32" in md
-
-
-def test_the_roll_lengths_benchmark_dry_run_writes_its_figures(tmp_path):
-    """benchmarks/llm_roll_lengths.py --dry-run (ROLL's lengths on a GPU; tiny sizes on the CPU here): one PPO
-    iteration whose seconds, split and memory land in PREFIX.json and PREFIX.md, as gpu_check's llm_roll_lengths reads
-    them."""
-    out = tmp_path / "roll"
-    res = subprocess.run([sys.executable, os.path.join(os.path.dirname(SCRIPT), "benchmarks", "llm_roll_lengths.py"),
-                          "--dry-run", "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    result = json.loads((tmp_path / "roll.json").read_text())["result"]
-    assert result["error"] is None and result["peak_gib"] is None and result["peak_rss_gib"] > 0.1
-    assert 0 < result["generation_s"] + result["scoring_s"] + result["update_s"] <= result["seconds"]
-    assert 1 <= result["response_length_mean"] <= 24 and "| iteration (s) |" in (tmp_path / "roll.md").read_text()
