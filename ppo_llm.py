@@ -1463,6 +1463,7 @@ def main(args: Args) -> dict:
         # token sampling: gen itself in one CPU process; on CUDA or under torchrun a generator of its own (per rank)
         gen_dev = (gen if device.type == "cpu" and world == 1
                    else torch.Generator(device).manual_seed(args.seed + 1_000_003 * rank))
+        eval_gen = torch.Generator(device)  # evaluations draw from it, reseeded alike at each (a CUDA graph keeps it)
         autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16(args)
                     else contextlib.nullcontext)
 
@@ -1500,8 +1501,9 @@ def main(args: Args) -> dict:
         stats, metrics, eval_stopped, written = {}, {}, False, None  # written: the last checkpoint this process wrote
 
         def evaluation(iteration: int) -> bool:  # held-out accuracy, logged and printed; True: a signal stopped it
-            return evaluate_and_log(decoder or policy, tok, eval_rows, args, reward_fn, stops, device, rank, world,
-                                    all_done, stop, writer, iteration, global_step, tracker, written or args.resume)
+            return evaluate_and_log(decoder or policy, tok, eval_rows, args, reward_fn, stops, eval_gen, device, rank,
+                                    world, all_done, stop, writer, iteration, global_step, tracker,
+                                    written or args.resume)
 
         def save(iteration: int) -> str:  # every rank calls it at the same iteration; rank 0 writes
             return save_checkpoint(run_dir, policy, ref, critic, value_head, tok, optimizers, schedulers, args,
@@ -2012,11 +2014,11 @@ def evaluate(policy, tok, rows: list[dict], args: Args, rule, stops, gen, device
             "problem": next((p for p in problems if p is not None), None)}
 
 
-def evaluate_and_log(policy, tok, rows, args: Args, rule, stops, device, rank: int, world: int, all_done, stop,
+def evaluate_and_log(policy, tok, rows, args: Args, rule, stops, gen, device, rank: int, world: int, all_done, stop,
                      writer, iteration: int, step: int, tracker: dict, last_checkpoint) -> bool:  # True: stopped
     if not rows:
         return False
-    gen = torch.Generator(device).manual_seed(args.seed + 1 + rank)
+    gen.manual_seed(args.seed + 1 + rank)  # (every evaluation draws alike)
     ev = evaluate(policy, tok, rows, args, rule, stops, gen, device, rank, world, all_done, stop=stop)
     if ev is None:
         return True

@@ -273,8 +273,9 @@ def test_llm_a_run_resumed_on_cuda_samples_what_a_straight_run_samples(runs):
 def test_llm_captured_decoding_gives_the_tokens_of_the_same_steps_uncaptured():
     """In-process: ppo_llm's StaticDecoder with its steps captured (warm-up, capture at the third step, replays) and
     without, on the same bf16 weights and equally seeded generators: the same tokens call after call, greedy and
-    sampled (with top-p / top-k), the generators left in the same state; after refresh() from a changed policy the
-    graphs read the new weights."""
+    sampled (with top-p / top-k), the generators left in the same state; generators reseeded (as each evaluation
+    reseeds its one) give the first call's tokens again; after refresh() from a changed policy the graphs read the new
+    weights."""
     import ppo_llm as P
 
     tok = P.build_char_tokenizer()
@@ -289,10 +290,11 @@ def test_llm_captured_decoding_gives_the_tokens_of_the_same_steps_uncaptured():
                 for d, g in zip((eager, captured), gens)]
     for greedy, extra in ((True, {}), (False, {}), (False, dict(temperature=0.7, top_p=0.9, top_k=20))):
         gens = [torch.Generator("cuda").manual_seed(5) for _ in range(2)]
-        for _ in range(3):  # (the first call warms up and captures; the later ones replay every step)
-            a, b = both(greedy, gens, **extra)
-            assert a.shape[1] > 8 and torch.equal(a, b), (a, b)
+        calls = [both(greedy, gens, **extra) for _ in range(3)]  # (the first warms up and captures; then replays)
+        assert all(a.shape[1] > 8 and torch.equal(a, b) for a, b in calls), calls
         assert torch.equal(gens[0].get_state(), gens[1].get_state())
+        a, b = both(greedy, [g.manual_seed(5) for g in gens], **extra)  # (reseeded: the first call's tokens again)
+        assert torch.equal(a, b) and torch.equal(a, calls[0][0])
     assert len(captured.shapes) == 3 and all(s["graph"] is not None for s in captured.shapes.values())
     before = both(True, [None, None])[0]
     with torch.no_grad():

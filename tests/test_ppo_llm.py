@@ -2490,6 +2490,26 @@ def test_the_decoder_warms_up_twice_then_captures_once_and_replays(tiny, monkeyp
         "permitted when stream is capturing (--no-cudagraphs decodes step by step)")
 
 
+def test_evaluations_find_their_decoding_shapes_again(tmp_path, monkeypatch):
+    """main's evaluations draw from one generator, reseeded alike at each: a StaticDecoder (the CUDA rollout's, here
+    without graphs) allocates the rollout's and the evaluation's shapes once (their caches and, on CUDA, graphs) and
+    finds them again at every later rollout and evaluation; each evaluation seeds it alike."""
+    made, decoders = [], []
+
+    def make_decoder(args, policy, device, world):
+        dec = P.StaticDecoder(P.rollout_copy(policy, torch.float32), capture=False)
+        buffers = dec.buffers
+        monkeypatch.setattr(dec, "buffers", lambda *a: made.append(a) or buffers(*a))
+        decoders.append(dec)
+        return dec
+    monkeypatch.setattr(P, "make_decoder", make_decoder)
+    seeds, evaluate = [], P.evaluate
+    monkeypatch.setattr(P, "evaluate", lambda *a, **k: seeds.append(a[6].initial_seed()) or evaluate(*a, **k))
+    res = P.main(P.parse_args([*TINY, "--runs-dir", str(tmp_path), "--eval-every", "1"]))
+    assert [c[0] for c in res["curve"]] == [0, 1, 2] and len(set(seeds)) == 1  # (3 evaluations, 2 rollouts)
+    assert len(made) == len(decoders[0].shapes) == 3  # the rollout's, the greedy and the sampled evaluation's
+
+
 def test_sampling_draws_from_the_softmax():
     """sample_categorical against counts: 40,000 draws of a 6-token distribution (one token of probability 0, as
     top-k / top-p leave them) fall within 4 standard errors of each probability, and the 0 is never drawn."""
