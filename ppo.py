@@ -768,6 +768,7 @@ def close_run(envs: list, writer, args: Args, world: int) -> None:  # envs: the 
             import wandb
             wandb.finish()
     if world > 1:
+        torch.distributed.barrier()  # (rank 0 may still be evaluating: the ranks leave the group together)
         torch.distributed.destroy_process_group()
 
 

@@ -105,6 +105,18 @@ def test_a_full_disk_of_rank_0_under_torchrun_ends_the_job(tmp_path, script, arg
     assert "cannot write" in errors[0] and "checkpoint.pt" in errors[0]
 
 
+@pytest.mark.parametrize("script", ["ppo", "ppo_continuous", "ppo_atari_envpool"])
+def test_the_ranks_leave_the_process_group_together(script, monkeypatch):
+    """close_run: a barrier before the process group is destroyed (rank 0 evaluates after training while the others
+    are done; a rank tearing gloo down alone sometimes aborted, SIGABRT); one process has no group to leave."""
+    module, calls = __import__(script), []
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: calls.append("destroy"))
+    module.close_run([], None, module.Args(), 2)
+    module.close_run([], None, module.Args(), 1)
+    assert calls == ["barrier", "destroy"]
+
+
 def test_cudagraphs_under_torchrun_compile_without_graphs(monkeypatch):
     """DDP's all-reduce cannot be captured: --cudagraphs is accepted and the run compiles without CUDA graphs (the
     note that says so once: tests/test_ppo_atari_envpool.py)."""
