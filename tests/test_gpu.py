@@ -1,8 +1,8 @@
 """Real CUDA runs of the four scripts at tiny sizes (skipped without a GPU): every path of every RL script finishes
 and says which path it is, the compiled and captured paths end with the eager path's parameters (the Atari script's
-defaults too: compiled and captured on CUDA, also when stopped and resumed), and checkpoints cross between CUDA and
-the CPU both ways; ppo_llm.py runs in bf16 on CUDA and resumes on the CPU, and a run stopped and resumed on CUDA
-samples what a straight run samples (its rollout decodes in CUDA graphs). In-process: the CUDA-graph helper replays
+defaults too: compiled and captured on CUDA, also when stopped and resumed over games that carry no state), and
+checkpoints cross between CUDA and the CPU both ways; ppo_llm.py runs in bf16 on CUDA and resumes on the CPU, and a
+run stopped and resumed on CUDA samples what a straight run samples (its rollout decodes in CUDA graphs). In-process: the CUDA-graph helper replays
 what eager computes, refuses other arguments, and a capture that fails is one line naming --no-cudagraphs; ppo_llm's
 captured decoding gives the tokens of the same steps uncaptured, before and after a refresh of its weights.
 
@@ -76,6 +76,19 @@ def default_cmd(runs_dir, device: str = "cuda") -> list:
     return [a for a in cmd if a not in PATHS["eager"]]
 
 
+# The Atari script over tests/test_ppo_atari_envpool.py's StatelessGames (the same frame always, a reward of the action
+# alone): a resumed run restarts envpool's games, so only games that carry no state meet the uninterrupted run's again
+STATELESS = ("import sys; sys.path[:0] = sys.argv[1:3]; import ppo_atari_envpool as pae; "
+             "from test_ppo_atari_envpool import StatelessGames; pae.make_envs = StatelessGames; "
+             "pae.main(pae.parse_args(sys.argv[3:]))")
+
+
+def stateless(cmd: list) -> list:
+    """An Atari script command line (python, script, flags) run over StatelessGames instead of envpool's games."""
+    assert cmd[1].endswith("ppo_atari_envpool.py"), cmd
+    return [cmd[0], "-c", STATELESS, REPO, os.path.join(REPO, "tests"), *cmd[2:]]
+
+
 def stop_cmd(script: str, runs_dir, device: str) -> list:
     """Eager, stopped with a checkpoint after half the iterations."""
     return path_cmd(script, "eager", runs_dir, device) + ["--stop-after", str(ITERATIONS // 2)]
@@ -147,7 +160,8 @@ def runs(tmp_path_factory):
     first[("llm_stop_cuda",)] = llm_cmd(tmp / "llm_cuda", *LLM_FROZEN, "--stop-after", "1")  # (resumed on CUDA)
     first[("llm_straight",)] = llm_cmd(tmp / "llm_straight", *LLM_FROZEN)
     first[("default",)] = default_cmd(tmp / "default")
-    first[("default_stop",)] = default_cmd(tmp / "default_stop") + ["--stop-after", str(ITERATIONS // 2)]
+    first[("stateless",)] = stateless(default_cmd(tmp / "stateless"))
+    first[("stateless_stop",)] = stateless(default_cmd(tmp / "stateless_stop") + ["--stop-after", str(ITERATIONS // 2)])
     dirs = {k: c[c.index("--runs-dir") + 1] for k, c in first.items()}
     res = run_all(first)
     second = {}  # (a stopped run that failed or left no checkpoint has no resume: its test says so)
@@ -156,9 +170,9 @@ def runs(tmp_path_factory):
             ckpt = checkpoint_or_none(dirs[("stop", s, d)])
             if res[("stop", s, d)][0] == 0 and ckpt:
                 second[("resume", s, d)] = resume_cmd(s, ckpt, other)
-    ckpt = checkpoint_or_none(dirs[("default_stop",)])
-    if res[("default_stop",)][0] == 0 and ckpt:  # (resumed on its default path, compiled and captured afresh)
-        second[("default_resume",)] = resume_cmd("ppo_atari_envpool.py", ckpt, "cuda")
+    ckpt = checkpoint_or_none(dirs[("stateless_stop",)])
+    if res[("stateless_stop",)][0] == 0 and ckpt:  # (resumed on its default path, compiled and captured afresh)
+        second[("stateless_resume",)] = stateless(resume_cmd("ppo_atari_envpool.py", ckpt, "cuda"))
     ckpt = checkpoint_or_none(dirs[("llm_stop",)])
     if res[("llm_stop",)][0] == 0 and ckpt:
         res[("llm_stop_args",)] = torch.load(ckpt, map_location="cpu", weights_only=True)["args"]  # (before resume)
@@ -207,14 +221,15 @@ def test_the_atari_default_on_cuda_is_compiled_captured_and_ends_with_the_eager_
 
 def test_the_atari_default_stopped_and_resumed_ends_as_the_straight_run(runs):
     """Exact resume through the captured path: the stopped run's checkpoint resumed on CUDA (compiled and captured
-    afresh, its Adam state and RNG restored) ends with the uninterrupted default run's parameters."""
+    afresh, its Adam state and RNG restored) ends with the uninterrupted default run's parameters. Both over games
+    that carry no state (envpool's real ones restart on resume: from there a resumed run sees other frames)."""
     res, dirs = runs
     script = "ppo_atari_envpool.py"
-    finished(res[("default",)], f"{script} with its default path on CUDA")
-    finished(res[("default_stop",)], f"{script} default path, --stop-after {ITERATIONS // 2}")
-    text = finished(res.get(("default_resume",)), f"{script} --resume on its default path")
+    finished(res[("stateless",)], f"{script} with its default path on CUDA")
+    finished(res[("stateless_stop",)], f"{script} default path, --stop-after {ITERATIONS // 2}")
+    text = finished(res.get(("stateless_resume",)), f"{script} --resume on its default path")
     assert f"iter {ITERATIONS}/{ITERATIONS}" in text and SAYS["compile_cudagraphs"] in text, text[-2000:]
-    assert_same_parameters(dirs[("default",)], dirs[("default_stop",)], script, "compile_cudagraphs")
+    assert_same_parameters(dirs[("stateless",)], dirs[("stateless_stop",)], script, "compile_cudagraphs")
 
 
 def assert_same_parameters(eager_runs, other_runs, script: str, path: str) -> None:

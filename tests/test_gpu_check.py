@@ -223,11 +223,17 @@ def help_flags(script: str) -> tuple:
 
 def test_gpu_test_command_lines_on_the_cpu(tmp_path):
     """tests/test_gpu.py's command builders with --no-cuda: every flag is one its script knows, and ppo.py's eager
-    run with --save-model runs to its end on the CPU."""
+    run with --save-model runs to its end on the CPU, as does the Atari script's run over StatelessGames (stopped with
+    its checkpoint)."""
     helps = [help_flags(s) for s in [*test_gpu.SCRIPTS, "ppo_llm.py"]]
     runs = tmp_path / "runs"
+    stateless = test_gpu.stateless(test_gpu.default_cmd(tmp_path / "stateless", "cpu") + ["--stop-after", "1"])
+    games = subprocess.Popen(stateless, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     cmd = test_gpu.path_cmd("ppo.py", "eager", runs, device="cpu")
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    text = games.communicate(timeout=300)[0]
+    assert games.returncode == 0 and "stopped at iteration 1 " in text, text[-2000:]
+    assert test_gpu.checkpoint_in(tmp_path / "stateless")
     known = {}
     for script, h in helps:
         text = h.communicate(timeout=300)[0]
