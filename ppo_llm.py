@@ -2124,7 +2124,7 @@ class StaticDecoder:
             s["calls"] += 1
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), plain_kernels(self.step_forward is self.model):
                 self.decode_step(s)
             torch.cuda.current_stream().wait_stream(stream)
             return None
@@ -2134,7 +2134,7 @@ class StaticDecoder:
             if gen is not None and not s["sampling"][4]:  # a generator of the run's own: its draws advance in the graph
                 s["graph"].register_generator_state(gen)
             try:
-                with torch.cuda.graph(s["graph"]):
+                with torch.cuda.graph(s["graph"]), plain_kernels(self.step_forward is self.model):
                     self.decode_step(s)
             except RuntimeError as e:  # (the capture's own error hides the step's: that one is its context)
                 cause = reason(e.__context__ or e)
@@ -2142,6 +2142,21 @@ class StaticDecoder:
                               "decodes step by step)", code=1) from e
         s["graph"].replay()
         return None
+
+
+@contextlib.contextmanager
+def plain_kernels(enabled: bool = True):
+    """torch.use_deterministic_algorithms off inside (as it was after). The captured decoding step computes the same
+    either way (the one position each cache write indexes never repeats; every buffer is written before it is read),
+    but the deterministic kernels sort that position at each layer's two writes (index_copy_ as index_put_) and fill
+    fresh memory first: kernels that a graph replays at every token. (Not for a compiled step: without it inductor
+    may time kernel choices, which need not choose alike from run to run.)"""
+    mode, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(mode and not enabled, warn_only=warn_only)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
 
 
 def make_decoder(args: Args, policy, device, world: int) -> Optional[StaticDecoder]:

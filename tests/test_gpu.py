@@ -290,9 +290,19 @@ def test_llm_captured_decoding_gives_the_tokens_of_the_same_steps_uncaptured():
     without, on the same bf16 weights and equally seeded generators: the same tokens call after call, greedy and
     sampled (with top-p / top-k), the generators left in the same state; generators reseeded (as each evaluation
     reseeds its one) give the first call's tokens again; after refresh() from a changed policy the graphs read the new
-    weights."""
+    weights. As in ppo_llm.py's default run: deterministic algorithms on (warn-only), which the captured step leaves
+    off (plain_kernels)."""
     import ppo_llm as P
 
+    mode = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        decode_as_uncaptured(P)
+    finally:
+        torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
+
+
+def decode_as_uncaptured(P) -> None:
     tok = P.build_char_tokenizer()
     policy = P.disable_dropout(P.build_tiny_model(tok, 0, 64, 2, max_positions=512)).cuda()
     model = P.rollout_copy(policy, torch.bfloat16)

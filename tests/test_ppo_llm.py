@@ -2490,6 +2490,37 @@ def test_the_decoder_warms_up_twice_then_captures_once_and_replays(tiny, monkeyp
         "permitted when stream is capturing (--no-cudagraphs decodes step by step)")
 
 
+def test_the_decoder_warms_up_and_captures_with_plain_kernels(tiny, monkeypatch):
+    """--torch-deterministic (warn-only) is off while the decoding step warms up and is captured, and as it was after
+    each: the captured step computes the same with the plain kernels (tests/test_gpu.py compares its tokens with those
+    of the uncaptured step), without the deterministic index_copy_'s sort at every layer of every token. A compiled
+    step keeps the mode."""
+    from shared import stand_in_for_cuda_graphs  # (tests/shared.py)
+
+    tok, m = tiny
+    stand_in_for_cuda_graphs(monkeypatch, [])
+    dec, seen = P.StaticDecoder(m), []
+    monkeypatch.setattr(dec, "decode_step", lambda s: seen.append(torch.are_deterministic_algorithms_enabled()))
+    ids, mask = P.encode_batch(tok, P.make_problems(2, torch.Generator().manual_seed(0)), 16)
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        for mode in (True, False):
+            torch.use_deterministic_algorithms(mode, warn_only=True)
+            seen.clear()
+            P.generate(dec, ids, mask, 7, [tok.eos_token_id], tok.pad_token_id, greedy=mode)  # (a new shape each)
+            assert seen == [False] * 3  # (two warm-up steps and the capture; the replays run nothing here)
+            assert torch.are_deterministic_algorithms_enabled() is mode
+            assert torch.is_deterministic_algorithms_warn_only_enabled()
+        compiled = P.StaticDecoder(m, compile=True)  # (a compiled step keeps the mode: see plain_kernels)
+        monkeypatch.setattr(compiled, "decode_step", lambda s: seen.append(torch.are_deterministic_algorithms_enabled()))
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        seen.clear()
+        P.generate(compiled, ids, mask, 7, [tok.eos_token_id], tok.pad_token_id, greedy=True)
+        assert seen == [True] * 3
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 def test_evaluations_find_their_decoding_shapes_again(tmp_path, monkeypatch):
     """main's evaluations draw from one generator, reseeded alike at each: a StaticDecoder (the CUDA rollout's, here
     without graphs) allocates the rollout's and the evaluation's shapes once (their caches and, on CUDA, graphs) and
