@@ -16,7 +16,8 @@ Stages, in this order, each under its own share of --minutes (the last stage run
                  --cudagraphs under cProfile (its top functions, in its log)
   3 ppo_llm      ppo_llm.py's default task for 20 iterations on CUDA (the held-out accuracy must rise from the first
                  evaluation to the last); the rollout's decoding side by side with Hugging Face `generate` at 0.5B,
-                 128 prompts x 256 new tokens, bf16 (llm_decode); benchmarks/llm_throughput.py at 0.5B for gae and
+                 128 prompts x 256 new tokens, bf16 (llm_decode), and where its step's time goes (kernels and GPU
+                 time: benchmarks/llm_decode_profile.py); benchmarks/llm_throughput.py at 0.5B for gae and
                  grpo, eager; one iteration at ROLL's lengths, 2,048-token prompts and 4,096-token responses
                  (benchmarks/llm_roll_lengths.py); then llm_throughput --compile and the decoding with its step
                  compiled
@@ -365,6 +366,18 @@ def read_llm_decode(prefix: str):
     return read
 
 
+def read_decode_profile(prefix: str):
+    """llm_decode_profile.py: a decoding step's wall time captured and uncaptured, its kernels and their GPU time."""
+    def read(item: Item, text: str) -> dict:
+        r = read_json(prefix + ".json")
+        fig, kernels = dict(r.get("result") or {}), r.get("kernels") or {}
+        if fig.get("ms_per_step") is None or not kernels:
+            raise ValueError(f"{os.path.basename(prefix)}.json holds no step figures")
+        fig["top_kernel"] = max(kernels, key=lambda k: kernels[k]["us_per_step"])[:80]
+        return fig
+    return read
+
+
 def read_roll_lengths(prefix: str):
     """llm_roll_lengths.py: the iteration's seconds, its split, the peak GPU memory (GiB)."""
     def read(item: Item, text: str) -> dict:
@@ -595,7 +608,10 @@ def stage3(ctx: Ctx) -> list:
                   timeout=None, weight=2, read=read_ppo_llm(must_learn=not ctx.dry), device=device),
              Item("llm_decode", [PY, os.path.join(bench, "llm_throughput.py"), *tp, "--decode-only", "--out",
                                  out("llm_decode")], timeout=None, weight=1, read=read_llm_decode(out("llm_decode")),
-                  device=device)]
+                  device=device),
+             Item("llm_decode_profile", [PY, os.path.join(bench, "llm_decode_profile.py"), "--out",
+                                         out("llm_decode_profile")], timeout=None, weight=1,
+                  read=read_decode_profile(out("llm_decode_profile")), device=device, skip=needs_cuda(ctx))]
     # (compile last: the first to go when time is short; the side-by-side generation is llm_decode's)
     for path in ("eager",) if ctx.dry else ("eager", "compile"):
         items.append(Item(f"llm_throughput_{path}", [PY, os.path.join(bench, "llm_throughput.py"), *tp, "--paths",

@@ -313,8 +313,9 @@ def write_reports(out: str, preset: str, cfg: dict, n_params: int, label: str, c
     if decode.get("ours") is not None:
         names = {"ours": "ppo_llm's rollout", "ours_compiled": "ppo_llm's rollout, step compiled",
                  "hf": "Hugging Face `generate`"}
-        lines += ["Generation of one rollout's batch, side by side (tokens/s, best of 3 after a warm-up): " + "; ".join(
-            f"{names[k]} {num(v)}" for k, v in decode.items()) + f" ({decode['ours'] / decode['hf']:.2f}x).", ""]
+        ratio = {k: "" if k == "hf" else f" ({v / decode['hf']:.2f}x)" for k, v in decode.items()}
+        lines += ["Generation of one rollout's batch, side by side (tokens/s, best of 3 after a warm-up; the ratio to "
+                  "Hugging Face's): " + "; ".join(f"{names[k]} {num(v)}{ratio[k]}" for k, v in decode.items()) + ".", ""]
     lines += ["| estimator | path | generation tokens/s (PPO run) | training tokens/s | peak GPU memory (GiB) | "
               "peak process memory (GiB) | wall (s) |", "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -307,6 +307,30 @@ def test_llm_throughput_names_the_precision_of_its_runs():
     assert label(False, ["--precision=bf16"]) == "CPU bf16 autocast"
 
 
+def test_llm_decode_profile_on_the_cpu_and_gpu_checks_reader(tmp_path):
+    """benchmarks/llm_decode_profile.py at tiny sizes on the CPU (ops for kernels, no graph; a check of the tool): its
+    JSON holds the uncaptured step's time and ops per step, more of them with deterministic algorithms on (CPU
+    index_copy_ too); gpu_check's reader wants the captured step's time, which only CUDA gives."""
+    import gpu_check
+
+    prefix = str(tmp_path / "prof")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "llm_decode_profile.py"), "--preset", "tiny",
+                        "--device", "cpu", "--batch", "2", "--out", prefix], capture_output=True, text=True,
+                       cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    data = json.load(open(prefix + ".json"))
+    r = data["result"]
+    assert r["ms_per_step"] is None and r["ms_per_step_uncaptured"] > 0 and r["gpu_ms_per_step"] > 0
+    assert 0 < r["kernels_per_step"] < r["kernels_per_step_deterministic"], r
+    assert "aten::mm" in data["kernels"] and "| op | per step |" in open(prefix + ".md").read()
+    with pytest.raises(ValueError, match="no step figures"):
+        gpu_check.read_decode_profile(prefix)(None, "")
+    data["result"]["ms_per_step"] = 1.5
+    json.dump(data, open(prefix + ".json", "w"))
+    fig = gpu_check.read_decode_profile(prefix)(None, "")
+    assert fig["ms_per_step"] == 1.5 and fig["top_kernel"] in data["kernels"]
+
+
 def test_llm_throughput_tool_says_bad_sizes_in_one_line():
     """Bad sizes are one line, exit 2, before a model is built (its run on a tiny model: test_ppo_llm.py's
     test_the_throughput_benchmark_writes_its_contract)."""
