@@ -2042,6 +2042,7 @@ class StaticDecoder:
 
     def __init__(self, model, capture: bool = True, compile: bool = False, keep: int = 3):
         self.model, self.capture, self.keep = model, capture, keep
+        self.plain = capture and not compile  # the captured forward without deterministic kernels (plain_kernels)
         self.step_forward = torch.compile(model, dynamic=False) if compile else model  # (--compile: the step only)
         self.shapes: dict = {}  # the `keep` most recent (batch shape, sampling) -> their buffers, cache and graph
         #                        (3: the rollout's and an evaluation's greedy and sampled decoding)
@@ -2106,8 +2107,9 @@ class StaticDecoder:
         """One token for every row, all on the device (no host sync, the same addresses at every call)."""
         temperature, top_p, top_k, gen, greedy, pad_id = s["sampling"]
         s["bias"].masked_fill_(s["columns"] == s["col"], 0.0)  # the column of the token this step reads
-        logits = self.step_forward(input_ids=s["cur"], attention_mask=s["bias"], position_ids=s["pos"],
-                                   past_key_values=s["cache"], use_cache=True).logits[:, -1]
+        with plain_kernels(self.plain):
+            logits = self.step_forward(input_ids=s["cur"], attention_mask=s["bias"], position_ids=s["pos"],
+                                       past_key_values=s["cache"], use_cache=True).logits[:, -1]
         tok = sample_token(logits, temperature, top_p, top_k, gen, greedy).masked_fill(s["done"], pad_id)
         s["tokens"].copy_(torch.where(s["arange"] == s["t"], tok[:, None], s["tokens"]))
         s["done"] |= is_stop(tok, s["stops"])
@@ -2124,7 +2126,7 @@ class StaticDecoder:
             s["calls"] += 1
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream), plain_kernels(self.step_forward is self.model):
+            with torch.cuda.stream(stream):
                 self.decode_step(s)
             torch.cuda.current_stream().wait_stream(stream)
             return None
@@ -2134,7 +2136,7 @@ class StaticDecoder:
             if gen is not None and not s["sampling"][4]:  # a generator of the run's own: its draws advance in the graph
                 s["graph"].register_generator_state(gen)
             try:
-                with torch.cuda.graph(s["graph"]), plain_kernels(self.step_forward is self.model):
+                with torch.cuda.graph(s["graph"]):
                     self.decode_step(s)
             except RuntimeError as e:  # (the capture's own error hides the step's: that one is its context)
                 cause = reason(e.__context__ or e)
@@ -2146,12 +2148,13 @@ class StaticDecoder:
 
 @contextlib.contextmanager
 def plain_kernels(enabled: bool = True):
-    """torch.use_deterministic_algorithms off inside (as it was after). The captured decoding step computes the same
+    """torch.use_deterministic_algorithms off inside, restored after. The captured step's forward computes the same
     either way (the one position each cache write indexes never repeats; every buffer is written before it is read),
     but the deterministic kernels sort that position at each layer's two writes (index_copy_ as index_put_) and fill
-    fresh memory first: kernels that a graph replays at every token. (Not for a compiled step: without it inductor
-    may time kernel choices, which need not choose alike from run to run.)"""
-    mode, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fresh memory first: kernels that a graph replays at every token. Not the sampling (a one-row cumsum is another
+    kernel without the mode), nor a compiled forward (without the mode inductor may time its kernel choices)."""
+    mode = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(mode and not enabled, warn_only=warn_only)
     try:
         yield

@@ -2,9 +2,10 @@
 and says which path it is, the compiled and captured paths end with the eager path's parameters (the Atari script's
 defaults too: compiled and captured on CUDA, also when stopped and resumed over games that carry no state), and
 checkpoints cross between CUDA and the CPU both ways; ppo_llm.py runs in bf16 on CUDA and resumes on the CPU, and a
-run stopped and resumed on CUDA samples what a straight run samples (its rollout decodes in CUDA graphs). In-process: the CUDA-graph helper replays
-what eager computes, refuses other arguments, and a capture that fails is one line naming --no-cudagraphs; ppo_llm's
-captured decoding gives the tokens of the same steps uncaptured, before and after a refresh of its weights.
+run stopped and resumed on CUDA samples what a straight run samples (its rollout decodes in CUDA graphs).
+In-process: the CUDA-graph helper replays what eager computes, refuses other arguments, and a capture that fails is
+one line naming --no-cudagraphs; ppo_llm's captured decoding gives the tokens of the same steps uncaptured, before and
+after a refresh of its weights.
 
     pytest -m gpu -q tests/test_gpu.py        # on a GPU machine; benchmarks/gpu_check.py stage 1 runs this
     pytest -m gpu -q -o addopts= tests/test_gpu.py    # the same without pytest-xdist (pytest.ini's -n 2 needs it)
@@ -290,8 +291,8 @@ def test_llm_captured_decoding_gives_the_tokens_of_the_same_steps_uncaptured():
     without, on the same bf16 weights and equally seeded generators: the same tokens call after call, greedy and
     sampled (with top-p / top-k), the generators left in the same state; generators reseeded (as each evaluation
     reseeds its one) give the first call's tokens again; after refresh() from a changed policy the graphs read the new
-    weights. As in ppo_llm.py's default run: deterministic algorithms on (warn-only), which the captured step leaves
-    off (plain_kernels)."""
+    weights. As in ppo_llm.py's default run: deterministic algorithms on (warn-only), which the captured step turns
+    off for its forward (plain_kernels), the uncaptured one not."""
     import ppo_llm as P
 
     mode = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()

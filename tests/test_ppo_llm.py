@@ -2490,33 +2490,35 @@ def test_the_decoder_warms_up_twice_then_captures_once_and_replays(tiny, monkeyp
         "permitted when stream is capturing (--no-cudagraphs decodes step by step)")
 
 
-def test_the_decoder_warms_up_and_captures_with_plain_kernels(tiny, monkeypatch):
-    """--torch-deterministic (warn-only) is off while the decoding step warms up and is captured, and as it was after
-    each: the captured step computes the same with the plain kernels (tests/test_gpu.py compares its tokens with those
-    of the uncaptured step), without the deterministic index_copy_'s sort at every layer of every token. A compiled
-    step keeps the mode."""
+def test_the_captured_decoding_forward_runs_plain_kernels(tiny, monkeypatch):
+    """--torch-deterministic (warn-only) is off for the forward of the decoding step while it warms up and is captured,
+    restored after; the sampling keeps it (a one-row cumsum runs another kernel without it), as do the uncaptured and
+    the compiled step. The forward computes the same with the plain kernels (tests/test_gpu.py compares the captured
+    tokens with those of the uncaptured step) without the deterministic index_copy_'s sort at every layer."""
     from shared import stand_in_for_cuda_graphs  # (tests/shared.py)
 
     tok, m = tiny
     stand_in_for_cuda_graphs(monkeypatch, [])
-    dec, seen = P.StaticDecoder(m), []
-    monkeypatch.setattr(dec, "decode_step", lambda s: seen.append(torch.are_deterministic_algorithms_enabled()))
+    seen, sample = [], P.sample_token
+
+    def mode(what):
+        seen.append((what, torch.are_deterministic_algorithms_enabled()))
+    monkeypatch.setattr(P, "sample_token", lambda *a, **k: mode("sample") or sample(*a, **k))
     ids, mask = P.encode_batch(tok, P.make_problems(2, torch.Generator().manual_seed(0)), 16)
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     try:
-        for mode in (True, False):
-            torch.use_deterministic_algorithms(mode, warn_only=True)
-            seen.clear()
-            P.generate(dec, ids, mask, 7, [tok.eos_token_id], tok.pad_token_id, greedy=mode)  # (a new shape each)
-            assert seen == [False] * 3  # (two warm-up steps and the capture; the replays run nothing here)
-            assert torch.are_deterministic_algorithms_enabled() is mode
-            assert torch.is_deterministic_algorithms_warn_only_enabled()
-        compiled = P.StaticDecoder(m, compile=True)  # (a compiled step keeps the mode: see plain_kernels)
-        monkeypatch.setattr(compiled, "decode_step", lambda s: seen.append(torch.are_deterministic_algorithms_enabled()))
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        seen.clear()
-        P.generate(compiled, ids, mask, 7, [tok.eos_token_id], tok.pad_token_id, greedy=True)
-        assert seen == [True] * 3
+        for flags, plain in ((dict(), True), (dict(capture=False), False), (dict(compile=True), False)):
+            dec = P.StaticDecoder(m, **flags)
+            dec.step_forward = lambda **kw: mode("forward") or m(**kw)  # (the compiled one: never compiled here)
+            for on in (True, False):
+                torch.use_deterministic_algorithms(on, warn_only=True)
+                seen.clear()
+                P.generate(dec, ids, mask, 7, [tok.eos_token_id], tok.pad_token_id, greedy=on)  # (a new shape each)
+                steps = 3 if dec.capture else 6  # (captured: two warm-up steps and the capture; replays run nothing)
+                want = [("sample", on)] + [("forward", on and not plain), ("sample", on)] * steps  # (prefill first)
+                assert seen == want, (flags, on, seen)
+                assert torch.are_deterministic_algorithms_enabled() is on
+                assert torch.is_deterministic_algorithms_warn_only_enabled()
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
