@@ -7,10 +7,11 @@ the same step uncaptured, and the kernels that the step launches, with their GPU
 The model is llm_throughput.py's preset (default qwen2.5-0.5b: random weights, 151,936 output rows) and the batch
 one rollout's (128 prompts of its sorting task). On CUDA the decoder is the rollout's (make_decoder: a bf16 copy, a
 static KV cache, each step one CUDA graph), sampling at temperature 1. A step's wall time is the difference between
-two generations of different lengths divided by the extra tokens (the prefill and the set-up cancel), the best of 3.
+two generations of different lengths divided by the extra tokens (the prefill and the set-up cancel), the best of 3;
+the uncaptured step runs with deterministic algorithms off (ppo_llm.plain_kernels), as the captured one's forward.
 The kernels: torch.profiler over the uncaptured step (the kernels a graph replays are the ones it captured), again as
-the difference between two lengths, with deterministic algorithms off as the captured step runs them
-(ppo_llm.plain_kernels) and on (--torch-deterministic, ppo_llm's default) for the count. If the captured step's wall
+the difference between two lengths, with deterministic algorithms off and, for the count, on (--torch-deterministic,
+ppo_llm's default; the rollout's prompt forward and sampling run so). If the captured step's wall
 time is near its kernels' GPU time the step is bound by what the kernels do (the table says which); if far above it,
 by the gaps between many small kernels. On the CPU: ops and CPU time instead of kernels, no graph. Writes PREFIX.json
 and PREFIX.md.
@@ -19,7 +20,6 @@ and PREFIX.md.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
@@ -46,7 +46,7 @@ def step_ms(P, decoder, ids, mask, stops, pad, cuda: bool) -> float:
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            P.generate(decoder, ids, mask, n, stops, pad, gen=gens[n])
+            P.generate(decoder, ids, mask, n, stops, pad, gen=gens[n], check_every=LONG)
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
@@ -66,9 +66,9 @@ def kernels_per_step(P, decoder, ids, mask, stops, pad, cuda: bool) -> dict:
     tally = {}
     for n in (SHORT, LONG):
         gen = torch.Generator(ids.device)
-        P.generate(decoder, ids, mask, n, stops, pad, gen=gen.manual_seed(0))  # (allocates this shape's cache)
+        P.generate(decoder, ids, mask, n, stops, pad, gen=gen.manual_seed(0), check_every=LONG)  # (allocates)
         with profile(activities=acts) as prof:
-            P.generate(decoder, ids, mask, n, stops, pad, gen=gen.manual_seed(0))
+            P.generate(decoder, ids, mask, n, stops, pad, gen=gen.manual_seed(0), check_every=LONG)
             if cuda:
                 torch.cuda.synchronize()
         tally[n] = {e.key: (e.count, e.self_device_time_total if cuda else e.self_cpu_time_total)
@@ -87,6 +87,7 @@ def main(argv=None) -> int:
     p.add_argument("--preset", choices=list(llm_throughput.PRESETS), default="qwen2.5-0.5b", help="model shape")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda", help="where to decode")
     p.add_argument("--batch", type=int, default=128, help="prompts decoded at once")
+    p.add_argument("--vocab-size", type=int, default=None, help="override the preset's output rows")
     p.add_argument("--out", default=os.path.join(common.RESULTS, "llm_decode_profile"), help="output path prefix")
     a = p.parse_args(argv)
     import torch
@@ -97,7 +98,8 @@ def main(argv=None) -> int:
     cuda = a.device == "cuda"
     if cuda and not common.torch_sees_cuda():
         common.die("torch finds no CUDA device here; --device cpu checks the tool")
-    cfg = llm_throughput.PRESETS[a.preset]
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (as ppo_llm's --torch-deterministic sets it)
+    cfg = dict(llm_throughput.PRESETS[a.preset], **({"vocab": a.vocab_size} if a.vocab_size else {}))
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data = os.path.join(tmp, "model"), os.path.join(tmp, "data.jsonl")
         n_params = llm_throughput.build_model_dir(model_dir, cfg["hidden"], cfg["layers"], cfg["heads"],
@@ -114,10 +116,10 @@ def main(argv=None) -> int:
     plain = P.StaticDecoder(captured.model if captured else P.rollout_copy(model, torch.float32), capture=False)
     ids, mask = (x.to(device) for x in P.encode_batch(tok, rows, 4096))
     stops, pad = P.stop_token_ids(tok, model), tok.pad_token_id
-    with torch.no_grad():
-        ms = {"captured": step_ms(P, captured, ids, mask, stops, pad, cuda) if captured else None,
-              "uncaptured": step_ms(P, plain, ids, mask, stops, pad, cuda)}
+    with torch.no_grad():  # (the uncaptured step as the captured one runs: its forward without deterministic kernels)
+        ms = {"captured": step_ms(P, captured, ids, mask, stops, pad, cuda) if captured else None}
         with P.plain_kernels():
+            ms["uncaptured"] = step_ms(P, plain, ids, mask, stops, pad, cuda)
             kernels = kernels_per_step(P, plain, ids, mask, stops, pad, cuda)
         deterministic = kernels_per_step(P, plain, ids, mask, stops, pad, cuda)
     result = {"ms_per_step": ms["captured"], "ms_per_step_uncaptured": ms["uncaptured"],
@@ -149,11 +151,10 @@ def write_reports(a, argv: list, cfg: dict, n_params: int, cuda: bool, result: d
     total = sum(t for _, (_, t) in top) or 1.0
     for name, (count, us) in top[:30]:
         lines.append(f"| `{name[:90]}` | {count:g} | {us:.1f} | {us / total:.1%} |")
-    counts = collections.Counter({k: c for k, (c, _) in deterministic.items()})
     common.write_report(a.out, lines, {"command": cmd, "machine": info, "preset": a.preset, "batch": a.batch,
                                        "params": n_params, "result": result,
                                        "kernels": {k: {"per_step": c, "us_per_step": t} for k, (c, t) in top},
-                                       "deterministic_kernels": dict(counts)}, cuda)
+                                       "deterministic_kernels": {k: c for k, (c, _) in deterministic.items()}}, cuda)
 
 
 if __name__ == "__main__":

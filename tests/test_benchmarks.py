@@ -309,13 +309,13 @@ def test_llm_throughput_names_the_precision_of_its_runs():
 
 def test_llm_decode_profile_on_the_cpu_and_gpu_checks_reader(tmp_path):
     """benchmarks/llm_decode_profile.py at tiny sizes on the CPU (ops for kernels, no graph; a check of the tool): its
-    JSON holds the uncaptured step's time and ops per step, more of them with deterministic algorithms on (CPU
-    index_copy_ too); gpu_check's reader wants the captured step's time, which only CUDA gives."""
+    JSON holds the uncaptured step's time and ops per step, more of them with deterministic algorithms on (their fills
+    of fresh memory); gpu_check's reader wants the captured step's time, which only CUDA gives."""
     import gpu_check
 
     prefix = str(tmp_path / "prof")
     p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "llm_decode_profile.py"), "--preset", "tiny",
-                        "--device", "cpu", "--batch", "2", "--out", prefix], capture_output=True, text=True,
+                        "--device", "cpu", "--batch", "2", "--vocab-size", "512", "--out", prefix], capture_output=True, text=True,
                        cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     data = json.load(open(prefix + ".json"))

@@ -229,9 +229,12 @@ def test_gpu_test_command_lines_on_the_cpu(tmp_path):
     runs = tmp_path / "runs"
     stateless = test_gpu.stateless(test_gpu.default_cmd(tmp_path / "stateless", "cpu") + ["--stop-after", "1"])
     games = subprocess.Popen(stateless, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    cmd = test_gpu.path_cmd("ppo.py", "eager", runs, device="cpu")
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
-    text = games.communicate(timeout=300)[0]
+    try:
+        cmd = test_gpu.path_cmd("ppo.py", "eager", runs, device="cpu")
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+        text = games.communicate(timeout=300)[0]
+    finally:
+        games.kill()
     assert games.returncode == 0 and "stopped at iteration 1 " in text, text[-2000:]
     assert test_gpu.checkpoint_in(tmp_path / "stateless")
     known = {}
