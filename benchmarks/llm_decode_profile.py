@@ -1,5 +1,7 @@
-"""Where a decoding step of ppo_llm.py's rollout spends its time: per step, the wall time of the captured step and of
-the same step uncaptured, and the kernels that the step launches, with their GPU time.
+"""Where a decoding step of ppo_llm.py's rollout spends its time on a GPU, kernel by kernel.
+
+Per step: the wall time of the captured step and of the same step uncaptured, and the kernels that the step
+launches, with their GPU time.
 
     python benchmarks/llm_decode_profile.py --out benchmarks/results/llm_decode_profile       # on a GPU, 0.5B
     python benchmarks/llm_decode_profile.py --preset tiny --device cpu --out /tmp/prof          # a check of the tool
