@@ -2558,6 +2558,32 @@ def test_sampling_draws_from_the_softmax():
     assert P.sample_token(logits, 1.0, 1.0, 0, torch.Generator().manual_seed(0)).shape == (1,)
 
 
+
+def test_a_long_row_is_drawn_in_two_levels_as_one_cumulated_sum_draws_it():
+    """Over 151,936 tokens (two levels: blocks, then a token) the draw is the one-level inverse CDF's with the same
+    uniform, token for token; zeros (top-k's) are never drawn, in a block of their own or beside a drawn token, nor
+    the zeros that pad the last block."""
+    def one_level(probs, gen):  # (plainly: the whole row's float64 cumulated sum)
+        cdf = probs.double().cumsum(-1)
+        u = torch.rand(cdf.shape[:-1] + (1,), generator=gen, dtype=torch.float64) * cdf[..., -1:]
+        return torch.minimum(torch.searchsorted(cdf, u, right=True),
+                             torch.searchsorted(cdf, cdf[..., -1:].contiguous())).squeeze(-1)
+    g = torch.Generator().manual_seed(0)
+    V = 151_936
+    probs = (torch.randn(64, V, generator=g) * 3).softmax(-1)
+    probs[:8, 1:] = 0.0  # all the mass on the first token
+    probs[8:16, :-1] = 0.0  # on the last (in the padded block)
+    probs[16:32] = torch.zeros(V).index_fill(0, torch.tensor([5, 700, 701, 90_000, V - 2]), 0.2)  # top-5's zeros
+    drawn = P.sample_categorical(probs, torch.Generator().manual_seed(1))
+    assert torch.equal(drawn, one_level(probs, torch.Generator().manual_seed(1)))
+    assert (drawn[:8] == 0).all() and (drawn[8:16] == V - 1).all()
+    assert set(P.sample_categorical(probs[16:17].expand(2000, V), torch.Generator().manual_seed(2)).tolist()) == {
+        5, 700, 701, 90_000, V - 2}
+    assert (probs.gather(-1, drawn[:, None]) > 0).all()
+    cdf = torch.tensor([[0.2, 0.2, 0.5, 0.5]], dtype=torch.float64)  # (tokens 1 and 3 of probability 0)
+    assert [int(P.first_above(cdf, torch.tensor([[u]], dtype=torch.float64))) for u in (0.0, 0.2, 0.3, 0.5, 0.6)] == [
+        0, 2, 2, 2, 2]  # (u past the total, as rounding can leave it inside a block: the last token of mass > 0)
+
 # ----- what a user pointing it at a real task needs -------------------------------------------------------------
 @pytest.mark.parametrize("kind,base", [("k1", "kl"), ("k2", "mse"), ("k3", "low_var_kl"), ("k1+", "kl"),
                                        ("k2+", "mse"), ("k3+", "low_var_kl")])
