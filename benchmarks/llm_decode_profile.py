@@ -33,6 +33,7 @@ import common  # noqa: E402
 import llm_throughput  # noqa: E402
 
 SHORT, LONG = 8, 40  # response lengths whose difference is timed (both shapes stay in the decoder's cache of 3)
+PROFILED = (4, 12)  # and profiled (fewer steps: a profile of ~1,000 kernels a step takes its time to read)
 
 
 def step_ms(P, decoder, ids, mask, stops, pad, cuda: bool) -> float:
@@ -58,7 +59,8 @@ def step_ms(P, decoder, ids, mask, stops, pad, cuda: bool) -> float:
 
 def kernels_per_step(P, decoder, ids, mask, stops, pad, cuda: bool) -> dict:
     """{name: [launches per step, microseconds per step]} of the uncaptured step: the profile of a generation of
-    LONG tokens less one of SHORT, divided by the extra steps (CUDA kernels; on the CPU, ops and their own CPU time)."""
+    PROFILED[1] tokens less one of PROFILED[0], divided by the extra steps (CUDA kernels; on the CPU, ops and their
+    own CPU time)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -66,7 +68,7 @@ def kernels_per_step(P, decoder, ids, mask, stops, pad, cuda: bool) -> dict:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     kind = DeviceType.CUDA if cuda else DeviceType.CPU
     tally = {}
-    for n in (SHORT, LONG):
+    for n in PROFILED:
         gen = torch.Generator(ids.device)
         P.generate(decoder, ids, mask, n, stops, pad, gen=gen.manual_seed(0), check_every=LONG)  # (allocates)
         with profile(activities=acts) as prof:
@@ -75,9 +77,9 @@ def kernels_per_step(P, decoder, ids, mask, stops, pad, cuda: bool) -> dict:
                 torch.cuda.synchronize()
         tally[n] = {e.key: (e.count, e.self_device_time_total if cuda else e.self_cpu_time_total)
                     for e in prof.key_averages() if e.device_type == kind}
-    steps, out = LONG - SHORT, {}
-    for name, (count, us) in tally[LONG].items():
-        c0, t0 = tally[SHORT].get(name, (0, 0.0))
+    steps, out = PROFILED[1] - PROFILED[0], {}
+    for name, (count, us) in tally[PROFILED[1]].items():
+        c0, t0 = tally[PROFILED[0]].get(name, (0, 0.0))
         if count > c0:
             out[name] = [(count - c0) / steps, max(us - t0, 0.0) / steps]
     return out
