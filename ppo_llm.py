@@ -616,7 +616,7 @@ def sample_categorical(probs: torch.Tensor, gen=None) -> torch.Tensor:
 
 
 def first_above(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The first index whose cdf exceeds u, at most the last of probability > 0 (u * total can round to the total)."""
+    """The first index whose cdf exceeds u, at most the last of probability > 0 (rounding can leave u past the end)."""
     last = torch.searchsorted(cdf, cdf[..., -1:].contiguous())
     return torch.minimum(torch.searchsorted(cdf, u, right=True), last)
 

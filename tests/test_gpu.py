@@ -331,6 +331,26 @@ def decode_as_uncaptured(P) -> None:
     assert torch.equal(a, b) and not torch.equal(a, before)
 
 
+def test_llm_captured_decoding_over_a_real_vocabulary_samples_the_uncaptured_tokens():
+    """In-process: a random-weight Qwen2 of Qwen2.5's 151,936 output rows (a tiny trunk), sampling in two levels
+    (sample_categorical over more than 4,096 tokens): the captured step draws the uncaptured step's tokens."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import ppo_llm as P
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=151_936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = P.rollout_copy(Qwen2ForCausalLM(cfg).cuda(), torch.bfloat16)
+    captured, eager = P.StaticDecoder(model), P.StaticDecoder(model, capture=False)
+    ids, mask = torch.randint(1, 151_936, (16, 12), device="cuda"), torch.ones(16, 12, dtype=torch.long, device="cuda")
+    gens = [torch.Generator("cuda").manual_seed(3) for _ in range(2)]
+    for _ in range(2):  # (the first call warms up and captures; the second replays)
+        a, b = (P.generate(d, ids, mask, 24, [0], 0, gen=g) for d, g in zip((eager, captured), gens))
+        assert a.shape == (16, 24) and torch.equal(a, b), (a, b)
+        assert len(set(a.flatten().tolist())) > 300  # (spread over the vocabulary: both levels drawn from)
+
+
 def test_cuda_graphed_replays_what_eager_computes_and_refuses_other_arguments():
     """In-process: a function with in-place state (as the optimizer's) and random numbers (as the action sampling),
     run eagerly for 2 calls, captured at the 3rd, replayed after: the same outputs and state as eager, call by call."""

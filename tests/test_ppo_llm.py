@@ -2558,7 +2558,6 @@ def test_sampling_draws_from_the_softmax():
     assert P.sample_token(logits, 1.0, 1.0, 0, torch.Generator().manual_seed(0)).shape == (1,)
 
 
-
 def test_a_long_row_is_drawn_in_two_levels_as_one_cumulated_sum_draws_it():
     """Over 151,936 tokens (two levels: blocks, then a token) the draw is the one-level inverse CDF's with the same
     uniform, token for token; zeros (top-k's) are never drawn, in a block of their own or beside a drawn token, nor
@@ -2577,12 +2576,42 @@ def test_a_long_row_is_drawn_in_two_levels_as_one_cumulated_sum_draws_it():
     drawn = P.sample_categorical(probs, torch.Generator().manual_seed(1))
     assert torch.equal(drawn, one_level(probs, torch.Generator().manual_seed(1)))
     assert (drawn[:8] == 0).all() and (drawn[8:16] == V - 1).all()
-    assert set(P.sample_categorical(probs[16:17].expand(2000, V), torch.Generator().manual_seed(2)).tolist()) == {
+    assert set(P.sample_categorical(probs[16:17].expand(200, V), torch.Generator().manual_seed(2)).tolist()) == {
         5, 700, 701, 90_000, V - 2}
     assert (probs.gather(-1, drawn[:, None]) > 0).all()
     cdf = torch.tensor([[0.2, 0.2, 0.5, 0.5]], dtype=torch.float64)  # (tokens 1 and 3 of probability 0)
     assert [int(P.first_above(cdf, torch.tensor([[u]], dtype=torch.float64))) for u in (0.0, 0.2, 0.3, 0.5, 0.6)] == [
         0, 2, 2, 2, 2]  # (u past the total, as rounding can leave it inside a block: the last token of mass > 0)
+
+
+def test_a_draw_on_a_block_edge_never_takes_a_token_of_probability_0(monkeypatch):
+    """u put (through torch.rand) on each block's lower edge and just under its upper edge, where float64 rounding
+    leaves u's place in the block below its first token of mass (these 6 masses, one a block, round so) or past its
+    last (a block of 128 masses whose sum exceeds their cumulated sum): always a token of probability > 0, in u's
+    block."""
+    size, V = 128, 128 * 40  # (5,120 tokens: 40 blocks of 128)
+    g = torch.Generator().manual_seed(0)
+    block = next(x for x in (torch.rand(size, generator=g) * 2.0 ** -torch.randint(0, 40, (size,), generator=g)
+                             for _ in range(100)) if x.sum(dtype=torch.float64) > x.double().cumsum(0)[-1])
+
+    def draw(probs, u):
+        total = float(probs.double().sum())
+        r = u / total
+        while r * total != u:  # (the uniform that makes u exactly)
+            r = math.nextafter(r, 1.0 if r * total < u else 0.0)
+        monkeypatch.setattr(P.torch, "rand", lambda *a, **k: torch.full((1, 1), r, dtype=torch.float64))
+        return int(P.sample_categorical(probs))
+    masses = torch.tensor([0.02568100020289421, 4.463063760340447e-06, 5.817729834234342e-05, 0.00800468772649765,
+                           2.217356723122066e-06, 3.332536677169706e-11])
+    probs = torch.zeros(1, V).index_put_((torch.zeros(6, dtype=torch.long), torch.arange(6) * size + 5), masses)
+    edges = masses.double().cumsum(0).tolist()
+    for u in edges[:-1] + [math.nextafter(c, 0.0) for c in edges]:
+        token = draw(probs, u)
+        assert token % size == 5 and token // size == sum(c <= u for c in edges), (u, token)
+    probs = torch.cat([block, torch.zeros(V - size)])[None]
+    token = draw(probs, math.nextafter(float(block.sum(dtype=torch.float64)), 0.0))
+    assert token < size and probs[0, token] > 0, token
+
 
 # ----- what a user pointing it at a real task needs -------------------------------------------------------------
 @pytest.mark.parametrize("kind,base", [("k1", "kl"), ("k2", "mse"), ("k3", "low_var_kl"), ("k1+", "kl"),
