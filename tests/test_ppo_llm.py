@@ -2590,12 +2590,16 @@ def test_a_draw_on_a_block_edge_never_takes_a_token_of_probability_0(monkeypatch
     last (a block of 128 masses whose sum exceeds their cumulated sum): always a token of probability > 0, in u's
     block."""
     size, V = 128, 128 * 40  # (5,120 tokens: 40 blocks of 128)
+
+    def edges(probs):  # (the blocks' cumulated sums, as sample_categorical adds them)
+        return probs.reshape(-1, size).sum(-1, dtype=torch.float64).cumsum(0)
     g = torch.Generator().manual_seed(0)
-    block = next(x for x in (torch.rand(size, generator=g) * 2.0 ** -torch.randint(0, 40, (size,), generator=g)
-                             for _ in range(100)) if x.sum(dtype=torch.float64) > x.double().cumsum(0)[-1])
+    rows = (torch.cat([torch.rand(size, generator=g) * 2.0 ** -torch.randint(0, 40, (size,), generator=g),
+                       torch.zeros(V - size)])[None] for _ in range(100))
+    sum_past_cumsum = next(r for r in rows if edges(r)[0] > r[0, :size].double().cumsum(0)[-1])
 
     def draw(probs, u):
-        total = float(probs.double().sum())
+        total = float(edges(probs)[-1])
         r = u / total
         while r * total != u:  # (the uniform that makes u exactly)
             r = math.nextafter(r, 1.0 if r * total < u else 0.0)
@@ -2604,13 +2608,12 @@ def test_a_draw_on_a_block_edge_never_takes_a_token_of_probability_0(monkeypatch
     masses = torch.tensor([0.02568100020289421, 4.463063760340447e-06, 5.817729834234342e-05, 0.00800468772649765,
                            2.217356723122066e-06, 3.332536677169706e-11])
     probs = torch.zeros(1, V).index_put_((torch.zeros(6, dtype=torch.long), torch.arange(6) * size + 5), masses)
-    edges = masses.double().cumsum(0).tolist()
-    for u in edges[:-1] + [math.nextafter(c, 0.0) for c in edges]:
+    cum = edges(probs)[:6].tolist()
+    for u in cum[:-1] + [math.nextafter(c, 0.0) for c in cum]:
         token = draw(probs, u)
-        assert token % size == 5 and token // size == sum(c <= u for c in edges), (u, token)
-    probs = torch.cat([block, torch.zeros(V - size)])[None]
-    token = draw(probs, math.nextafter(float(block.sum(dtype=torch.float64)), 0.0))
-    assert token < size and probs[0, token] > 0, token
+        assert token % size == 5 and token // size == sum(c <= u for c in cum), (u, token)
+    token = draw(sum_past_cumsum, math.nextafter(float(edges(sum_past_cumsum)[0]), 0.0))
+    assert token < size and sum_past_cumsum[0, token] > 0, token
 
 
 # ----- what a user pointing it at a real task needs -------------------------------------------------------------
