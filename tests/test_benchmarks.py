@@ -315,8 +315,8 @@ def test_llm_decode_profile_on_the_cpu_and_gpu_checks_reader(tmp_path):
 
     prefix = str(tmp_path / "prof")
     p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "llm_decode_profile.py"), "--preset", "tiny",
-                        "--device", "cpu", "--batch", "2", "--vocab-size", "512", "--out", prefix], capture_output=True, text=True,
-                       cwd=ROOT, timeout=300)
+                        "--device", "cpu", "--batch", "2", "--vocab-size", "512", "--out", prefix],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     data = json.load(open(prefix + ".json"))
     r = data["result"]

@@ -5,7 +5,7 @@ checkpoints cross between CUDA and the CPU both ways; ppo_llm.py runs in bf16 on
 run stopped and resumed on CUDA samples what a straight run samples (its rollout decodes in CUDA graphs).
 In-process: the CUDA-graph helper replays what eager computes, refuses other arguments, and a capture that fails is
 one line naming --no-cudagraphs; ppo_llm's captured decoding gives the tokens of the same steps uncaptured, before and
-after a refresh of its weights.
+after a refresh of its weights, and over a 151,936-row vocabulary (the sampler's two levels).
 
     pytest -m gpu -q tests/test_gpu.py        # on a GPU machine; benchmarks/gpu_check.py stage 1 runs this
     pytest -m gpu -q -o addopts= tests/test_gpu.py    # the same without pytest-xdist (pytest.ini's -n 2 needs it)
