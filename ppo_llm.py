@@ -175,7 +175,7 @@ class Args:
     cuda: bool = dataclasses.field(default_factory=lambda: gpu_for_each_process())
     """run on CUDA (bf16 autocast unless --precision fp32): the default where torch sees a GPU for each local process"""
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # bf16 autocast (fp32 weights) or fp32; auto: bf16 on CUDA
-    compile: bool = False  # torch.compile the forward of policy and critic (and the rollout's decode step on CUDA)
+    compile: bool = False  # torch.compile the blocks of policy and critic (and the rollout's decode step on CUDA)
     cudagraphs: bool = True
     """CUDA: the rollout decodes from a (bf16) copy of the policy with a static KV cache, each step one CUDA graph"""
     strategy: Literal["fsdp2", "ddp"] = "fsdp2"  # under torchrun: FSDP2 shards the models, DDP replicates them
@@ -558,8 +558,9 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id, pad_id
     P, pos = prompt_ids.shape[1], position_ids_from(prompt_mask)
     tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    # bf16 autocast as in scoring and training (the log-probs used in the loss are recomputed there)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+    # bf16 autocast as in scoring and training (the log-probs used in the loss are recomputed there); --compile's
+    # blocks eager (each block writes its own slot of the cache: one compiled code would not serve them all)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), torch.compiler.set_stance("force_eager"):
         out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True,
                     logits_to_keep=1)
         next_pos = pos[:, -1:] + 1
@@ -746,7 +747,8 @@ def token_stats(head: tuple, hidden, tokens, temperature: float, entropy: bool =
 
 def critic_values(critic, input_ids, attention_mask, resp_len: int):
     """V(s_t) for the state before each response token (same alignment as the logits)."""
-    out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask))
+    out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
+                 use_cache=False)
     return out.logits[:, -resp_len - 1:-1, 0].float()  # ((B, T, 1): one value per position, no vocabulary)
 
 
@@ -1462,8 +1464,12 @@ def prepare_models(args: Args, policy, critic, value_head, ref, device, world: i
 
 
 def compile_forward(model, backend: str = "inductor"):
-    """--compile: torch.compile the forward, dynamic shapes (the tests use backend aot_eager on the CPU)."""
-    model.forward = torch.compile(model.forward, dynamic=True, backend=backend)
+    """--compile: torch.compile each transformer block's forward, dynamic shapes (the tests use backend aot_eager on
+    the CPU). The blocks run one code, compiled once for all of them: a 24-block model compiles about as fast as a
+    1-block one. A model that names no blocks (`_no_split_modules`): its whole forward."""
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    for m in [m for m in model.modules() if type(m).__name__ in blocks] or [model]:
+        m.forward = torch.compile(m.forward, dynamic=True, backend=backend)
     return model
 
 
@@ -2201,7 +2207,8 @@ def rollout_copy(policy, dtype: torch.dtype):
     a static cache the attention of packed_gqa_sdpa."""
     memo = {id(p): nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in policy.parameters()}
     model = copy.deepcopy(policy, memo)
-    model.__dict__.pop("forward", None)  # (--compile's compiled forward belongs to the policy)
+    for m in model.modules():  # (--compile's compiled forwards belong to the policy)
+        m.__dict__.pop("forward", None)
     if model.config._attn_implementation == "sdpa":
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask

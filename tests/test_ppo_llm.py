@@ -415,6 +415,34 @@ def test_compiled_forward_gives_the_eager_log_probs_gradients_and_tokens():
                        P.generate(compiled, ids, mask, 4, 1, 0, greedy=True))
 
 
+def test_compile_traces_the_block_once_for_all_blocks_and_generation_runs_eager():
+    """--compile compiles each transformer block's forward, one code for all blocks: a 3-block policy and critic trace
+    as many operations as 1-block ones, in scoring and in the update (the whole forward compiled traced each block).
+    The critic builds no KV cache (each block would write its own slot: one compile per block), and KV-cache
+    generation runs the blocks eager."""
+    from torch._dynamo.utils import counters
+    tok = P.build_char_tokenizer()
+    ids, mask = P.left_pad([tok.encode("98765=", add_special_tokens=False)], tok.pad_token_id, 10)
+    resp = torch.tensor([[20, 21, 1, 0]])
+    full, attn = torch.cat([ids, resp], 1), torch.cat([mask, P.response_mask_from(resp, 1)], 1)
+    traced = []
+    for layers in (1, 3):
+        torch._dynamo.reset()
+        counters.clear()
+        policy = P.disable_dropout(P.build_tiny_model(tok, 0, 64, layers))
+        critic = P.make_critic(policy)
+        for m in (policy, critic):
+            P.compile_forward(m, backend="aot_eager")
+        P.generate(policy, ids, mask, 4, 1, 0, greedy=True)
+        assert not counters["stats"], "generation compiled"
+        with torch.no_grad():
+            P.model_forward(policy, full, attn, 4, 1.0), P.critic_values(critic, full, attn, 4)
+        (P.model_forward(policy, full, attn, 4, 1.0)["logp"].sum() + P.critic_values(critic, full, attn, 4).sum()
+         ).backward()
+        traced.append(counters["stats"]["calls_captured"])
+    assert traced[0] == traced[1] > 0
+
+
 def full_log_softmax(model, ids, attn, R: int, temperature: float):
     """The plain reference of model_forward: the model's own (B, R, V) logits of the response positions."""
     logits = model(input_ids=ids, attention_mask=attn, position_ids=P.position_ids_from(attn)).logits
