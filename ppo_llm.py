@@ -2067,8 +2067,11 @@ class StaticDecoder:
 
     def __init__(self, model, capture: bool = True, compile: bool = False, keep: int = 3):
         self.model, self.capture, self.keep = model, capture, keep
-        self.plain = capture and not compile  # the captured forward without deterministic kernels (plain_kernels)
-        self.step_forward = torch.compile(model, dynamic=False) if compile else model  # (--compile: the step only)
+        self.plain = capture  # the captured forward, compiled or not, without deterministic kernels (plain_kernels)
+        # --compile: the step only; in a deterministic run with inductor's deterministic mode (no timing of kernel
+        # choices on the device, which may choose otherwise in another run), as deterministic algorithms would set it
+        options = {"deterministic": True} if torch.are_deterministic_algorithms_enabled() else None
+        self.step_forward = torch.compile(model, dynamic=False, options=options) if compile else model
         self.shapes: dict = {}  # the `keep` most recent (batch shape, sampling) -> their buffers, cache and graph
         #                        (3: the rollout's and an evaluation's greedy and sampled decoding)
 
@@ -2176,8 +2179,8 @@ def plain_kernels(enabled: bool = True):
     """torch.use_deterministic_algorithms off inside, restored after. The captured step's forward computes the same
     either way (the one position each cache write indexes never repeats; every buffer is written before it is read),
     but the deterministic kernels sort that position at each layer's two writes (index_copy_ as index_put_) and fill
-    fresh memory first: kernels that a graph replays at every token. Not the sampling (a one-row cumsum is another
-    kernel without the mode), nor a compiled forward (without the mode inductor may time its kernel choices)."""
+    fresh memory first: kernels that a graph replays at every token (compiled too: under the mode inductor hands
+    such writes to those kernels). Not the sampling (a one-row cumsum is another kernel without the mode)."""
     mode = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(mode and not enabled, warn_only=warn_only)

@@ -2520,8 +2520,8 @@ def test_the_decoder_warms_up_twice_then_captures_once_and_replays(tiny, monkeyp
 
 def test_the_captured_decoding_forward_runs_plain_kernels(tiny, monkeypatch):
     """--torch-deterministic (warn-only) is off for the forward of the decoding step while it warms up and is captured,
-    restored after; the sampling keeps it (a one-row cumsum runs another kernel without it), as do the uncaptured and
-    the compiled step. The forward computes the same with the plain kernels (tests/test_gpu.py compares the captured
+    compiled or not, restored after; the sampling keeps it (a one-row cumsum runs another kernel without it), as does
+    the uncaptured step. The forward computes the same with the plain kernels (tests/test_gpu.py compares the captured
     tokens with those of the uncaptured step) without the deterministic index_copy_'s sort at every layer."""
     from shared import stand_in_for_cuda_graphs  # (tests/shared.py)
 
@@ -2535,7 +2535,7 @@ def test_the_captured_decoding_forward_runs_plain_kernels(tiny, monkeypatch):
     ids, mask = P.encode_batch(tok, P.make_problems(2, torch.Generator().manual_seed(0)), 16)
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     try:
-        for flags, plain in ((dict(), True), (dict(capture=False), False), (dict(compile=True), False)):
+        for flags, plain in ((dict(), True), (dict(capture=False), False), (dict(compile=True), True)):
             dec = P.StaticDecoder(m, **flags)
             dec.step_forward = lambda **kw: mode("forward") or m(**kw)  # (the compiled one: never compiled here)
             for on in (True, False):
@@ -2549,6 +2549,23 @@ def test_the_captured_decoding_forward_runs_plain_kernels(tiny, monkeypatch):
                 assert torch.is_deterministic_algorithms_warn_only_enabled()
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_a_deterministic_run_compiles_the_decoding_step_in_inductors_deterministic_mode(tiny, monkeypatch):
+    """--compile: the decoding step's forward runs without deterministic algorithms (plain_kernels), so in a
+    deterministic run it is compiled in inductor's own deterministic mode (no timing of kernel choices on the device),
+    which those algorithms would have set."""
+    tok, m = tiny
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: calls.append(kw) or model)
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        for on in (True, False):
+            torch.use_deterministic_algorithms(on, warn_only=True)
+            P.StaticDecoder(m, compile=True)
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    assert calls == [dict(dynamic=False, options={"deterministic": True}), dict(dynamic=False, options=None)]
 
 
 def test_evaluations_find_their_decoding_shapes_again(tmp_path, monkeypatch):
