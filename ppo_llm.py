@@ -36,6 +36,7 @@ import signal
 import sys
 import tempfile
 import time
+import types
 import typing
 import warnings
 from dataclasses import dataclass
@@ -1464,12 +1465,19 @@ def prepare_models(args: Args, policy, critic, value_head, ref, device, world: i
 
 
 def compile_forward(model, backend: str = "inductor"):
-    """--compile: torch.compile each transformer block's forward, dynamic shapes (the tests use backend aot_eager on
-    the CPU). The blocks run one code, compiled once for all of them: a 24-block model compiles about as fast as a
-    1-block one. A model that names no blocks (`_no_split_modules`): its whole forward."""
-    blocks = set(getattr(model, "_no_split_modules", None) or [])
-    for m in [m for m in model.modules() if type(m).__name__ in blocks] or [model]:
-        m.forward = torch.compile(m.forward, dynamic=True, backend=backend)
+    """--compile: the forward of each part of each transformer block (attention, MLP, norms; the blocks are the
+    classes a model names in `_no_split_modules`) torch.compiled with dynamic shapes, one compiled function per class
+    that every block's part shares: compiled once, not once per block. The blocks' own forward stays eager, and with
+    it what wraps it (gradient checkpointing, FSDP2's hooks). A model that names no blocks: its whole forward. (The
+    tests use backend aot_eager on the CPU.)"""
+    blocks, compiled = set(getattr(model, "_no_split_modules", None) or []), {}
+    # (a part's code serves policy and critic, with and without gradients, padding or LoRA: more variants than the 8
+    # that dynamo compiles by default before it runs a code eager)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    for m in [part for m in model.modules() if type(m).__name__ in blocks for part in m.children()] or [model]:
+        if type(m) not in compiled:
+            compiled[type(m)] = torch.compile(type(m).forward, dynamic=True, backend=backend)
+        m.forward = types.MethodType(compiled[type(m)], m)  # (a deep copy rebinds it to the copy)
     return model
 
 
@@ -2068,8 +2076,8 @@ class StaticDecoder:
     def __init__(self, model, capture: bool = True, compile: bool = False, keep: int = 3):
         self.model, self.capture, self.keep = model, capture, keep
         self.plain = capture  # the captured forward, compiled or not, without deterministic kernels (plain_kernels)
-        # --compile: the step only; in a deterministic run with inductor's deterministic mode (no timing of kernel
-        # choices on the device, which may choose otherwise in another run), as deterministic algorithms would set it
+        # --compile: the step only; in a deterministic run with inductor's deterministic mode (no benchmarking on the
+        # device that could change the numerics: another run may choose otherwise)
         options = {"deterministic": True} if torch.are_deterministic_algorithms_enabled() else None
         self.step_forward = torch.compile(model, dynamic=False, options=options) if compile else model
         self.shapes: dict = {}  # the `keep` most recent (batch shape, sampling) -> their buffers, cache and graph

@@ -1,5 +1,6 @@
 """Tests of ppo_llm.py: every estimator / KL type / loss / aggregation mode against plain references, micro-batch
 accumulation, left padding, ratio 1 on the first minibatch, bad input, smoke runs, local model loading, resume."""
+import copy
 import inspect
 import json
 import math
@@ -316,8 +317,6 @@ def tiny():
 @pytest.fixture
 def tiny_copy(tiny):
     """The tiny model's tokenizer and a copy of it that a test may train."""
-    import copy
-
     return tiny[0], copy.deepcopy(tiny[1])
 
 
@@ -391,8 +390,8 @@ def test_left_padding_matches_unpadded(tiny):
 
 
 def test_compiled_forward_gives_the_eager_log_probs_gradients_and_tokens():
-    """--compile: scoring, the update's gradients and KV-cache generation through the compiled forward (dynamic
-    shapes) equal the eager model's. Traced by dynamo and AOT autograd as under --compile; the kernels are run eagerly
+    """--compile: scoring and the update's gradients through the compiled forward (dynamic shapes), and KV-cache
+    generation (whose blocks run eager), equal the eager model's. Traced by dynamo and AOT autograd as under --compile; the kernels are run eagerly
     ("aot_eager") because inductor's C++ compilation of them takes minutes on two cores."""
     tok = P.build_char_tokenizer()
     # one layer (less to trace), the same weights twice
@@ -416,10 +415,10 @@ def test_compiled_forward_gives_the_eager_log_probs_gradients_and_tokens():
 
 
 def test_compile_traces_the_block_once_for_all_blocks_and_generation_runs_eager():
-    """--compile compiles each transformer block's forward, one code for all blocks: a 3-block policy and critic trace
+    """--compile compiles the parts of the transformer blocks, once for all blocks: a 3-block policy and critic trace
     as many operations as 1-block ones, in scoring and in the update (the whole forward compiled traced each block).
-    The critic builds no KV cache (each block would write its own slot: one compile per block), and KV-cache
-    generation runs the blocks eager."""
+    The critic builds no KV cache (each block would write its own slot: one compile per block), KV-cache generation
+    runs the blocks eager, and a deep copy's compiled parts are bound to the copy."""
     from torch._dynamo.utils import counters
     tok = P.build_char_tokenizer()
     ids, mask = P.left_pad([tok.encode("98765=", add_special_tokens=False)], tok.pad_token_id, 10)
@@ -433,6 +432,8 @@ def test_compile_traces_the_block_once_for_all_blocks_and_generation_runs_eager(
         critic = P.make_critic(policy)
         for m in (policy, critic):
             P.compile_forward(m, backend="aot_eager")
+        twin = copy.deepcopy(policy)  # (rollout_copy's deep copy: its compiled parts run the copy's weights)
+        assert all(p.forward.__self__ is p for p in twin.modules() if "forward" in p.__dict__)
         P.generate(policy, ids, mask, 4, 1, 0, greedy=True)
         assert not counters["stats"], "generation compiled"
         with torch.no_grad():
@@ -441,6 +442,44 @@ def test_compile_traces_the_block_once_for_all_blocks_and_generation_runs_eager(
          ).backward()
         traced.append(counters["stats"]["calls_captured"])
     assert traced[0] == traced[1] > 0
+    assert torch._dynamo.config.recompile_limit >= 64  # (policy and critic variants of one code: more than 8)
+
+
+def test_compiled_blocks_keep_gradient_checkpointing_under_fsdp2(tmp_path):
+    """--compile --gradient-checkpointing under FSDP2 (a gloo group of one process): each block still recomputes its
+    forward in the backward (FSDP2 subclasses the block, whose forward transformers wraps with the checkpoint: a
+    compiled block forward would bypass it), its parts are compiled inside the checkpoint, and the gradients are the
+    eager model's."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    tok = P.build_char_tokenizer()
+    ids, mask = P.left_pad([tok.encode("98765=", add_special_tokens=False)], tok.pad_token_id, 10)
+    resp = torch.tensor([[20, 21, 1, 0]])
+    full, attn = torch.cat([ids, resp], 1), torch.cat([mask, P.response_mask_from(resp, 1)], 1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        calls, grads, traced = [], [], []
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            counters.clear()
+            m = P.disable_dropout(P.build_tiny_model(tok, 0, 64, 2))
+            m.activation_checkpointing_enable()
+            if compiled:  # (prepare_models' order: compile, then distribute)
+                P.compile_forward(m, backend="aot_eager")
+            m = P.distribute(m, "fsdp2", torch.device("cpu"))
+            n = [0]
+            for layer in m.model.layers:
+                layer.self_attn.register_forward_pre_hook(lambda *_: n.__setitem__(0, n[0] + 1))
+            m.train()
+            P.model_forward(m, full, attn, 4, 1.0)["logp"].sum().backward()
+            calls.append(n[0])
+            grads.append([p.grad.full_tensor() for p in m.parameters()])
+            traced.append(counters["stats"]["calls_captured"])
+    finally:
+        dist.destroy_process_group()
+    assert calls == [4, 4]  # (2 blocks, each run in the forward and again in the backward)
+    assert traced[0] == 0 < traced[1]
+    assert all(torch.allclose(g, h, atol=1e-5) for g, h in zip(*grads))
 
 
 def full_log_softmax(model, ids, attn, R: int, temperature: float):
@@ -2552,9 +2591,9 @@ def test_the_captured_decoding_forward_runs_plain_kernels(tiny, monkeypatch):
 
 
 def test_a_deterministic_run_compiles_the_decoding_step_in_inductors_deterministic_mode(tiny, monkeypatch):
-    """--compile: the decoding step's forward runs without deterministic algorithms (plain_kernels), so in a
-    deterministic run it is compiled in inductor's own deterministic mode (no timing of kernel choices on the device),
-    which those algorithms would have set."""
+    """--compile: the decoding step's forward runs without deterministic algorithms (plain_kernels), and in a
+    deterministic run it is compiled in inductor's own deterministic mode (no benchmarking on the device that could
+    change the numerics)."""
     tok, m = tiny
     calls = []
     monkeypatch.setattr(torch, "compile", lambda model, **kw: calls.append(kw) or model)
