@@ -176,7 +176,7 @@ class Args:
     cuda: bool = dataclasses.field(default_factory=lambda: gpu_for_each_process())
     """run on CUDA (bf16 autocast unless --precision fp32): the default where torch sees a GPU for each local process"""
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # bf16 autocast (fp32 weights) or fp32; auto: bf16 on CUDA
-    compile: bool = False  # torch.compile the blocks of policy and critic (and the rollout's decode step on CUDA)
+    compile: bool = False  # torch.compile the blocks' parts of policy and critic (and the rollout's CUDA decode step)
     cudagraphs: bool = True
     """CUDA: the rollout decodes from a (bf16) copy of the policy with a static KV cache, each step one CUDA graph"""
     strategy: Literal["fsdp2", "ddp"] = "fsdp2"  # under torchrun: FSDP2 shards the models, DDP replicates them
@@ -560,7 +560,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id, pad_id
     tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     # bf16 autocast as in scoring and training (the log-probs used in the loss are recomputed there); --compile's
-    # blocks eager (each block writes its own slot of the cache: one compiled code would not serve them all)
+    # parts eager (each block's attention writes its own slot of the cache: one compiled code would not serve all)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), torch.compiler.set_stance("force_eager"):
         out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True,
                     logits_to_keep=1)
@@ -2218,7 +2218,7 @@ def rollout_copy(policy, dtype: torch.dtype):
     a static cache the attention of packed_gqa_sdpa."""
     memo = {id(p): nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in policy.parameters()}
     model = copy.deepcopy(policy, memo)
-    for m in model.modules():  # (--compile's compiled forwards belong to the policy)
+    for m in model.modules():  # (--compile's compiled parts, which the copy rebinds: it decodes with its own step)
         m.__dict__.pop("forward", None)
     if model.config._attn_implementation == "sdpa":
         from transformers import AttentionInterface
