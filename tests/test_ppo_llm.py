@@ -391,8 +391,9 @@ def test_left_padding_matches_unpadded(tiny):
 
 def test_compiled_forward_gives_the_eager_log_probs_gradients_and_tokens():
     """--compile: scoring and the update's gradients through the compiled forward (dynamic shapes), and KV-cache
-    generation (whose blocks run eager), equal the eager model's. Traced by dynamo and AOT autograd as under --compile; the kernels are run eagerly
-    ("aot_eager") because inductor's C++ compilation of them takes minutes on two cores."""
+    generation (whose blocks run eager), equal the eager model's. Traced by dynamo and AOT autograd as under
+    --compile; the kernels are run eagerly ("aot_eager") because inductor's C++ compilation of them takes minutes on
+    two cores."""
     tok = P.build_char_tokenizer()
     # one layer (less to trace), the same weights twice
     eager, compiled = (P.disable_dropout(P.build_tiny_model(tok, 0, 64, 1)) for _ in range(2))
