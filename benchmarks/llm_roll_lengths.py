@@ -69,8 +69,9 @@ def main(argv=None) -> int:
         print(f"model: {n_params / 1e6:.1f}M parameters; prompts of {longest} characters\n$ {' '.join(cmd)}",
               flush=True)
         t0 = time.time()
-        code, stdout, stderr, peak_rss = llm_throughput.run_child(cmd)
-        print(stdout[-3000:], stderr[-3000:] if code else "", sep="\n", flush=True)
+        code, _, stderr, peak_rss = llm_throughput.run_child(cmd)
+        if code:  # (its stdout: echoed as it ran)
+            print(stderr[-3000:], flush=True)
         result = {"wall_s": round(time.time() - t0, 1), "peak_rss_gib": round(peak_rss / 2**30, 2), "error": None}
         if code != 0:
             result["error"] = (stderr.strip().splitlines() or ["?"])[-1]

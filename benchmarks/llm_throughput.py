@@ -28,6 +28,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -258,13 +259,13 @@ def main(argv=None):
                        "--cuda" if cuda else "--no-cuda", *PATHS[name], *extra]
                 print("$ " + " ".join(cmd), flush=True)
                 t0 = time.time()
-                code, stdout, stderr, peak_rss = run_child(cmd)
+                code, _, stderr, peak_rss = run_child(cmd)
                 wall = time.time() - t0
                 row = {"estimator": estimator, "path": name, "wall_s": round(wall, 1),
                        "ours_generate_tokens_per_s": gen_side["ours"], "hf_generate_tokens_per_s": gen_side["hf"],
                        "peak_rss_gib": round(peak_rss / 2**30, 2)}
-                if code != 0:
-                    print(stdout[-3000:], stderr[-3000:], sep="\n")
+                if code != 0:  # (its stdout: echoed as it ran)
+                    print(stderr[-3000:])
                     rows.append({**row, "error": (stderr.strip().splitlines() or ["?"])[-1]})
                 else:
                     run_dir = os.path.join(runs, os.listdir(runs)[0])
@@ -285,9 +286,17 @@ def main(argv=None):
 
 def run_child(cmd: list) -> tuple:
     """(exit code, stdout, stderr, peak resident memory in bytes) of a child process: its VmHWM (Linux), read every
-    0.1 s while it runs (its rusage's maxrss would include this process's own peak, which an exec inherits)."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc, peak = subprocess.Popen(cmd, stdout=out, stderr=err, text=True), 0
+    0.1 s while it runs (its rusage's maxrss would include this process's own peak, which an exec inherits). Its
+    stdout lines are echoed as they come, indented: a run stopped at a time limit shows how far it got."""
+    with tempfile.TemporaryFile("w+") as err:
+        proc, peak, lines = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True), 0, []
+
+        def echo():
+            for line in proc.stdout:
+                lines.append(line)
+                print("    " + line, end="", flush=True)
+        reader = threading.Thread(target=echo, daemon=True)
+        reader.start()
         while proc.poll() is None:
             try:
                 with open(f"/proc/{proc.pid}/status") as f:
@@ -295,8 +304,9 @@ def run_child(cmd: list) -> tuple:
             except OSError:  # (it has just ended)
                 pass
             time.sleep(0.1)
-        out.seek(0), err.seek(0)
-        return proc.returncode, out.read(), err.read(), peak
+        reader.join()
+        err.seek(0)
+        return proc.returncode, "".join(lines), err.read(), peak
 
 
 def write_reports(out: str, preset: str, cfg: dict, n_params: int, label: str, command: str, cuda: bool,

@@ -391,6 +391,40 @@ def test_llm_throughput_keeps_each_run_as_it_comes(tmp_path, monkeypatch):
         "hf_generate_tokens_per_s"] == 8.0
 
 
+def test_run_child_echoes_the_childs_lines_while_it_runs(tmp_path, capsys):
+    """llm_throughput.run_child prints the child's stdout lines (indented) as they come, so that a run stopped at a
+    time limit shows how far it got, and returns its exit code, stdout, stderr and peak memory. The child waits (5 s at
+    most) for a file that the test writes only once the child's first line has been printed."""
+    import threading
+
+    import llm_throughput
+    go = tmp_path / "go"
+    child = textwrap.dedent(f"""
+        import os, sys, time
+        print("iter 1", flush=True)
+        for _ in range(100):
+            if os.path.exists({str(go)!r}):
+                break
+            time.sleep(0.05)
+        print("iter 2, go", os.path.exists({str(go)!r}))
+        sys.stderr.write("failed\\n")
+        sys.exit(3)""")
+    result = []
+    runner = threading.Thread(target=lambda: result.append(llm_throughput.run_child([sys.executable, "-c", child])))
+    runner.start()
+    seen = ""
+    for _ in range(200):
+        seen += capsys.readouterr().out
+        if "    iter 1\n" in seen:
+            break
+        time.sleep(0.05)
+    go.touch()
+    runner.join()
+    seen += capsys.readouterr().out
+    assert seen == "    iter 1\n    iter 2, go True\n"  # (echoed at the end only, the child would wait in vain)
+    assert result == [(3, "iter 1\niter 2, go True\n", "failed\n", result[0][3])] and result[0][3] > 0
+
+
 def test_scaling_efficiency_arithmetic_and_a_two_process_run(tmp_path):
     import scaling
 
