@@ -2075,8 +2075,8 @@ class StaticDecoder:
 
     def __init__(self, model, capture: bool = True, compile: bool = False, keep: int = 3):
         self.model, self.capture, self.keep = model, capture, keep
-        self.plain = capture  # the captured forward, compiled or not, without deterministic kernels (plain_kernels)
-        # --compile: the step only; in a deterministic run with inductor's deterministic mode (no benchmarking on the
+        # --compile: the step only; its forward, as the uncompiled one, captured without deterministic kernels
+        # (plain_kernels), so in a deterministic run compiled in inductor's deterministic mode (no benchmarking on the
         # device that could change the numerics: another run may choose otherwise)
         options = {"deterministic": True} if torch.are_deterministic_algorithms_enabled() else None
         self.step_forward = torch.compile(model, dynamic=False, options=options) if compile else model
@@ -2143,7 +2143,7 @@ class StaticDecoder:
         """One token for every row, all on the device (no host sync, the same addresses at every call)."""
         temperature, top_p, top_k, gen, greedy, pad_id = s["sampling"]
         s["bias"].masked_fill_(s["columns"] == s["col"], 0.0)  # the column of the token this step reads
-        with plain_kernels(self.plain):
+        with plain_kernels(self.capture):  # (the captured forward without deterministic kernels)
             logits = self.step_forward(input_ids=s["cur"], attention_mask=s["bias"], position_ids=s["pos"],
                                        past_key_values=s["cache"], use_cache=True).logits[:, -1]
         tok = sample_token(logits, temperature, top_p, top_k, gen, greedy).masked_fill(s["done"], pad_id)
