@@ -1424,6 +1424,12 @@ def all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat(parts).to(x.device)
 
 
+def transformer_blocks(model: nn.Module) -> list:
+    """The model's transformer blocks: its modules of the classes it names in `_no_split_modules`."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
 def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, trainable: bool = True):
     """FSDP2: every transformer block, then the model, a fully_shard unit; DDP: a replica for the update."""
     if model is None:
@@ -1434,10 +1440,8 @@ def distribute(model: Optional[nn.Module], strategy: str, device: torch.device, 
         from torch.distributed.fsdp import fully_shard
         # HF heads return views; this script never modifies a model output in place, which is what FSDP2 warns about
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        blocks = set(getattr(model, "_no_split_modules", None) or [])
-        for m in model.modules():
-            if type(m).__name__ in blocks:
-                fully_shard(m)
+        for block in transformer_blocks(model):
+            fully_shard(block)
         return fully_shard(model)
     if not trainable:
         return model
@@ -1465,19 +1469,16 @@ def prepare_models(args: Args, policy, critic, value_head, ref, device, world: i
 
 
 def compile_forward(model, backend: str = "inductor"):
-    """--compile: the forward of each part of each transformer block (attention, MLP, norms; the blocks are the
-    classes a model names in `_no_split_modules`) torch.compiled with dynamic shapes, one compiled function per class
-    that every block's part shares: compiled once, not once per block. The blocks' own forward stays eager, and with
-    it what wraps it (gradient checkpointing, FSDP2's hooks). A model that names no blocks: its whole forward. (The
-    tests use backend aot_eager on the CPU.)"""
-    blocks, compiled = set(getattr(model, "_no_split_modules", None) or []), {}
+    """--compile: the forward of each part of each transformer block (attention, MLP, norms) torch.compiled with
+    dynamic shapes; dynamo keeps what it compiles with the code, so the parts of a class compile once for all blocks.
+    The blocks' own forward stays eager, and with it what wraps it (gradient checkpointing, FSDP2's hooks). A model
+    that names no blocks: its whole forward. (The tests use backend aot_eager on the CPU.)"""
     # (a part's code serves policy and critic, with and without gradients, padding or LoRA: more variants than the 8
     # that dynamo compiles by default before it runs a code eager)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    for m in [part for m in model.modules() if type(m).__name__ in blocks for part in m.children()] or [model]:
-        if type(m) not in compiled:
-            compiled[type(m)] = torch.compile(type(m).forward, dynamic=True, backend=backend)
-        m.forward = types.MethodType(compiled[type(m)], m)  # (a deep copy rebinds it to the copy)
+    for m in [part for block in transformer_blocks(model) for part in block.children()] or [model]:
+        # (bound to the part: a deep copy rebinds it to the copy)
+        m.forward = types.MethodType(torch.compile(type(m).forward, dynamic=True, backend=backend), m)
     return model
 
 

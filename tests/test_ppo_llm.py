@@ -419,7 +419,8 @@ def test_compile_traces_the_block_once_for_all_blocks_and_generation_runs_eager(
     """--compile compiles the parts of the transformer blocks, once for all blocks: a 3-block policy and critic trace
     as many operations as 1-block ones, in scoring and in the update (the whole forward compiled traced each block).
     The critic builds no KV cache (each block would write its own slot: one compile per block), KV-cache generation
-    runs the blocks eager, and a deep copy's compiled parts are bound to the copy."""
+    runs the blocks eager, a deep copy's compiled parts are bound to the copy, and the rollout's copy has none (its
+    decoding step is compiled whole, or not at all)."""
     from torch._dynamo.utils import counters
     tok = P.build_char_tokenizer()
     ids, mask = P.left_pad([tok.encode("98765=", add_special_tokens=False)], tok.pad_token_id, 10)
@@ -435,6 +436,7 @@ def test_compile_traces_the_block_once_for_all_blocks_and_generation_runs_eager(
             P.compile_forward(m, backend="aot_eager")
         twin = copy.deepcopy(policy)  # (rollout_copy's deep copy: its compiled parts run the copy's weights)
         assert all(p.forward.__self__ is p for p in twin.modules() if "forward" in p.__dict__)
+        assert not any("forward" in p.__dict__ for p in P.rollout_copy(policy, torch.float32).modules())
         P.generate(policy, ids, mask, 4, 1, 0, greedy=True)
         assert not counters["stats"], "generation compiled"
         with torch.no_grad():
