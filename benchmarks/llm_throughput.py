@@ -304,7 +304,7 @@ def run_child(cmd: list) -> tuple:
             except OSError:  # (it has just ended)
                 pass
             time.sleep(0.1)
-        reader.join()
+        reader.join(timeout=10)  # (a grandchild that kept the pipe open would hold it past the child's end)
         err.seek(0)
         return proc.returncode, "".join(lines), err.read(), peak
 
