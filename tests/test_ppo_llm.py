@@ -389,6 +389,15 @@ def test_left_padding_matches_unpadded(tiny):
         assert g[i].tolist() == alone[0].tolist()
 
 
+def scoring_batch(tok, rows: int):
+    """The first `rows` of two left-padded prompts and their responses of 4 tokens (EOS 1, then padding): prompt ids and
+    mask, and the prompt + response ids and attention mask that scoring and the update read."""
+    ids, mask = P.left_pad([tok.encode(p, add_special_tokens=False) for p in ("98765=", "12=")[:rows]],
+                           tok.pad_token_id, 10)
+    resp = torch.tensor([[20, 21, 1, 0], [22, 1, 0, 0]])[:rows]
+    return ids, mask, torch.cat([ids, resp], 1), torch.cat([mask, P.response_mask_from(resp, 1)], 1)
+
+
 def test_compiled_forward_gives_the_eager_log_probs_gradients_and_tokens():
     """--compile: scoring and the update's gradients through the compiled forward (dynamic shapes), and KV-cache
     generation (whose blocks run eager), equal the eager model's. Traced by dynamo and AOT autograd as under
@@ -398,10 +407,7 @@ def test_compiled_forward_gives_the_eager_log_probs_gradients_and_tokens():
     # one layer (less to trace), the same weights twice
     eager, compiled = (P.disable_dropout(P.build_tiny_model(tok, 0, 64, 1)) for _ in range(2))
     P.compile_forward(compiled, backend="aot_eager")
-    a, b = tok.encode("98765=", add_special_tokens=False), tok.encode("12=", add_special_tokens=False)
-    ids, mask = P.left_pad([a, b], tok.pad_token_id, 10)
-    resp = torch.tensor([[20, 21, 1, 0], [22, 1, 0, 0]])
-    full, attn = torch.cat([ids, resp], 1), torch.cat([mask, P.response_mask_from(resp, 1)], 1)
+    ids, mask, full, attn = scoring_batch(tok, 2)
     out = [P.model_forward(m, full, attn, 4, 0.7, entropy=True) for m in (eager, compiled)]
     for key in ("logp", "entropy"):
         assert torch.allclose(out[0][key], out[1][key], atol=1e-5), key
@@ -423,9 +429,7 @@ def test_compile_traces_the_block_once_for_all_blocks_and_generation_runs_eager(
     decoding step is compiled whole, or not at all)."""
     from torch._dynamo.utils import counters
     tok = P.build_char_tokenizer()
-    ids, mask = P.left_pad([tok.encode("98765=", add_special_tokens=False)], tok.pad_token_id, 10)
-    resp = torch.tensor([[20, 21, 1, 0]])
-    full, attn = torch.cat([ids, resp], 1), torch.cat([mask, P.response_mask_from(resp, 1)], 1)
+    ids, mask, full, attn = scoring_batch(tok, 1)
     traced = []
     for layers in (1, 3):
         torch._dynamo.reset()
@@ -456,9 +460,7 @@ def test_compiled_blocks_keep_gradient_checkpointing_under_fsdp2(tmp_path):
     import torch.distributed as dist
     from torch._dynamo.utils import counters
     tok = P.build_char_tokenizer()
-    ids, mask = P.left_pad([tok.encode("98765=", add_special_tokens=False)], tok.pad_token_id, 10)
-    resp = torch.tensor([[20, 21, 1, 0]])
-    full, attn = torch.cat([ids, resp], 1), torch.cat([mask, P.response_mask_from(resp, 1)], 1)
+    ids, mask, full, attn = scoring_batch(tok, 1)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
     try:
         calls, grads, traced = [], [], []
